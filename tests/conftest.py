@@ -1,0 +1,28 @@
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+from kvstore import KVSpec
+
+settings.register_profile("ci", deadline=None, print_blob=True)
+settings.load_profile("ci")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def make_spec(**overrides) -> KVSpec:
+    fields = dict(model_id="llama-tiny", num_layers=4, num_kv_heads=2, head_dim=16,
+                  dtype="float16", block_tokens=16, fingerprint="weights-rev-1")
+    fields.update(overrides)
+    return KVSpec(**fields)
+
+
+def make_kv(spec: KVSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(spec.kv_shape(num_tokens), generator=gen).to(spec.torch_dtype)
+
+
+@pytest.fixture
+def spec() -> KVSpec:
+    return make_spec()
