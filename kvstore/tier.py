@@ -1,0 +1,163 @@
+"""The Tier contract: where frames live.
+
+A tier stores opaque frames under 32-byte keys. It never looks inside a frame
+(that is the codec's job) and never decides what to keep (that is placement's).
+Seven abstract methods and four attributes make a tier; batched forms and
+``put_with`` have looping defaults that a tier overrides when its backing can
+do better (pipelines, in-place writes into an arena).
+
+Rules every tier keeps (``tests/tiers/conformance.py`` checks them):
+
+- ``get`` of an absent key is ``None``; failure is a ``TierError`` subclass.
+- ``put`` of an existing key replaces it and its capacity accounting.
+- A buffer returned by ``get`` stays unchanged after later puts and deletes:
+  the tier hands out a copy or an immutable object.
+- ``put`` that would overflow ``capacity_bytes`` raises ``TierFull`` and
+  changes nothing; tiers do not evict on their own.
+- Tiers guard only their own memory; they are safe to call from many threads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from kvstore.keys import BlockHash
+
+__all__ = ["Tier", "TierStats", "TierCounters", "Buffer", "FrameWriter"]
+
+Buffer = Any
+"""Any contiguous bytes-like object (bytes, bytearray, memoryview, numpy array)."""
+
+FrameWriter = Callable[[memoryview], int]
+"""Fills a writable view and returns how many bytes it used."""
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Operation counters a tier bumps under its own lock."""
+
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    deletes: int = 0
+    errors: int = 0
+
+
+@dataclass(slots=True)
+class TierStats:
+    """A snapshot of one tier, as ``stats()`` returns it."""
+
+    name: str
+    kind: str
+    """The module that implements it: memory, device, shm, cxl, redis, nvme."""
+    entries: int
+    used_bytes: int
+    capacity_bytes: int
+    durable: bool
+    shared: bool
+    counters: TierCounters = field(default_factory=TierCounters)
+    details: dict[str, str] = field(default_factory=dict)
+    """Backing facts worth showing an operator, e.g. ``device: cpu (no CUDA)``."""
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.used_bytes)
+
+    @property
+    def used_frac(self) -> float:
+        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["free_bytes"] = self.free_bytes
+        return data
+
+
+class Tier(ABC):
+    """Stores frames under block keys. Subclasses set the four attributes."""
+
+    name: str
+    """Unique within a store; index entries name their tier by it."""
+    capacity_bytes: int
+    durable: bool
+    """An acknowledged put survives a crash of this process (and of the host, for nvme)."""
+    shared: bool
+    """Other processes or hosts can see what this tier holds."""
+
+    @abstractmethod
+    def put(self, key: BlockHash, frame: Buffer) -> None:
+        """Store a copy of ``frame`` under ``key``, replacing any older frame.
+
+        Raises:
+            TierFull: it does not fit; nothing changed.
+            TierUnavailable, TierIOError: the backing failed.
+        """
+
+    @abstractmethod
+    def get(self, key: BlockHash) -> Buffer | None:
+        """The frame under ``key``, or ``None`` when absent."""
+
+    @abstractmethod
+    def delete(self, key: BlockHash) -> bool:
+        """Remove ``key``; ``True`` when something was removed."""
+
+    @abstractmethod
+    def contains(self, key: BlockHash) -> bool:
+        """Whether ``key`` is stored, without counting a hit or a miss."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[BlockHash]:
+        """Every stored key, in no particular order (a snapshot)."""
+
+    @abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of occupancy and counters."""
+
+    def close(self) -> None:
+        """Release the backing. Idempotent; later calls raise ``StoreClosed``."""
+
+    # -- defaults built on the core ---------------------------------------------
+
+    def put_with(self, key: BlockHash, size: int, writer: FrameWriter) -> int:
+        """Store a frame that ``writer`` produces in place.
+
+        ``writer`` gets a writable view of ``size`` bytes and returns how many it
+        used. Arena tiers override this to hand out their own memory, so an
+        encoder writes straight into the slot with no staging copy.
+
+        Returns:
+            The stored frame's length.
+        """
+        buf = bytearray(size)
+        n = writer(memoryview(buf))
+        self.put(key, memoryview(buf)[:n])
+        return n
+
+    def put_many(self, items: Iterable[tuple[BlockHash, Buffer]]) -> None:
+        for key, frame in items:
+            self.put(key, frame)
+
+    def get_many(self, keys: Sequence[BlockHash]) -> list[Buffer | None]:
+        return [self.get(key) for key in keys]
+
+    def delete_many(self, keys: Iterable[BlockHash]) -> int:
+        return sum(1 for key in keys if self.delete(key))
+
+    def contains_many(self, keys: Sequence[BlockHash]) -> list[bool]:
+        return [self.contains(key) for key in keys]
+
+    def __len__(self) -> int:
+        return self.stats().entries
+
+    def __enter__(self) -> "Tier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} capacity={self.capacity_bytes}>"
+
