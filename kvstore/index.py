@@ -1,0 +1,147 @@
+"""The block index: key -> where the frame lives and what it is.
+
+One owner (the store), one lock. Every method is one short critical section;
+multi-step changes to one key (write the frame, then publish it; unpublish,
+then delete the frame) run under ``claim(key)``, a per-key exclusive section,
+so a concurrent put and delete of the same key cannot interleave and leave the
+index pointing at a frame that is gone. Tier I/O never runs under the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator
+
+from kvstore.codec import Codec
+from kvstore.keys import BlockHash
+
+__all__ = ["Index", "IndexEntry"]
+
+
+@dataclass(slots=True)
+class IndexEntry:
+    """One stored block. Mutated only by ``Index`` under its lock; read freely."""
+
+    key: BlockHash
+    tier: str
+    """Name of the tier holding the frame."""
+    size: int
+    """Frame bytes in that tier (what capacity is charged)."""
+    codec: Codec
+    checksum: int
+    """The frame's body checksum: tells two writes of one key apart."""
+    raw_bytes: int
+    """Decoded KV bytes, so the store can report what the codec saved."""
+    namespace: str
+    """Checked on read: a key found under another namespace is a miss, never data."""
+    spec_fp: str
+    """The spec fingerprint the block was written under; checked on read too."""
+    depth: int
+    """Position of the block in its chain (0 = first block of a sequence)."""
+    created_s: float
+    """Wall-clock time of the write."""
+    last_access_s: float
+    hits: int = 0
+
+
+class Index:
+    """Thread-safe map of block keys to ``IndexEntry``."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._entries: dict[bytes, IndexEntry] = {}
+        self._busy: set[bytes] = set()
+        self._frame_bytes = 0
+        self._raw_bytes = 0
+
+    # -- reads ----------------------------------------------------------------
+
+    def get(self, key: BlockHash) -> IndexEntry | None:
+        with self._cond:
+            return self._entries.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        with self._cond:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._entries)
+
+    def prefix_len(self, keys: Iterable[BlockHash]) -> int:
+        """How many of ``keys``, from the first, are present (stops at the first miss)."""
+        n = 0
+        for key in keys:
+            with self._cond:
+                if key not in self._entries:
+                    return n
+            n += 1
+        return n
+
+    def totals(self) -> tuple[int, int, int]:
+        """(entries, frame bytes, raw KV bytes)."""
+        with self._cond:
+            return len(self._entries), self._frame_bytes, self._raw_bytes
+
+    def snapshot(self) -> list[IndexEntry]:
+        """Copies of every entry, safe to sort and filter without the lock."""
+        with self._cond:
+            return [replace(e) for e in self._entries.values()]
+
+    def keys(self) -> list[BlockHash]:
+        with self._cond:
+            return list(self._entries)  # type: ignore[arg-type]
+
+    # -- writes ---------------------------------------------------------------
+
+    def add(self, entry: IndexEntry) -> IndexEntry | None:
+        """Publish ``entry``; returns the entry it replaced, if any."""
+        with self._cond:
+            old = self._entries.get(entry.key)
+            if old is not None:
+                self._frame_bytes -= old.size
+                self._raw_bytes -= old.raw_bytes
+            self._entries[entry.key] = entry
+            self._frame_bytes += entry.size
+            self._raw_bytes += entry.raw_bytes
+            return old
+
+    def remove(self, key: BlockHash, expected: IndexEntry | None = None) -> IndexEntry | None:
+        """Unpublish ``key``. With ``expected``, only if that very entry is still current."""
+        with self._cond:
+            entry = self._entries.get(key)
+            if entry is None or (expected is not None and entry is not expected):
+                return None
+            del self._entries[key]
+            self._frame_bytes -= entry.size
+            self._raw_bytes -= entry.raw_bytes
+            return entry
+
+    def touch(self, keys: Iterable[BlockHash], now_s: float) -> None:
+        """Record a hit on each key: O(1) per key, one short lock hold."""
+        with self._cond:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    entry.hits += 1
+                    entry.last_access_s = now_s
+
+    @contextmanager
+    def claim(self, key: BlockHash) -> Iterator[None]:
+        """Exclusive section for multi-step changes to one key.
+
+        Claims on different keys never block each other. Never hold two claims
+        at once: that is how deadlocks start.
+        """
+        with self._cond:
+            while key in self._busy:
+                self._cond.wait()
+            self._busy.add(key)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy.discard(key)
+                self._cond.notify_all()

@@ -1,0 +1,430 @@
+"""KVStore: put_kv / get_kv / lookup / delete / stats over an ordered list of tiers.
+
+A sequence's KV is cut into full blocks of ``spec.block_tokens`` tokens; block
+``i`` is stored under the chained key ``h_i`` (see ``kvstore.keys``), so a
+stored block also vouches for every token before it and ``get_kv`` can return
+the longest stored prefix by walking the chain.
+
+Writes go to the first tier with room. Reads come from wherever the index says
+the block is. A frame that fails to decode, or that the index says exists but
+the tier no longer has, is dropped and treated as a miss: the caller gets fewer
+tokens, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from kvstore import codec as codec_mod
+from kvstore.codec import Codec
+from kvstore.config import Settings
+from kvstore.errors import (
+    FrameError,
+    InvalidInput,
+    InvalidKV,
+    StoreClosed,
+    TierError,
+    TierFull,
+)
+from kvstore.index import Index, IndexEntry
+from kvstore.keys import BlockHash, block_hashes, iter_block_hashes, normalize_tokens, validate_namespace
+from kvstore.spec import KVSpec
+from kvstore.tier import Tier, TierStats
+
+__all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
+
+log = logging.getLogger("kvstore.store")
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """What the store did since it started."""
+
+    put_calls: int = 0
+    get_calls: int = 0
+    lookup_calls: int = 0
+    blocks_written: int = 0
+    blocks_deduped: int = 0
+    """Blocks a put found already stored and did not write again."""
+    blocks_deleted: int = 0
+    tokens_requested: int = 0
+    """Full-block tokens asked for by get_kv."""
+    tokens_hit: int = 0
+    corrupt_blocks: int = 0
+    """Frames that failed verification on read; dropped and served as misses."""
+    stale_blocks: int = 0
+    """Index entries whose frame the tier no longer had; dropped."""
+    tier_errors: int = 0
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """A snapshot for operators and ``/admin/stats``."""
+
+    blocks: int
+    frame_bytes: int
+    """Bytes of frames held, across tiers."""
+    raw_bytes: int
+    """Bytes the same KV takes decoded."""
+    codec_bytes_saved: int
+    counters: StoreCounters
+    tiers: list[TierStats] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tiers"] = [t.to_dict() for t in self.tiers]
+        return data
+
+
+class KVStore:
+    """The engine facade over an ordered list of tiers (fastest first).
+
+    Args:
+        tiers: at least one tier; names must be unique.
+        codec: codec for new frames (``raw``, ``int8``, ``int8+lz4``).
+        tier_codecs: per-tier overrides by tier name, e.g. ``{"nvme": "int8"}``.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        codec: str | Codec = Codec.RAW,
+        tier_codecs: Mapping[str, str | Codec] | None = None,
+    ) -> None:
+        tiers = list(tiers)
+        if not tiers or not all(isinstance(t, Tier) for t in tiers):
+            raise InvalidInput("a store needs a non-empty list of Tier objects")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidInput(f"tier names must be unique, got {names}")
+        overrides = dict(tier_codecs or {})
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise InvalidInput(f"tier_codecs names unknown tier(s) {unknown}; tiers are {names}")
+        default = Codec.parse(codec)
+        self._tiers = tiers
+        self._by_name = {t.name: t for t in tiers}
+        self._codecs = {t.name: Codec.parse(overrides.get(t.name, default)) for t in tiers}
+        self._index = Index()
+        self._counters = StoreCounters()
+        self._counter_lock = threading.Lock()
+        self._closed = False
+
+    # -- public API -------------------------------------------------------------
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self._tiers)
+
+    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, namespace: str = "default") -> int:
+        """Store the KV of every full block of ``tokens``.
+
+        Args:
+            spec: the model's KV spec.
+            tokens: token ids (list of ints or 1-D integer tensor).
+            kv: ``[num_layers, 2, num_kv_heads, >= full-block tokens, head_dim]`` in ``spec.dtype``.
+            namespace: the tenant's namespace; part of every key.
+
+        Returns:
+            Tokens covered after the call (full blocks only), new or already stored.
+
+        Raises:
+            InvalidSpec, InvalidTokens, InvalidKV: bad input; nothing was stored.
+            TierFull: no tier had room; ``stored_tokens`` says how far it got.
+            TierUnavailable, TierIOError: every tier with room failed.
+        """
+        self._check_open()
+        spec = _check_spec(spec)
+        toks = normalize_tokens(tokens)
+        n_blocks = spec.full_blocks(len(toks))
+        kv = spec.validate_kv(kv, min_tokens=n_blocks * spec.block_tokens)
+        keys = block_hashes(spec, toks, namespace)
+        self._count(put_calls=1)
+        if not keys:
+            return 0
+        if any(c is not Codec.RAW for c in self._codecs.values()):
+            _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])  # refuse before storing anything
+        bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), time.time()
+        for i, key in enumerate(keys):
+            if _is_current(self._index.get(key), namespace, spec_fp):
+                self._count(blocks_deduped=1)
+                continue
+            with self._index.claim(key):
+                if _is_current(self._index.get(key), namespace, spec_fp):  # written while we waited
+                    self._count(blocks_deduped=1)
+                    continue
+                block = kv[:, :, :, i * bt : (i + 1) * bt]
+                entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
+                self._index.add(entry)
+            self._count(blocks_written=1)
+        return n_blocks * bt
+
+    def get_kv(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> tuple[torch.Tensor, int]:
+        """The KV of the longest stored prefix of ``tokens``.
+
+        Returns:
+            ``(kv, n_tokens)``: ``kv`` is ``[L, 2, H, n_tokens, D]`` in ``spec.dtype``;
+            with nothing stored, ``n_tokens == 0`` and ``kv`` is empty in that dimension.
+
+        Raises:
+            InvalidSpec, InvalidTokens: bad input.
+        """
+        self._check_open()
+        spec = _check_spec(spec)
+        toks = normalize_tokens(tokens)
+        self._count(get_calls=1, tokens_requested=spec.full_blocks(len(toks)) * spec.block_tokens)
+        spec_fp = spec.fingerprint()
+        found: list[tuple[BlockHash, IndexEntry, Any]] = []
+        for key in iter_block_hashes(spec, toks, namespace):
+            entry = self._index.get(key)
+            if not _is_current(entry, namespace, spec_fp):
+                break
+            frame = self._read(entry)
+            if frame is None:
+                break
+            found.append((key, entry, frame))
+        bt = spec.block_tokens
+        out = spec.empty_kv(len(found) * bt)
+        good = 0
+        for i, (key, entry, frame) in enumerate(found):
+            try:
+                codec_mod.decode(frame, out=out[:, :, :, i * bt : (i + 1) * bt])
+            except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
+                log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(), entry.tier, exc)
+                self._drop(entry, corrupt=True)
+                break
+            good += 1
+        self._index.touch([key for key, _, _ in found[:good]], time.time())
+        del found
+        self._count(tokens_hit=good * bt)
+        if good * bt < out.shape[3]:
+            out = out[:, :, :, : good * bt].clone()
+        return out, good * bt
+
+    def lookup(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
+        """Tokens of the longest stored prefix of ``tokens``, from the index alone.
+
+        Raises:
+            InvalidSpec, InvalidTokens: bad input.
+        """
+        self._check_open()
+        spec = _check_spec(spec)
+        self._count(lookup_calls=1)
+        spec_fp = spec.fingerprint()
+        n = 0
+        for key in iter_block_hashes(spec, tokens, namespace):
+            if not _is_current(self._index.get(key), namespace, spec_fp):
+                break
+            n += 1
+        return n * spec.block_tokens
+
+    def block_keys(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> list[BlockHash]:
+        """The keys of every full block of ``tokens``, stored or not."""
+        return block_hashes(_check_spec(spec), tokens, namespace)
+
+    def delete(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
+        """Delete every stored block of ``tokens`` (shared prefix blocks included).
+
+        Returns:
+            The number of blocks removed.
+        """
+        self._check_open()
+        spec = _check_spec(spec)
+        spec_fp = spec.fingerprint()
+        removed = 0
+        for key in block_hashes(spec, tokens, namespace):
+            if _is_current(self._index.get(key), namespace, spec_fp):
+                removed += self._delete_key(key)
+        return removed
+
+    def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
+        """Delete blocks by key (an operator's tool: no namespace check). Returns how many went."""
+        self._check_open()
+        return sum(self._delete_key(key) for key in keys)
+
+    def entry(self, key: BlockHash) -> IndexEntry | None:
+        """The index entry of ``key`` (a live object: read, do not change)."""
+        return self._index.get(key)
+
+    def entries(self) -> list[IndexEntry]:
+        """Copies of every index entry."""
+        return self._index.snapshot()
+
+    def stats(self) -> StoreStats:
+        blocks, frame_bytes, raw_bytes = self._index.totals()
+        with self._counter_lock:
+            counters = StoreCounters(**asdict(self._counters))
+        return StoreStats(
+            blocks=blocks,
+            frame_bytes=frame_bytes,
+            raw_bytes=raw_bytes,
+            codec_bytes_saved=raw_bytes - frame_bytes,
+            counters=counters,
+            tiers=[t.stats() for t in self._tiers],
+        )
+
+    def close(self) -> None:
+        """Close every tier. Idempotent; the store refuses calls afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for tier in self._tiers:
+            try:
+                tier.close()
+            except TierError as exc:  # close the rest regardless
+                log.warning("closing tier %s failed: %s", tier.name, exc)
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------
+
+    def _write(
+        self, key: BlockHash, block: torch.Tensor, namespace: str, spec_fp: str, depth: int,
+        now: float, *, stored_tokens: int,
+    ) -> IndexEntry:
+        """Encode ``block`` straight into the first tier with room. Runs under ``claim(key)``."""
+        meta = _frame_meta(namespace, spec_fp, depth)
+        failure: TierError | None = None
+        for tier in self._tiers:
+            codec = self._codecs[tier.name]
+            size = codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=len(meta))
+            headers: list[codec_mod.FrameHeader] = []
+
+            def writer(view: memoryview, codec: Codec = codec) -> int:
+                n = codec_mod.encode_into(block, view, codec, meta=meta)
+                headers.append(codec_mod.read_header(view[:n]))
+                return n
+
+            try:
+                n = tier.put_with(key, size, writer)
+            except TierFull as exc:
+                failure = failure or exc
+                continue
+            except TierError as exc:  # down or failing: degrade to the next tier
+                self._count(tier_errors=1)
+                log.warning("tier %s failed a put (%s); trying the next tier", tier.name, exc)
+                failure = exc if failure is None or isinstance(failure, TierFull) else failure
+                continue
+            header = headers[-1]
+            return IndexEntry(
+                key=key, tier=tier.name, size=n, codec=header.codec, checksum=header.body_checksum,
+                raw_bytes=header.raw_nbytes, namespace=namespace, spec_fp=spec_fp, depth=depth,
+                created_s=now, last_access_s=now,
+            )
+        if isinstance(failure, TierFull) or failure is None:
+            raise TierFull(
+                f"no tier has room for a block ({', '.join(t.name for t in self._tiers)} are full); "
+                f"{stored_tokens} tokens are stored",
+                stored_tokens=stored_tokens,
+            ) from failure
+        raise failure
+
+    def _read(self, entry: IndexEntry) -> Any:
+        """The frame of ``entry``, or ``None`` (and the entry dropped) when it is gone."""
+        tier = self._by_name[entry.tier]
+        try:
+            frame = tier.get(entry.key)
+        except TierError as exc:
+            self._count(tier_errors=1)
+            log.warning("tier %s failed a get (%s); served as a miss", tier.name, exc)
+            return None
+        if frame is None:
+            self._drop(entry, corrupt=False)
+        return frame
+
+    def _drop(self, entry: IndexEntry, *, corrupt: bool) -> None:
+        """Unpublish a block found gone or damaged, unless it was rewritten meanwhile."""
+        with self._index.claim(entry.key):
+            if self._index.remove(entry.key, expected=entry) is None:
+                return
+            self._count(**{"corrupt_blocks" if corrupt else "stale_blocks": 1})
+            if corrupt:
+                self._delete_frame(entry)
+
+    def _delete_key(self, key: BlockHash) -> int:
+        with self._index.claim(key):
+            entry = self._index.remove(key)  # unpublish first, then delete the data
+            if entry is None:
+                return 0
+            self._delete_frame(entry)
+        self._count(blocks_deleted=1)
+        return 1
+
+    def _delete_frame(self, entry: IndexEntry) -> None:
+        try:
+            self._by_name[entry.tier].delete(entry.key)
+        except TierError as exc:  # unreachable now; the index no longer serves it
+            self._count(tier_errors=1)
+            log.warning("tier %s failed to delete %s: %s", entry.tier, entry.key.hex(), exc)
+
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+
+
+class EmbeddedStore(KVStore):
+    """An in-process store. With no ``tiers``, one memory tier sized by ``Settings``.
+
+    Args:
+        tiers: tiers to use instead of the default memory tier.
+        codec, tier_codecs: as for ``KVStore``; ``codec`` defaults to the settings'.
+        settings: defaults to ``Settings.from_env()``.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier] | None = None,
+        *,
+        codec: str | Codec | None = None,
+        tier_codecs: Mapping[str, str | Codec] | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        settings = settings or Settings.from_env()
+        if tiers is None:
+            from tiers.memory import MemoryTier  # kvstore -> tiers; lazy so tiers may import kvstore.tier
+
+            tiers = [MemoryTier(settings.memory_bytes)]
+        super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs)
+
+
+# -- helpers ---------------------------------------------------------------------
+
+
+def _check_spec(spec: Any) -> KVSpec:
+    if not isinstance(spec, KVSpec):
+        raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
+    return spec
+
+
+def _is_current(entry: IndexEntry | None, namespace: str, spec_fp: str) -> bool:
+    """A key matches only under the namespace and spec it was written with."""
+    return entry is not None and entry.namespace == namespace and entry.spec_fp == spec_fp
+
+
+def _check_finite(kv: torch.Tensor) -> None:
+    if kv.numel() and not bool(torch.isfinite(kv).all()):
+        raise InvalidKV("kv holds NaN or Inf values; the int8 codec cannot store them (nothing was stored)")
+
+
+def _frame_meta(namespace: str, spec_fp: str, depth: int) -> bytes:
+    # Kept in every frame so a durable tier's contents can be re-indexed after a restart.
+    return json.dumps({"v": 1, "ns": validate_namespace(namespace), "spec": spec_fp, "depth": depth},
+                      separators=(",", ":")).encode()
+

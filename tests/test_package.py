@@ -1,0 +1,71 @@
+"""The public surface, and rules that hold for the whole code base."""
+
+import ast
+import pathlib
+
+import kvstore
+import tiers
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ["kvstore", "tiers", "server", "client_sdk", "bench"]
+
+
+def test_kvstore_public_surface():
+    assert sorted(kvstore.__all__) == sorted({
+        "__version__", "KVSpec", "EmbeddedStore", "KVStore", "StoreStats", "IndexEntry", "Settings", "Codec",
+        "Tier", "TierStats", "BlockHash", "block_hashes", "to_hex", "from_hex",
+        "KVStoreError", "InvalidInput", "InvalidSpec", "InvalidKV", "InvalidTokens", "InvalidKey",
+        "FrameError", "CorruptFrame", "UnsupportedFrame", "BlockNotFound", "TierError", "TierUnavailable",
+        "TierFull", "TierIOError", "StoreClosed",
+    })
+    for name in kvstore.__all__:
+        assert hasattr(kvstore, name)
+    assert tiers.__all__ == ["MemoryTier"]
+
+
+def _sources():
+    for pkg in PACKAGES:
+        yield from (ROOT / pkg).rglob("*.py")
+
+
+def test_no_pickle_eval_or_builtin_hash():
+    """No pickle (arbitrary code on load), no eval/exec, and no hash(): salted per process."""
+    banned_modules = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve"}
+    offenders = []
+    for path in _sources():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names = {(node.module or "").split(".")[0]}
+            else:
+                names = set()
+            if names & banned_modules:
+                offenders.append(f"{path}:{node.lineno} imports {names & banned_modules}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"eval", "exec", "hash"}:
+                offenders.append(f"{path}:{node.lineno} calls {node.func.id}()")
+            if isinstance(node, ast.Attribute) and node.attr in {"load", "save"} and \
+                    isinstance(node.value, ast.Name) and node.value.id == "torch":
+                offenders.append(f"{path}:{node.lineno} uses torch.{node.attr} (pickle inside)")
+    assert not offenders, offenders
+
+
+def test_imports_flow_one_way():
+    """server -> kvstore -> tiers; tiers never import the store; nothing imports server."""
+    rules = {
+        "tiers": {"kvstore.store", "server", "client_sdk"},
+        "kvstore": {"server", "client_sdk"},
+        "client_sdk": {"server", "tiers", "kvstore.store"},
+        "bench": {"server"},
+    }
+    bad = []
+    for pkg, banned in rules.items():
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                for mod in mods:
+                    if any(mod == b or mod.startswith(b + ".") for b in banned):
+                        bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not bad, bad

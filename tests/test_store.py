@@ -1,0 +1,335 @@
+import threading
+
+import pytest
+import torch
+
+from kvstore import EmbeddedStore, KVStore, Settings
+from kvstore.codec import Codec, read_header
+from kvstore.errors import InvalidInput, InvalidKV, InvalidSpec, InvalidTokens, StoreClosed, TierFull, TierUnavailable
+from kvstore.keys import block_hashes
+from tests.conftest import make_kv, make_spec
+from tiers.memory import MemoryTier
+
+MiB = 1 << 20
+TOKENS = list(range(500, 600))  # 6 full blocks of 16, tail of 4
+
+
+@pytest.fixture
+def store():
+    with EmbeddedStore(settings=Settings(memory_bytes=256 * MiB)) as s:
+        yield s
+
+
+def test_public_interface_round_trip(store, spec):
+    kv = make_kv(spec, 100)
+    assert store.put_kv(spec, TOKENS, kv, namespace="default") == 96
+    kv2, n2 = store.get_kv(spec, TOKENS, namespace="default")
+    assert n2 == 96 and kv2.dtype == torch.float16 and kv2.shape == spec.kv_shape(96)
+    assert torch.equal(kv2, kv[:, :, :, :96])
+    assert kv2.is_contiguous()
+    assert store.lookup(spec, TOKENS, namespace="default") == 96
+
+
+def test_nothing_stored_gives_empty_kv(store, spec):
+    kv, n = store.get_kv(spec, TOKENS)
+    assert n == 0 and kv.shape == spec.kv_shape(0) and kv.dtype == spec.torch_dtype
+    assert store.lookup(spec, TOKENS) == 0
+
+
+def test_partial_prefix(store, spec):
+    kv = make_kv(spec, 100)
+    store.put_kv(spec, TOKENS[:40], kv[:, :, :, :40])  # 2 blocks; the 8-token tail is dropped
+    assert store.lookup(spec, TOKENS) == 32
+    kv2, n = store.get_kv(spec, TOKENS)
+    assert n == 32 and torch.equal(kv2, kv[:, :, :, :32])
+    # a sequence that diverges inside block 1 shares only block 0
+    other = TOKENS[:20] + [9] * 80
+    assert store.lookup(spec, other) == 16
+    assert torch.equal(store.get_kv(spec, other)[0], kv[:, :, :, :16])
+
+
+def test_tail_shorter_than_a_block(store, spec):
+    assert store.put_kv(spec, TOKENS[:15], make_kv(spec, 15)) == 0
+    assert store.stats().blocks == 0
+    kv, n = store.get_kv(spec, TOKENS[:15])
+    assert n == 0 and kv.shape[3] == 0
+
+
+def test_kv_longer_than_tokens_is_fine_shorter_is_not(store, spec):
+    assert store.put_kv(spec, TOKENS[:32], make_kv(spec, 50)) == 32
+    with pytest.raises(InvalidKV, match=">=96"):
+        store.put_kv(spec, TOKENS, make_kv(spec, 90))
+
+
+def test_dedup_does_not_rewrite(store, spec):
+    kv = make_kv(spec, 100)
+    store.put_kv(spec, TOKENS[:64], kv[:, :, :, :64])
+    puts_before = store.stats().tiers[0].counters.puts
+    assert store.put_kv(spec, TOKENS, kv) == 96  # covered tokens, old and new
+    stats = store.stats()
+    assert stats.counters.blocks_written == 6
+    assert stats.counters.blocks_deduped == 4
+    assert stats.tiers[0].counters.puts - puts_before == 2
+    assert stats.blocks == 6
+
+
+def test_namespace_and_spec_isolation(store, spec):
+    kv = make_kv(spec, 100)
+    store.put_kv(spec, TOKENS, kv, namespace="tenant-a")
+    assert store.lookup(spec, TOKENS, namespace="tenant-b") == 0
+    assert store.get_kv(spec, TOKENS, namespace="tenant-b")[1] == 0
+    assert store.lookup(make_spec(fingerprint="weights-rev-2"), TOKENS, namespace="tenant-a") == 0
+    assert store.delete(spec, TOKENS, namespace="tenant-b") == 0
+    assert store.lookup(spec, TOKENS, namespace="tenant-a") == 96
+
+
+def test_an_entry_under_another_namespace_is_a_miss(store, spec):
+    """Even a key that (by some other route) equals ours is served only to its own namespace."""
+    kv = make_kv(spec, 32)
+    store.put_kv(spec, TOKENS[:32], kv, namespace="tenant-a")
+    key = block_hashes(spec, TOKENS[:32], "tenant-a")[0]
+    store._index.get(key).namespace = "tenant-b"  # simulate a poisoned entry
+    assert store.lookup(spec, TOKENS[:32], namespace="tenant-a") == 0
+    assert store.get_kv(spec, TOKENS[:32], namespace="tenant-a")[1] == 0
+
+
+def test_tokens_as_tensor_and_bfloat16():
+    spec = make_spec(dtype="bfloat16", block_tokens=8)
+    with EmbeddedStore(settings=Settings(memory_bytes=16 * MiB)) as store:
+        kv = make_kv(spec, 24)
+        assert store.put_kv(spec, torch.tensor(TOKENS[:24]), kv) == 24
+        kv2, n = store.get_kv(spec, TOKENS[:24])
+        assert n == 24 and kv2.dtype == torch.bfloat16 and torch.equal(kv2, kv)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int8+lz4"])
+def test_int8_store_keeps_error_bound_and_saves_bytes(spec, codec):
+    with EmbeddedStore(codec=codec, settings=Settings(memory_bytes=64 * MiB)) as store:
+        kv = make_kv(spec, 100)
+        store.put_kv(spec, TOKENS, kv)
+        kv2, n = store.get_kv(spec, TOKENS)
+        ref = kv[:, :, :, :96].float()
+        assert n == 96 and float((kv2.float() - ref).norm() / ref.norm()) <= 0.01
+        stats = store.stats()
+        assert stats.codec_bytes_saved > 0.3 * stats.raw_bytes
+        assert all(e.codec is not Codec.RAW for e in store.entries())
+
+
+def test_int8_refuses_nan_before_storing_anything(spec):
+    with EmbeddedStore(codec="int8", settings=Settings(memory_bytes=64 * MiB)) as store:
+        kv = make_kv(spec, 100)
+        kv[1, 1, 0, 70, 3] = float("nan")  # in block 4
+        with pytest.raises(InvalidKV, match="NaN"):
+            store.put_kv(spec, TOKENS, kv)
+        assert store.stats().blocks == 0
+
+
+def test_per_tier_codec():
+    hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB blocks: 15 fit in hot
+    with KVStore([hot, cold], tier_codecs={"cold": "int8"}) as store:
+        kv = make_kv(spec, 20 * 16)
+        store.put_kv(spec, list(range(20 * 16)), kv)
+        by_tier = {e.tier: e.codec for e in store.entries()}
+        assert by_tier == {"hot": Codec.RAW, "cold": Codec.INT8}
+        assert hot.stats().entries == 15 and cold.stats().entries == 5
+        kv2, n = store.get_kv(spec, list(range(20 * 16)))
+        assert n == 320 and torch.equal(kv2[:, :, :, : 15 * 16], kv[:, :, :, : 15 * 16])
+
+
+def test_full_everywhere_raises_with_progress(spec):
+    block = spec.block_nbytes + 512  # frame overhead
+    with KVStore([MemoryTier(3 * block)]) as store:
+        with pytest.raises(TierFull) as info:
+            store.put_kv(spec, TOKENS, make_kv(spec, 100))
+        assert info.value.stored_tokens == 48
+        assert store.lookup(spec, TOKENS) == 48
+
+
+class _DownTier(MemoryTier):
+    def put_with(self, key, size, writer):
+        raise TierUnavailable("backing is down", tier=self.name)
+
+    def put(self, key, frame):
+        raise TierUnavailable("backing is down", tier=self.name)
+
+
+def test_unavailable_tier_degrades_to_the_next(spec):
+    with KVStore([_DownTier(64 * MiB, name="down"), MemoryTier(64 * MiB, name="up")]) as store:
+        assert store.put_kv(spec, TOKENS, make_kv(spec, 100)) == 96
+        assert {e.tier for e in store.entries()} == {"up"}
+        assert store.stats().counters.tier_errors == 6
+    with KVStore([_DownTier(64 * MiB, name="down")]) as store:
+        with pytest.raises(TierUnavailable):
+            store.put_kv(spec, TOKENS, make_kv(spec, 100))
+
+
+def test_corrupt_frame_is_a_miss_and_dropped(store, spec):
+    kv = make_kv(spec, 100)
+    store.put_kv(spec, TOKENS, kv)
+    tier = store.tiers[0]
+    key = block_hashes(spec, TOKENS)[3]
+    frame = bytearray(tier.get(key))
+    frame[read_header(frame).payload_offset + 10] ^= 0x40  # one flipped bit in the payload
+    tier.put(key, frame)
+    kv2, n = store.get_kv(spec, TOKENS)
+    assert n == 48 and torch.equal(kv2, kv[:, :, :, :48])
+    assert store.stats().counters.corrupt_blocks == 1
+    assert store.lookup(spec, TOKENS) == 48 and not tier.contains(key)
+    assert store.put_kv(spec, TOKENS, kv) == 96  # the next put heals it
+    assert torch.equal(store.get_kv(spec, TOKENS)[0], kv[:, :, :, :96])
+
+
+def test_frame_lost_by_the_tier_is_a_miss(store, spec):
+    store.put_kv(spec, TOKENS, make_kv(spec, 100))
+    store.tiers[0].delete(block_hashes(spec, TOKENS)[2])
+    assert store.get_kv(spec, TOKENS)[1] == 32
+    assert store.stats().counters.stale_blocks == 1
+    assert store.lookup(spec, TOKENS) == 32
+
+
+def test_delete(store, spec):
+    kv = make_kv(spec, 100)
+    store.put_kv(spec, TOKENS, kv)
+    assert store.delete(spec, TOKENS[:32]) == 2
+    assert store.lookup(spec, TOKENS) == 0  # the chain starts with a missing block
+    assert store.stats().blocks == 4 and store.tiers[0].stats().entries == 4
+    assert store.delete_blocks(block_hashes(spec, TOKENS)) == 4
+    assert store.stats().blocks == 0 and store.stats().frame_bytes == 0
+    assert store.tiers[0].stats().used_bytes == 0
+
+
+def test_hits_are_recorded(store, spec):
+    store.put_kv(spec, TOKENS, make_kv(spec, 100))
+    store.get_kv(spec, TOKENS[:40])
+    hits = {e.depth: e.hits for e in store.entries()}
+    assert hits == {0: 1, 1: 1, 2: 0, 3: 0, 4: 0, 5: 0}
+    c = store.stats().counters
+    assert (c.tokens_requested, c.tokens_hit) == (32, 32)
+
+
+@pytest.mark.parametrize("call", ["put_kv", "get_kv", "lookup"])
+def test_bad_input_is_typed_and_changes_nothing(store, spec, call):
+    kv = make_kv(spec, 100)
+    args = {"put_kv": (TOKENS, kv), "get_kv": (TOKENS,), "lookup": (TOKENS,)}[call]
+    fn = getattr(store, call)
+    with pytest.raises(InvalidInput):
+        fn("not a spec", *args)
+    with pytest.raises(InvalidTokens):
+        fn(spec, [1.5] * 32, *args[1:])
+    with pytest.raises(InvalidSpec, match="namespace"):
+        fn(spec, *args, namespace="a/b")
+    assert store.stats().blocks == 0
+
+
+def test_put_kv_shape_and_dtype_errors(store, spec):
+    with pytest.raises(InvalidKV, match="dtype"):
+        store.put_kv(spec, TOKENS, make_kv(spec, 100).float())
+    with pytest.raises(InvalidKV, match="shape"):
+        store.put_kv(spec, TOKENS, torch.zeros(4, 2, 3, 100, 16, dtype=torch.float16))
+
+
+def test_closed_store_refuses(spec):
+    store = EmbeddedStore(settings=Settings(memory_bytes=MiB))
+    store.close()
+    store.close()
+    for call in (lambda: store.put_kv(spec, TOKENS, make_kv(spec, 100)),
+                 lambda: store.get_kv(spec, TOKENS), lambda: store.lookup(spec, TOKENS)):
+        with pytest.raises(StoreClosed):
+            call()
+
+
+def test_constructor_errors():
+    with pytest.raises(InvalidInput, match="non-empty"):
+        KVStore([])
+    with pytest.raises(InvalidInput, match="unique"):
+        KVStore([MemoryTier(MiB), MemoryTier(MiB)])
+    with pytest.raises(InvalidInput, match="unknown tier"):
+        KVStore([MemoryTier(MiB)], tier_codecs={"nvme": "int8"})
+    with pytest.raises(InvalidInput, match="unknown codec"):
+        KVStore([MemoryTier(MiB)], codec="gzip")
+
+
+def test_settings_from_env(monkeypatch):
+    monkeypatch.setenv("KVSTORE_MEMORY_BYTES", "3MiB")
+    monkeypatch.setenv("KVSTORE_CODEC", "int8")
+    with EmbeddedStore() as store:
+        assert store.tiers[0].capacity_bytes == 3 * MiB
+        assert store._codecs["memory"] is Codec.INT8
+    monkeypatch.setenv("KVSTORE_MEMORY_BYTES", "lots")
+    with pytest.raises(InvalidInput, match="KVSTORE_MEMORY_BYTES"):
+        EmbeddedStore()
+
+
+def test_threaded_put_get_delete_keep_index_and_data_consistent():
+    """Writers, readers and deleters on overlapping sequences: every read is exact."""
+    spec = make_spec(block_tokens=4, num_layers=2, head_dim=8)
+    base = make_kv(spec, 64, seed=7)  # token t's KV depends only on t: prefixes agree
+    seqs = [list(range(t0, t0 + 64)) for t0 in (0,)] + [list(range(32)) + list(range(100 + 32 * i, 132 + 32 * i)) for i in range(3)]
+    kvs = [base if i == 0 else torch.cat([base[:, :, :, :32], make_kv(spec, 32, seed=i)], dim=3) for i in range(len(seqs))]
+    errors: list[BaseException] = []
+    with EmbeddedStore(settings=Settings(memory_bytes=64 * MiB)) as store:
+
+        def worker(w: int) -> None:
+            try:
+                for i in range(150):
+                    s = (w + i) % len(seqs)
+                    op = (w * 7 + i) % 5
+                    if op < 2:
+                        store.put_kv(spec, seqs[s], kvs[s])
+                    elif op < 4:
+                        got, n = store.get_kv(spec, seqs[s])
+                        assert torch.equal(got, kvs[s][:, :, :, :n]), f"seq {s}: wrong KV for {n} tokens"
+                    else:
+                        store.delete(spec, seqs[s][: 4 * (1 + i % 16)])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        tier = store.tiers[0]
+        entries = {e.key: e for e in store.entries()}
+        assert set(entries) == set(tier.keys())
+        assert sum(e.size for e in entries.values()) == tier.stats().used_bytes == store.stats().frame_bytes
+        for s, seq in enumerate(seqs):
+            got, n = store.get_kv(spec, seq)
+            assert torch.equal(got, kvs[s][:, :, :, :n])
+
+
+class _GatedDeleteTier(MemoryTier):
+    """A tier whose delete stalls until released: a slow backing, to pin down a race."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def delete(self, key):
+        self.entered.set()
+        assert self.release.wait(10)
+        return super().delete(key)
+
+
+def test_put_during_a_slow_delete_of_the_same_block_is_not_lost(spec):
+    """A put racing a delete of the same key must not end with an index entry whose frame the
+    delete removed: the per-key claim orders them."""
+    tier = _GatedDeleteTier(64 * MiB)
+    with KVStore([tier]) as store:
+        kv = make_kv(spec, 16)
+        store.put_kv(spec, TOKENS[:16], kv)
+        deleter = threading.Thread(target=store.delete, args=(spec, TOKENS[:16]))
+        deleter.start()
+        assert tier.entered.wait(10)
+        writer = threading.Thread(target=store.put_kv, args=(spec, TOKENS[:16], kv))
+        writer.start()
+        writer.join(0.2)  # let it get as far as it can while the delete is stalled
+        tier.release.set()
+        deleter.join(10)
+        writer.join(10)
+        assert store.lookup(spec, TOKENS[:16]) == 16
+        got, n = store.get_kv(spec, TOKENS[:16])
+        assert n == 16 and torch.equal(got, kv)
+        assert set(tier.keys()) == {e.key for e in store.entries()}
