@@ -1,0 +1,18 @@
+# kvstore server image. The HTTP service itself lands with the server issue (#5);
+# until then the image runs `kvstore serve`, which says so and exits.
+FROM python:3.11-slim
+
+WORKDIR /app
+# The CPU build of torch: PyPI's default Linux wheel is a multi-GB CUDA build.
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md ./
+COPY kvstore ./kvstore
+COPY tiers ./tiers
+COPY server ./server
+COPY client_sdk ./client_sdk
+COPY bench ./bench
+RUN pip install --no-cache-dir .
+
+ENV KVSTORE_DATA_DIR=/data
+EXPOSE 8470
+CMD ["kvstore", "serve"]
