@@ -14,6 +14,7 @@ model ``get_kv``s the longest stored prefix instead of recomputing it.
 # Order matters: tiers import kvstore.tier, so the engine's leaf modules load
 # before the store (which may import tiers).
 from kvstore._version import __version__
+from kvstore import errors
 from kvstore.errors import (
     BlockNotFound,
     CorruptFrame,
@@ -54,19 +55,5 @@ __all__ = [
     "block_hashes",
     "to_hex",
     "from_hex",
-    "KVStoreError",
-    "InvalidInput",
-    "InvalidSpec",
-    "InvalidKV",
-    "InvalidTokens",
-    "InvalidKey",
-    "FrameError",
-    "CorruptFrame",
-    "UnsupportedFrame",
-    "BlockNotFound",
-    "TierError",
-    "TierUnavailable",
-    "TierFull",
-    "TierIOError",
-    "StoreClosed",
+    *errors.__all__,
 ]

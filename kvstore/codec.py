@@ -71,6 +71,8 @@ _FLAG_LZ4 = 0x01
 # (measured ratio 1.00), and a token gain is not worth a decompress on every read.
 LZ4_MIN_SAVING_FRAC = 0.03
 _LZ4_SAMPLE_BYTES = 64 * 1024
+# lz4 cannot expand more than ~255x; a header claiming more is a decompression bomb.
+_LZ4_MAX_RATIO = 256
 
 # float32 scratch elements per chunk: one layer of a 32 MiB block, which keeps
 # the working set in cache and the Python per-op overhead small.
@@ -470,7 +472,7 @@ def read_header(frame: Any) -> FrameHeader:
         except InvalidKV as exc:
             raise CorruptFrame(f"int8 frame with a non-KV shape {list(shape)}") from exc
         ok = (scales_len == (n_k + n_v) * DTYPES[scale_dtype].itemsize and raw_len == numel
-              and (payload_len < raw_len if lz4 else payload_len == raw_len))
+              and (payload_len < raw_len <= payload_len * _LZ4_MAX_RATIO if lz4 else payload_len == raw_len))
     if not ok:
         raise CorruptFrame(f"frame lengths do not match its shape {list(shape)} and codec {codec.value}")
     header = FrameHeader(

@@ -54,8 +54,9 @@ class Settings:
     """Codec for new frames: raw, int8 or int8+lz4 (KVSTORE_CODEC)."""
 
     def __post_init__(self) -> None:
-        parse_size(self.memory_bytes)
-        Codec.parse(self.codec)
+        # Accept "4GiB" as well as ints; store plain bytes and the canonical codec name.
+        object.__setattr__(self, "memory_bytes", parse_size(self.memory_bytes))
+        object.__setattr__(self, "codec", Codec.parse(self.codec).value)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":

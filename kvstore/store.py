@@ -34,7 +34,7 @@ from kvstore.errors import (
     TierFull,
 )
 from kvstore.index import Index, IndexEntry
-from kvstore.keys import BlockHash, block_hashes, iter_block_hashes, normalize_tokens, validate_namespace
+from kvstore.keys import BlockHash, block_hashes, check_key, iter_block_hashes, normalize_tokens, validate_namespace
 from kvstore.spec import KVSpec
 from kvstore.tier import Tier, TierStats
 
@@ -248,7 +248,7 @@ class KVStore:
     def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
         """Delete blocks by key (an operator's tool: no namespace check). Returns how many went."""
         self._check_open()
-        return sum(self._delete_key(key) for key in keys)
+        return sum(self._delete_key(check_key(key)) for key in keys)
 
     def entry(self, key: BlockHash) -> IndexEntry | None:
         """The index entry of ``key`` (a live object: read, do not change)."""

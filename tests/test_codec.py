@@ -232,3 +232,17 @@ def test_not_a_frame_is_corrupt():
         decode(b"PK\x03\x04" + bytes(100))
     with pytest.raises(CorruptFrame, match="bytes-like"):
         decode(12345)
+
+
+def test_lz4_decompression_bomb_is_refused():
+    """A header (with a checksum anyone can recompute) claiming far more than lz4 can expand to."""
+    frame = bytearray(encode(torch.zeros(2, 2, 2, 64, 64, dtype=torch.float16), "int8+lz4"))
+    header = read_header(frame)
+    assert header.lz4 and header.payload_len < 512
+    # same scale count (L*H*(T+D) = 512) so only the lz4 ratio is off: 131072 from < 512 bytes
+    frame[48:88] = struct.pack("<5Q", 1, 2, 1, 256, 256)
+    frame[32:40] = struct.pack("<Q", 2 * 256 * 256)
+    frame[header.header_len - 8 : header.header_len] = struct.pack(
+        "<Q", xxhash.xxh3_64_intdigest(bytes(frame[: header.header_len - 8])))
+    with pytest.raises(CorruptFrame, match="lengths"):
+        read_header(frame)  # refused from the header alone, before anything is allocated

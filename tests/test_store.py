@@ -333,3 +333,19 @@ def test_put_during_a_slow_delete_of_the_same_block_is_not_lost(spec):
         got, n = store.get_kv(spec, TOKENS[:16])
         assert n == 16 and torch.equal(got, kv)
         assert set(tier.keys()) == {e.key for e in store.entries()}
+
+
+def test_settings_accept_sizes_and_normalise():
+    s = Settings(memory_bytes="2MiB", codec="int8")
+    assert s.memory_bytes == 2 * MiB and s.codec == "int8"
+    with pytest.raises(InvalidInput):
+        Settings(memory_bytes=0)
+    with pytest.raises(InvalidInput):
+        Settings(codec="gzip")
+
+
+def test_delete_blocks_checks_keys(store):
+    from kvstore.errors import InvalidKey
+
+    with pytest.raises(InvalidKey):
+        store.delete_blocks([b"short"])
