@@ -150,9 +150,8 @@ class KVStore:
         self._count(put_calls=1)
         if not keys:
             return 0
-        if any(c is not Codec.RAW for c in self._codecs.values()):
-            _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])  # refuse before storing anything
         bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), time.time()
+        written: list[IndexEntry] = []
         for i, key in enumerate(keys):
             if _is_current(self._index.get(key), namespace, spec_fp):
                 self._count(blocks_deduped=1)
@@ -162,8 +161,16 @@ class KVStore:
                     self._count(blocks_deduped=1)
                     continue
                 block = kv[:, :, :, i * bt : (i + 1) * bt]
-                entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
+                try:
+                    entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
+                except InvalidKV as exc:
+                    # NaN/Inf found by the int8 codec (free: it computes absmax anyway; a separate
+                    # isfinite pass over fp16 costs more than the encode). Undo this call's blocks.
+                    self._unwrite(written)
+                    raise InvalidKV(f"block {i} (tokens {i * bt}..{(i + 1) * bt - 1}): {exc}; "
+                                    "nothing was stored") from exc
                 self._index.add(entry)
+            written.append(entry)
             self._count(blocks_written=1)
         return n_blocks * bt
 
@@ -353,6 +360,14 @@ class KVStore:
             if corrupt:
                 self._delete_frame(entry)
 
+    def _unwrite(self, entries: list[IndexEntry]) -> None:
+        """Take back blocks this call published, unless rewritten since."""
+        for entry in entries:
+            with self._index.claim(entry.key):
+                if self._index.remove(entry.key, expected=entry) is not None:
+                    self._delete_frame(entry)
+            self._count(blocks_written=-1)
+
     def _delete_key(self, key: BlockHash) -> int:
         with self._index.claim(key):
             entry = self._index.remove(key)  # unpublish first, then delete the data
@@ -416,11 +431,6 @@ def _check_spec(spec: Any) -> KVSpec:
 def _is_current(entry: IndexEntry | None, namespace: str, spec_fp: str) -> bool:
     """A key matches only under the namespace and spec it was written with."""
     return entry is not None and entry.namespace == namespace and entry.spec_fp == spec_fp
-
-
-def _check_finite(kv: torch.Tensor) -> None:
-    if kv.numel() and not bool(torch.isfinite(kv).all()):
-        raise InvalidKV("kv holds NaN or Inf values; the int8 codec cannot store them (nothing was stored)")
 
 
 def _frame_meta(namespace: str, spec_fp: str, depth: int) -> bytes:

@@ -119,9 +119,11 @@ def test_int8_refuses_nan_before_storing_anything(spec):
     with EmbeddedStore(codec="int8", settings=Settings(memory_bytes=64 * MiB)) as store:
         kv = make_kv(spec, 100)
         kv[1, 1, 0, 70, 3] = float("nan")  # in block 4
-        with pytest.raises(InvalidKV, match="NaN"):
+        store.put_kv(spec, TOKENS[:16], kv[:, :, :, :16])  # block 0 was there before the call
+        with pytest.raises(InvalidKV, match=r"block 4 \(tokens 64..79\).*NaN.*nothing was stored"):
             store.put_kv(spec, TOKENS, kv)
-        assert store.stats().blocks == 0
+        assert store.stats().blocks == 1 and store.tiers[0].stats().entries == 1
+        assert store.lookup(spec, TOKENS) == 16
 
 
 def test_per_tier_codec():
