@@ -77,7 +77,13 @@ _LZ4_MAX_RATIO = 256
 # float32 scratch elements per chunk: one layer of a 32 MiB block, which keeps
 # the working set in cache and the Python per-op overhead small.
 _CHUNK_ELEMS = 1 << 19
-_MIN_SCALE = 1e-30
+# Scales are clamped into [smallest normal float32, largest that 127 * scale keeps
+# finite]: the reciprocal used to quantize stays finite and decode cannot overflow.
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+_MAX_SCALE = torch.finfo(torch.float32).max / 128
+_MIN_SCALE_F16 = torch.finfo(torch.float16).tiny  # float16 scales below this lose precision
+# python-lz4's block API takes at most this many bytes in or out.
+_LZ4_MAX_BYTES = 0x7E000000
 
 
 class Codec(str, Enum):
@@ -178,6 +184,7 @@ def frame_size(
     codec = Codec.parse(codec)
     shape = tuple(int(s) for s in shape)
     dname = _dtype_name(dtype)
+    _check_scale_dtype(scale_dtype)
     numel = math.prod(shape)
     head = _header_len(len(shape)) + _pad(meta_len)
     if codec is Codec.RAW:
@@ -194,6 +201,21 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
     elif dtype in DTYPES:
         return dtype
     raise InvalidKV(f"codec supports dtypes {sorted(DTYPES)}, got {dtype!r}")
+
+
+def _check_scale_dtype(scale_dtype: Any) -> str:
+    if scale_dtype not in _SCALE_ID:
+        raise InvalidKV(f"scale_dtype must be one of {sorted(_SCALE_ID)}, got {scale_dtype!r}")
+    return scale_dtype
+
+
+def _check_meta(meta: Any) -> bytes:
+    if not isinstance(meta, (bytes, bytearray, memoryview)):
+        raise InvalidInput(f"frame meta must be bytes, got {type(meta).__name__}")
+    meta = bytes(meta)
+    if len(meta) > MAX_META_BYTES:
+        raise InvalidInput(f"frame meta is limited to {MAX_META_BYTES} bytes, got {len(meta)}")
+    return meta
 
 
 def _int8_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -217,6 +239,7 @@ def encode(
     """Encode ``kv`` into a new frame. Hot paths use ``encode_into`` with a reused buffer."""
     if not isinstance(kv, torch.Tensor):
         raise InvalidKV(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    meta = _check_meta(meta)
     out = bytearray(frame_size(kv.shape, kv.dtype, codec, meta_len=len(meta), scale_dtype=scale_dtype))
     n = encode_into(kv, out, codec, meta=meta, scale_dtype=scale_dtype)
     del out[n:]
@@ -245,8 +268,9 @@ def encode_into(
         The frame's length in bytes; the frame is ``out[:n]``.
 
     Raises:
-        InvalidKV: for an unsupported dtype or shape, a too small ``out``, or
-            NaN/Inf values under an int8 codec.
+        InvalidKV: for an unsupported dtype, shape or device, a too small ``out``,
+            or values an int8 codec cannot represent (NaN/Inf, beyond float16 scales).
+        InvalidInput: for an unknown codec or bad ``meta``.
     """
     codec = Codec.parse(codec)
     if not isinstance(kv, torch.Tensor):
@@ -255,14 +279,18 @@ def encode_into(
     shape = tuple(kv.shape)
     if not 1 <= len(shape) <= MAX_NDIM:
         raise InvalidKV(f"frames hold tensors of 1 to {MAX_NDIM} dims, got {len(shape)}")
-    if len(meta) > MAX_META_BYTES:
-        raise InvalidKV(f"frame meta is limited to {MAX_META_BYTES} bytes, got {len(meta)}")
-    if scale_dtype not in _SCALE_ID:
-        raise InvalidKV(f"scale_dtype must be one of {sorted(_SCALE_ID)}, got {scale_dtype!r}")
+    meta = _check_meta(meta)
+    _check_scale_dtype(scale_dtype)
+    kv = kv.detach()  # a tensor with autograd history must not drag it into the scratch
     if kv.device.type != "cpu":
-        kv = kv.to("cpu")  # frames live in host memory
+        try:
+            kv = kv.to("cpu")  # frames live in host memory
+        except (RuntimeError, NotImplementedError) as exc:
+            raise InvalidKV(f"kv on device {kv.device} cannot be copied to host memory: {exc}") from exc
+    if kv.layout is not torch.strided or kv.is_quantized:
+        raise InvalidKV(f"kv must be a dense tensor, got layout {kv.layout}")
     need = frame_size(shape, dname, codec, meta_len=len(meta), scale_dtype=scale_dtype)
-    mv = memoryview(out).cast("B")
+    mv = _bytes_view(out)
     if mv.readonly or len(mv) < need:
         raise InvalidKV(f"output buffer must be writable and hold {need} bytes, got {len(mv)}")
 
@@ -316,6 +344,8 @@ def _view(mv: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.
 
 def _maybe_lz4(mv: memoryview, off: int, n: int) -> int:
     """Compress the payload in place if lz4 pays; return the stored length."""
+    if n > _LZ4_MAX_BYTES:
+        return n  # beyond the lz4 block API; KV does not compress anyway
     payload = mv[off : off + n]
     sample = payload[: min(n, _LZ4_SAMPLE_BYTES)]
     limit = 1.0 - LZ4_MIN_SAVING_FRAC
@@ -390,35 +420,45 @@ def _quantize(kv: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, n_k: int)
         torch.amax(v, dim=3, keepdim=True, out=v_hi)
         torch.amin(v, dim=3, keepdim=True, out=v_lo)
         torch.maximum(hi, lo.neg_(), out=hi)  # absmax without an abs() pass
-        torch.div(hi, 127.0, out=lo)  # the scales
+        # The floor keeps an all-zero channel at q = 0 (not 0 * inf = NaN); the stored scale
+        # is the clamped one, so the decoder multiplies by exactly what was divided by.
+        torch.div(hi, 127.0, out=lo).clamp_min_(_MIN_SCALE)
         k_scale[l0:l1, h0:h1].copy_(k_lo)
         v_scale[l0:l1, h0:h1].copy_(v_lo)
         if not exact:  # quantize with the rounded float16 scale the decoder will see
+            if bool((lo < _MIN_SCALE_F16).logical_and_(hi > 0).any()):
+                raise InvalidKV("int8 codec: values too small for float16 scales; use scale_dtype='float32'")
             k_lo.copy_(k_scale[l0:l1, h0:h1])
             v_lo.copy_(v_scale[l0:l1, h0:h1])
-        # An all-zero channel has scale 0: a tiny floor keeps 0 * (1/scale) at 0, not NaN.
-        lo.clamp_min_(_MIN_SCALE).reciprocal_()
+        lo.reciprocal_()
         k.mul_(k_lo)
         v.mul_(v_lo)
         buf.round_()
         if not exact:  # the rounded float16 scale can sit just under absmax/127
             buf.clamp_(-127.0, 127.0)
         q[l0:l1, :, h0:h1].copy_(buf)
-    if not bool(torch.isfinite(scales).all()):
-        _raise_non_finite(k_scale, v_scale, exact)
+    if not _scales_sound(scales):
+        _raise_bad_scales(kv, exact)
 
 
-def _raise_non_finite(k_scale: torch.Tensor, v_scale: torch.Tensor, exact: bool) -> None:
-    for part, sc in (("K", k_scale), ("V", v_scale)):
-        bad = (~torch.isfinite(sc.float())).nonzero()
-        if len(bad):
-            layer = int(bad[0, 0])
-            if not exact and not bool(torch.isnan(sc.float()).any()):
-                raise InvalidKV("int8 codec: values too large for float16 scales; use scale_dtype='float32'")
+def _scales_sound(scales: torch.Tensor) -> bool:
+    """Every scale in [0, _MAX_SCALE]: no NaN (comparisons fail), no Inf, no overflow on decode."""
+    lo, hi = torch.aminmax(scales if scales.dtype == torch.float32 else scales.float())
+    return bool(lo >= 0) and bool(hi <= _MAX_SCALE)  # NaN propagates and fails both
+
+
+def _raise_bad_scales(kv: torch.Tensor, exact: bool) -> None:
+    """Say why scales came out unsound; an error path, so it may rescan the input."""
+    for part in (0, 1):
+        finite = torch.isfinite(kv[:, part])
+        if not bool(finite.all()):
+            layer = int((~finite).nonzero()[0, 0])
             raise InvalidKV(
-                f"int8 codec: {part} of layer {layer} holds NaN or Inf; "
+                f"int8 codec: {'KV'[part]} of layer {layer} holds NaN or Inf; "
                 "int8 cannot represent them (store with codec='raw' or fix the producer)"
             )
+    limit = "the float32 range" if exact else "float16 scales; use scale_dtype='float32'"
+    raise InvalidKV(f"int8 codec: values too large for {limit}")
 
 
 # -- decode ---------------------------------------------------------------------
@@ -456,8 +496,9 @@ def read_header(frame: Any) -> FrameHeader:
         raise UnsupportedFrame(f"unknown codec {codec_id}, dtype {dtype_id} or flags {flags:#x}")
     shape = struct.unpack_from(f"<{ndim}Q", mv, _FIXED.size)
     numel = math.prod(shape)
-    if numel > MAX_ELEMENTS or meta_len > MAX_META_BYTES:
-        raise CorruptFrame(f"frame claims {numel} elements and {meta_len} meta bytes")
+    # a zero dim makes numel 0 whatever the others claim; bound the others too
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS or meta_len > MAX_META_BYTES:
+        raise CorruptFrame(f"frame claims shape {list(shape)} and {meta_len} meta bytes")
     lz4 = bool(flags & _FLAG_LZ4)
     if codec is Codec.RAW:
         ok = (layout == _LAYOUT_NONE and sid == 0 and scales_len == 0 and not lz4
@@ -472,7 +513,8 @@ def read_header(frame: Any) -> FrameHeader:
         except InvalidKV as exc:
             raise CorruptFrame(f"int8 frame with a non-KV shape {list(shape)}") from exc
         ok = (scales_len == (n_k + n_v) * DTYPES[scale_dtype].itemsize and raw_len == numel
-              and (payload_len < raw_len <= payload_len * _LZ4_MAX_RATIO if lz4 else payload_len == raw_len))
+              and (payload_len < raw_len <= min(payload_len * _LZ4_MAX_RATIO, _LZ4_MAX_BYTES)
+                   if lz4 else payload_len == raw_len))
     if not ok:
         raise CorruptFrame(f"frame lengths do not match its shape {list(shape)} and codec {codec.value}")
     header = FrameHeader(
@@ -505,36 +547,56 @@ def frame_meta(frame: Any) -> bytes:
     return bytes(_bytes_view(frame)[off : off + header.meta_len])
 
 
-def decode(frame: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(frame: Any, *, out: torch.Tensor | None = None, expect_checksum: int | None = None) -> torch.Tensor:
     """Verify a frame and decode it into a tensor of its original dtype.
+
+    Without ``out`` it allocates the decoded tensor: up to 4x the frame for
+    int8 and 256x more for lz4. Callers decoding untrusted frames should check
+    ``read_header(frame).raw_nbytes`` first or pass ``out``.
 
     Args:
         frame: a bytes-like object holding exactly one frame.
         out: optional destination (may be a strided view) with the frame's
             shape and dtype; avoids allocating on hot paths.
+        expect_checksum: the body checksum the caller recorded when it stored
+            the frame; a different (even if sound) frame is refused.
 
     Returns:
         ``out``, or a new tensor when ``out`` is None. It never aliases ``frame``.
 
     Raises:
         CorruptFrame, UnsupportedFrame: the frame cannot be trusted; nothing is returned.
-        InvalidKV: ``out`` has the wrong shape or dtype.
+        InvalidKV: ``out`` has the wrong shape or dtype, or cannot be written.
     """
     header = verify(frame)
+    if expect_checksum is not None and header.body_checksum != expect_checksum:
+        raise CorruptFrame("frame is sound but is not the one recorded for this key")
     dtype = DTYPES[header.dtype]
     if out is None:
         out = torch.empty(header.shape, dtype=dtype)
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != header.shape or out.dtype != dtype:
-        got = (list(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise InvalidKV(f"out must be a {dtype} tensor of shape {list(header.shape)}, got {got}")
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != header.shape or out.dtype != dtype
+          or out.requires_grad or out.device.type != "cpu"):
+        got = (list(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InvalidKV(f"out must be a CPU {dtype} tensor of shape {list(header.shape)} without grad, got {got}")
     if header.numel == 0:
         return out
+    try:
+        with torch.no_grad():
+            return _decode_body(frame, header, out)
+    except RuntimeError as exc:  # e.g. an expanded out= view torch refuses to write
+        raise InvalidKV(f"out cannot be written: {exc}") from exc
+
+
+def _decode_body(frame: Any, header: FrameHeader, out: torch.Tensor) -> torch.Tensor:
+    dtype = DTYPES[header.dtype]
     mv = _bytes_view(frame)
     if header.codec is Codec.RAW:
         out.copy_(_view(mv, dtype, header.payload_offset, header.numel).view(header.shape))
         return out
     n_k, n_v = _scale_counts(header.shape)
     scales = _view(mv, DTYPES[header.scale_dtype], header.scales_offset, n_k + n_v)
+    if not _scales_sound(scales):  # no encoder writes these: a hostile or buggy writer
+        raise CorruptFrame("int8 frame has negative, NaN, Inf or overflowing scales")
     if header.lz4:
         stored = mv[header.payload_offset : header.frame_len]
         try:
@@ -568,6 +630,8 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor, n_k: int, out: torch.Tens
 def _bytes_view(frame: Any) -> memoryview:
     try:
         mv = memoryview(frame)
+        if not mv.c_contiguous:
+            raise TypeError("not C-contiguous")
         return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-    except TypeError as exc:
-        raise CorruptFrame(f"a frame is a contiguous bytes-like object, got {type(frame).__name__}") from exc
+    except (TypeError, ValueError) as exc:  # ValueError: a released memoryview
+        raise CorruptFrame(f"a frame is a contiguous bytes-like object, got {type(frame).__name__}: {exc}") from exc

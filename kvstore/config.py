@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, fields
+from decimal import Decimal
 from typing import Mapping
 
 from kvstore.codec import Codec
@@ -22,6 +23,7 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_MAX_SIZE = 2**60
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -38,9 +40,9 @@ def parse_size(text: str | int) -> int:
         unit = match.group(2).lower() if match else None
         if not match or unit not in _UNITS:
             raise InvalidInput(f"a size is a number with an optional unit (KiB, MiB, GiB, KB, MB, GB), got {text!r}")
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise InvalidInput(f"a size must be positive, got {text!r}")
+        value = int(Decimal(match.group(1)) * _UNITS[unit])  # exact: no float rounding
+    if not 0 < value <= _MAX_SIZE:
+        raise InvalidInput(f"a size must be positive and at most 1 EiB, got {text!r}")
     return value
 
 

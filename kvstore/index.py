@@ -128,6 +128,11 @@ class Index:
                     entry.hits += 1
                     entry.last_access_s = now_s
 
+    def clear(self) -> None:
+        with self._cond:
+            self._entries.clear()
+            self._frame_bytes = self._raw_bytes = 0
+
     @contextmanager
     def claim(self, key: BlockHash) -> Iterator[None]:
         """Exclusive section for multi-step changes to one key.

@@ -54,7 +54,7 @@ def validate_namespace(namespace: Any) -> str:
     Raises:
         InvalidSpec: otherwise.
     """
-    if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
         raise InvalidSpec(f"namespace must be 1-128 characters of [A-Za-z0-9._-], got {namespace!r}")
     return namespace
 
@@ -71,13 +71,18 @@ def normalize_tokens(tokens: Any) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InvalidTokens(f"token ids must be integers, got a tensor of {tokens.dtype}")
-        arr = tokens.detach().to("cpu").numpy()
+        try:
+            arr = tokens.detach().to("cpu").numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:  # meta, sparse, quantized
+            raise InvalidTokens(f"token ids must be a dense integer tensor: {exc}") from exc
     elif isinstance(tokens, np.ndarray):
         arr = tokens
     elif isinstance(tokens, (list, tuple, range)):
+        if not isinstance(tokens, range) and bool in set(map(type, tokens)):
+            raise InvalidTokens("token ids must be integers, got a bool")  # np.asarray would make it 0/1
         try:
             arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
-        except (ValueError, OverflowError) as exc:
+        except (ValueError, OverflowError, TypeError) as exc:
             raise InvalidTokens(f"token ids must be a flat list of integers: {exc}") from exc
     else:
         raise InvalidTokens(f"tokens must be a list of ints or a 1-D integer tensor, got {type(tokens).__name__}")
@@ -140,7 +145,7 @@ def from_hex(text: Any) -> BlockHash:
     Raises:
         InvalidKey: for anything else (wrong length, non-hex, not a string).
     """
-    if not isinstance(text, str) or not _HEX.match(text):
+    if not isinstance(text, str) or not _HEX.fullmatch(text):
         raise InvalidKey(f"a block key is 64 hex digits, got {str(text)[:80]!r}")
     return BlockHash(bytes.fromhex(text))
 
@@ -151,7 +156,7 @@ def check_key(key: Any) -> BlockHash:
     Raises:
         InvalidKey: otherwise.
     """
-    if not isinstance(key, bytes) or len(key) != HASH_BYTES:
+    if type(key) is not bytes or len(key) != HASH_BYTES:  # BlockHash is bytes at run time
         raise InvalidKey(f"a block key is {HASH_BYTES} bytes, got {type(key).__name__} of length {_len(key)}")
     return BlockHash(key)
 

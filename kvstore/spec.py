@@ -67,7 +67,7 @@ def _positive(name: str, value: Any, limit: int) -> int:
 def _text(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidSpec(f"{name} must be a non-empty string, got {value!r}")
-    if len(value) > _MAX_TEXT or not _MODEL_ID.match(value):
+    if len(value) > _MAX_TEXT or not _MODEL_ID.fullmatch(value):
         raise InvalidSpec(f"{name} must be 1-{_MAX_TEXT} printable ASCII characters without spaces, got {value!r}")
     return value
 
@@ -94,7 +94,7 @@ class KVSpec:
     """Canonical dtype name; see ``DTYPES``."""
     block_tokens: int
     """Tokens per stored block. Only full blocks are stored."""
-    _fp: str = field(repr=False, compare=False)
+    _fp: str = field(init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -206,6 +206,10 @@ class KVSpec:
             raise InvalidKV(f"kv dtype {kv.dtype} does not match spec dtype {self.torch_dtype}")
         return kv
 
+    def replace(self, **changes: Any) -> "KVSpec":
+        """A copy with some constructor fields changed (``dataclasses.replace`` cannot)."""
+        return KVSpec(**{**self.to_dict(), **changes})
+
     # -- wire form ------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,7 +233,7 @@ class KVSpec:
         """
         if not isinstance(data, Mapping):
             raise InvalidSpec(f"spec must be an object, got {type(data).__name__}")
-        unknown = sorted(set(data) - _WIRE_FIELDS)
+        unknown = sorted(str(k) for k in set(data) - _WIRE_FIELDS)
         if unknown:
             raise InvalidSpec(f"unknown spec field(s) {unknown}; allowed: {sorted(_WIRE_FIELDS)}")
         missing = sorted(_WIRE_REQUIRED - set(data))

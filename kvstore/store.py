@@ -150,8 +150,9 @@ class KVStore:
         self._count(put_calls=1)
         if not keys:
             return 0
+        if any(c is not Codec.RAW for c in self._codecs.values()):
+            _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])  # refuse before storing anything
         bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), time.time()
-        written: list[IndexEntry] = []
         for i, key in enumerate(keys):
             if _is_current(self._index.get(key), namespace, spec_fp):
                 self._count(blocks_deduped=1)
@@ -161,16 +162,8 @@ class KVStore:
                     self._count(blocks_deduped=1)
                     continue
                 block = kv[:, :, :, i * bt : (i + 1) * bt]
-                try:
-                    entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
-                except InvalidKV as exc:
-                    # NaN/Inf found by the int8 codec (free: it computes absmax anyway; a separate
-                    # isfinite pass over fp16 costs more than the encode). Undo this call's blocks.
-                    self._unwrite(written)
-                    raise InvalidKV(f"block {i} (tokens {i * bt}..{(i + 1) * bt - 1}): {exc}; "
-                                    "nothing was stored") from exc
+                entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
                 self._index.add(entry)
-            written.append(entry)
             self._count(blocks_written=1)
         return n_blocks * bt
 
@@ -203,7 +196,8 @@ class KVStore:
         good = 0
         for i, (key, entry, frame) in enumerate(found):
             try:
-                codec_mod.decode(frame, out=out[:, :, :, i * bt : (i + 1) * bt])
+                # expect_checksum: a sound frame that is not the one indexed (a tier mix-up) is refused
+                codec_mod.decode(frame, out=out[:, :, :, i * bt : (i + 1) * bt], expect_checksum=entry.checksum)
             except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
                 log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(), entry.tier, exc)
                 self._drop(entry, corrupt=True)
@@ -255,11 +249,15 @@ class KVStore:
     def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
         """Delete blocks by key (an operator's tool: no namespace check). Returns how many went."""
         self._check_open()
-        return sum(self._delete_key(check_key(key)) for key in keys)
+        try:
+            checked = [check_key(key) for key in keys]  # all or nothing: validate before deleting
+        except TypeError as exc:
+            raise InvalidInput(f"keys must be a list of 32-byte block keys: {exc}") from exc
+        return sum(self._delete_key(key) for key in checked)
 
     def entry(self, key: BlockHash) -> IndexEntry | None:
         """The index entry of ``key`` (a live object: read, do not change)."""
-        return self._index.get(key)
+        return self._index.get(check_key(key))
 
     def entries(self) -> list[IndexEntry]:
         """Copies of every index entry."""
@@ -283,6 +281,7 @@ class KVStore:
         if self._closed:
             return
         self._closed = True
+        self._index.clear()
         for tier in self._tiers:
             try:
                 tier.close()
@@ -360,14 +359,6 @@ class KVStore:
             if corrupt:
                 self._delete_frame(entry)
 
-    def _unwrite(self, entries: list[IndexEntry]) -> None:
-        """Take back blocks this call published, unless rewritten since."""
-        for entry in entries:
-            with self._index.claim(entry.key):
-                if self._index.remove(entry.key, expected=entry) is not None:
-                    self._delete_frame(entry)
-            self._count(blocks_written=-1)
-
     def _delete_key(self, key: BlockHash) -> int:
         with self._index.claim(key):
             entry = self._index.remove(key)  # unpublish first, then delete the data
@@ -431,6 +422,16 @@ def _check_spec(spec: Any) -> KVSpec:
 def _is_current(entry: IndexEntry | None, namespace: str, spec_fp: str) -> bool:
     """A key matches only under the namespace and spec it was written with."""
     return entry is not None and entry.namespace == namespace and entry.spec_fp == spec_fp
+
+
+def _check_finite(kv: torch.Tensor) -> None:
+    # aminmax propagates NaN and Inf and runs ~20x faster than isfinite().all() on fp16
+    # (13 ms against 265 ms for 128 MiB here): a tenth of the int8 encode it protects.
+    if kv.numel() == 0:
+        return
+    lo, hi = torch.aminmax(kv)
+    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+        raise InvalidKV("kv holds NaN or Inf values; the int8 codec cannot store them (nothing was stored)")
 
 
 def _frame_meta(namespace: str, spec_fp: str, depth: int) -> bytes:

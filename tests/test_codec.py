@@ -14,7 +14,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
+    a, b = a.double(), b.double()  # float32 norms underflow for tiny magnitudes
     return float((a - b).norm() / b.norm())
 
 
@@ -246,3 +246,122 @@ def test_lz4_decompression_bomb_is_refused():
         "<Q", xxhash.xxh3_64_intdigest(bytes(frame[: header.header_len - 8])))
     with pytest.raises(CorruptFrame, match="lengths"):
         read_header(frame)  # refused from the header alone, before anything is allocated
+
+
+# -- hostile frames: sound checksums, impossible contents --------------------------
+
+
+def forge(codec_id, dtype_id, shape, *, flags=0, layout=0, sid=0, scales=b"", payload=b"", raw_len=None):
+    """A frame built by hand with valid checksums, as a hostile client could."""
+    ndim = len(shape)
+    header_len = codec._header_len(ndim)
+    body = scales + bytes(codec._pad(len(scales)) - len(scales)) + payload
+    fixed = codec._FIXED.pack(codec.MAGIC, 1, codec_id, dtype_id, flags, layout, sid, ndim, 0, 0,
+                              len(scales), len(payload), len(payload) if raw_len is None else raw_len,
+                              xxhash.xxh3_64_intdigest(body))
+    head = fixed + struct.pack(f"<{ndim}Q", *shape)
+    head += bytes(header_len - 8 - len(head))
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + body
+
+
+def test_forge_matches_the_encoder():
+    x = kv(shape=(1, 2, 1, 2, 2), dtype=torch.float32)
+    real = encode(x, "int8")
+    h = read_header(real)
+    scales = bytes(real[h.scales_offset : h.scales_offset + h.scales_len])
+    assert forge(2, 3, h.shape, layout=1, sid=2, scales=scales, payload=bytes(real[h.payload_offset :])) == bytes(real)
+
+
+@pytest.mark.parametrize("shape", [(0, 2**64 - 1), (0, 2**62, 2**62), (0,) + (2**40,) * 7, (2**41,)])
+def test_absurd_shapes_are_refused(shape):
+    with pytest.raises(CorruptFrame, match="claims shape"):
+        decode(forge(1, 1, shape))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 3e38])
+def test_impossible_int8_scales_are_refused(bad):
+    scales = struct.pack("<4f", 0.1, bad, 0.1, 0.1)  # shape (1,2,1,2,2): 2 K + 2 V scales
+    with pytest.raises(CorruptFrame, match="scales"):
+        decode(forge(2, 1, (1, 2, 1, 2, 2), layout=1, sid=2, scales=scales, payload=bytes([127]) * 8))
+
+
+def test_lz4_beyond_the_block_api_is_refused_from_the_header():
+    tokens, dim = 32768, 32769  # 2 * T * D int8 values > 2**31: more than lz4's block API takes
+    numel = 2 * tokens * dim
+    frame = forge(3, 1, (1, 2, 1, tokens, dim), flags=1, layout=1, sid=2,
+                  scales=bytes(4 * (tokens + dim)), payload=bytes(-(-numel // 256)), raw_len=numel)
+    with pytest.raises(CorruptFrame, match="lengths"):
+        read_header(frame)
+
+
+def test_non_contiguous_or_released_buffers_are_not_frames():
+    frame = bytes(encode(kv(), "raw"))
+    doubled = bytearray(len(frame) * 2)
+    doubled[::2] = frame
+    with pytest.raises(CorruptFrame, match="contiguous"):
+        decode(memoryview(doubled)[::2])
+    view = memoryview(frame)
+    view.release()
+    with pytest.raises(CorruptFrame):
+        decode(view)
+
+
+# -- encoder edge cases ---------------------------------------------------------------
+
+
+def test_kv_with_autograd_history_does_not_poison_the_scratch():
+    weight = torch.randn(4, 2, 3, 16, 32, requires_grad=True)
+    x = weight * 2  # has a grad_fn, as a forward pass outside no_grad would give
+    for c in Codec:
+        y = decode(encode(x, c))
+        assert not y.requires_grad and rel_err(y, x.detach()) <= 0.01
+    assert not codec._SCRATCH.work.requires_grad
+    assert rel_err(decode(encode(kv(), "int8")), kv()) <= 0.01  # the next plain call still works
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("magnitude", [1e-20, 1e-29, 1e-33])
+def test_tiny_magnitudes_keep_the_error_bound(dtype, magnitude):
+    x = (kv(dtype=torch.float32) * magnitude).to(dtype)
+    assert rel_err(decode(encode(x, "int8")), x) <= 0.01
+
+
+def test_values_near_float32_max_are_refused_not_overflowed():
+    x = kv(dtype=torch.float32).sign() * torch.finfo(torch.float32).max
+    with pytest.raises(InvalidKV, match="too large"):
+        encode(x, "int8")
+
+
+def test_float16_scales_refuse_underflow():
+    with pytest.raises(InvalidKV, match="too small for float16 scales"):
+        encode(kv(dtype=torch.float32) * 1e-6, "int8", scale_dtype="float16")
+    x = kv()
+    assert rel_err(decode(encode(x, "int8", scale_dtype="float16")), x) <= 0.01
+
+
+@pytest.mark.parametrize("call", [
+    lambda: encode(kv(), "int8", scale_dtype="float64"),
+    lambda: encode(kv(), "int8", scale_dtype=None),
+    lambda: frame_size((4, 2, 3, 16, 32), torch.float16, "int8", scale_dtype="bfloat16"),
+    lambda: encode(kv(), "raw", meta="text"),
+    lambda: encode(kv().to("meta"), "raw"),
+    lambda: encode(kv().to_sparse(), "raw"),
+])
+def test_bad_encode_arguments_are_typed(call):
+    with pytest.raises(InvalidInput):
+        call()
+
+
+def test_decode_refuses_unwritable_out():
+    frame = encode(kv(), "int8")
+    with pytest.raises(InvalidKV):
+        decode(frame, out=torch.zeros(4, 2, 3, 16, 32, dtype=torch.float16, requires_grad=False).requires_grad_())
+    with pytest.raises(InvalidKV, match="cannot be written"):
+        decode(frame, out=torch.zeros(1, 1, 1, 1, 1, dtype=torch.float16).expand(4, 2, 3, 16, 32))
+
+
+def test_expect_checksum_refuses_a_sound_but_different_frame():
+    a, b = encode(kv(seed=1), "raw"), encode(kv(seed=2), "raw")
+    assert torch.equal(decode(a, expect_checksum=read_header(a).body_checksum), kv(seed=1))
+    with pytest.raises(CorruptFrame, match="not the one recorded"):
+        decode(b, expect_checksum=read_header(a).body_checksum)

@@ -108,3 +108,19 @@ def test_hex_round_trip_and_errors(spec):
     for bad in ["", "zz" * 32, "ab" * 31, "ab" * 33, "../" * 20, 42]:
         with pytest.raises(InvalidKey):
             from_hex(bad)
+
+
+def test_trailing_newlines_are_not_accepted(spec):
+    with pytest.raises(InvalidSpec):
+        block_hashes(spec, TOKENS, "default\n")
+    with pytest.raises(InvalidKey):
+        from_hex("ab" * 32 + "\n")
+    with pytest.raises(InvalidSpec):
+        make_spec(model_id="llama\n")
+
+
+@pytest.mark.parametrize("bad", [[1, True, 2, 3], (5, False), torch.ones(16, dtype=torch.int64).to("meta"),
+                                 torch.ones(16, dtype=torch.int64).to_sparse()])
+def test_bools_and_odd_tensors_are_refused(spec, bad):
+    with pytest.raises(InvalidTokens):
+        block_hashes(spec, bad)

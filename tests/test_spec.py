@@ -84,3 +84,16 @@ def test_dict_round_trip_and_errors(spec):
         KVSpec.from_dict({"model_id": "x"})
     with pytest.raises(InvalidSpec, match="object"):
         KVSpec.from_dict(["x"])
+
+
+def test_replace_and_dataclasses_replace(spec):
+    import dataclasses
+
+    other = spec.replace(num_layers=6)
+    assert other.num_layers == 6 and other.fingerprint() != spec.fingerprint()
+    assert dataclasses.replace(spec, dtype="bfloat16") == spec.replace(dtype="bfloat16")
+
+
+def test_from_dict_with_non_string_keys(spec):
+    with pytest.raises(InvalidSpec, match="unknown spec field"):
+        KVSpec.from_dict({**spec.to_dict(), 1: 2})

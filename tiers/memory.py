@@ -41,6 +41,9 @@ class MemoryTier(Tier):
 
     def put_with(self, key: BlockHash, size: int, writer: FrameWriter) -> int:
         check_key(key)
+        with self._lock:  # refuse early: do not encode a frame that cannot fit
+            self._check_open()
+            self._used_after(key, size)
         buf = bytearray(size)
         with memoryview(buf) as view:
             n = writer(view)
@@ -55,18 +58,22 @@ class MemoryTier(Tier):
     def _store(self, key: bytes, data: bytes | bytearray) -> None:
         with self._lock:
             self._check_open()
-            old = self._frames.get(key)
-            used = self._used - (len(old) if old is not None else 0) + len(data)
-            if used > self.capacity_bytes:
-                self._counters.errors += 1
-                raise TierFull(
-                    f"tier {self.name!r}: a {len(data)}-byte frame does not fit "
-                    f"({self._used} of {self.capacity_bytes} bytes used)",
-                    tier=self.name,
-                )
+            self._used = self._used_after(key, len(data))
             self._frames[key] = data
-            self._used = used
             self._counters.puts += 1
+
+    def _used_after(self, key: bytes, size: int) -> int:
+        """Bytes used once ``key`` holds ``size`` bytes; TierFull if over capacity. Lock held."""
+        old = self._frames.get(key)
+        used = self._used - (len(old) if old is not None else 0) + size
+        if used > self.capacity_bytes:
+            self._counters.errors += 1
+            raise TierFull(
+                f"tier {self.name!r}: a {size}-byte frame does not fit "
+                f"({self._used} of {self.capacity_bytes} bytes used)",
+                tier=self.name,
+            )
+        return used
 
     def get(self, key: BlockHash) -> Buffer | None:
         with self._lock:
