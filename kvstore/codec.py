@@ -74,9 +74,10 @@ _LZ4_SAMPLE_BYTES = 64 * 1024
 # lz4 cannot expand more than ~255x; a header claiming more is a decompression bomb.
 _LZ4_MAX_RATIO = 256
 
-# float32 scratch elements per chunk: one layer of a 32 MiB block, which keeps
-# the working set in cache and the Python per-op overhead small.
-_CHUNK_ELEMS = 1 << 19
+# float32 scratch elements per chunk (1 MiB): the K or V of one layer of a 32 MiB
+# block. It fits a core's L2 across the passes over it, and keeps the Python
+# per-op overhead small; 512 KiB and 2 MiB chunks both measured slower.
+_CHUNK_ELEMS = 1 << 18
 # Scales are clamped into [smallest normal float32, largest that 127 * scale keeps
 # finite]: the reciprocal used to quantize stays finite and decode cannot overflow.
 _MIN_SCALE = torch.finfo(torch.float32).tiny
@@ -378,7 +379,7 @@ _SCRATCH = _Scratch()
 
 
 def _chunks(layers: int, heads: int, per_head: int):
-    """Yield (l0, l1, h0, h1) slices of about ``_CHUNK_ELEMS`` float32 each.
+    """Yield (l0, l1, h0, h1) slices of K (or V) of about ``_CHUNK_ELEMS`` float32 each.
 
     Small layers are grouped (fewer op calls); a large layer is split by heads.
     """
@@ -397,48 +398,44 @@ def _chunks(layers: int, heads: int, per_head: int):
 def _quantize(kv: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, n_k: int) -> None:
     """Fill ``q`` (int8) and ``scales`` (K then V) from ``kv``, chunk by chunk.
 
-    Small per-chunk tensors (absmax, scales) are handled K and V together, and
-    the NaN/Inf check runs once at the end: on small blocks the op count, not
-    the bytes, sets the speed.
+    K and V go through the scratch separately: a 1 MiB float32 chunk stays in a
+    core's L2 across the seven passes over it (measured ~30% faster than 2 MiB
+    chunks here). The NaN/Inf check runs once, on the scales, at the end.
     """
     layers, _, heads, tokens, dim = kv.shape
-    k_scale = scales[:n_k].view(layers, heads, 1, dim)
-    v_scale = scales[n_k:].view(layers, heads, tokens, 1)
     exact = scales.dtype == torch.float32
-    for l0, l1, h0, h1 in _chunks(layers, heads, 2 * tokens * dim):
-        nl, nh = l1 - l0, h1 - h0
-        buf = _SCRATCH.get("work", nl * 2 * nh * tokens * dim).view(nl, 2, nh, tokens, dim)
-        nk, nv = nl * nh * dim, nl * nh * tokens
-        small = _SCRATCH.get("small", 2 * (nk + nv))
-        hi, lo = small[: nk + nv], small[nk + nv :]
-        buf.copy_(kv[l0:l1, :, h0:h1])
-        k, v = buf[:, 0], buf[:, 1]
-        k_hi, v_hi = hi[:nk].view(nl, nh, 1, dim), hi[nk:].view(nl, nh, tokens, 1)
-        k_lo, v_lo = lo[:nk].view(nl, nh, 1, dim), lo[nk:].view(nl, nh, tokens, 1)
-        torch.amax(k, dim=2, keepdim=True, out=k_hi)
-        torch.amin(k, dim=2, keepdim=True, out=k_lo)
-        torch.amax(v, dim=3, keepdim=True, out=v_hi)
-        torch.amin(v, dim=3, keepdim=True, out=v_lo)
-        torch.maximum(hi, lo.neg_(), out=hi)  # absmax without an abs() pass
-        # The floor keeps an all-zero channel at q = 0 (not 0 * inf = NaN); the stored scale
-        # is the clamped one, so the decoder multiplies by exactly what was divided by.
-        torch.div(hi, 127.0, out=lo).clamp_min_(_MIN_SCALE)
-        k_scale[l0:l1, h0:h1].copy_(k_lo)
-        v_scale[l0:l1, h0:h1].copy_(v_lo)
-        if not exact:  # quantize with the rounded float16 scale the decoder will see
-            if bool((lo < _MIN_SCALE_F16).logical_and_(hi > 0).any()):
-                raise InvalidKV("int8 codec: values too small for float16 scales; use scale_dtype='float32'")
-            k_lo.copy_(k_scale[l0:l1, h0:h1])
-            v_lo.copy_(v_scale[l0:l1, h0:h1])
-        lo.reciprocal_()
-        k.mul_(k_lo)
-        v.mul_(v_lo)
-        buf.round_()
-        if not exact:  # the rounded float16 scale can sit just under absmax/127
-            buf.clamp_(-127.0, 127.0)
-        q[l0:l1, :, h0:h1].copy_(buf)
+    for part, scale, reduce_dim in _parts(scales, n_k, layers, heads, tokens, dim):
+        for l0, l1, h0, h1 in _chunks(layers, heads, tokens * dim):
+            buf = _SCRATCH.get("work", (l1 - l0) * (h1 - h0) * tokens * dim).view(l1 - l0, h1 - h0, tokens, dim)
+            dest = scale[l0:l1, h0:h1]
+            small = _SCRATCH.get("small", 2 * dest.numel())
+            hi, lo = small[: dest.numel()].view(dest.shape), small[dest.numel() :].view(dest.shape)
+            buf.copy_(kv[l0:l1, part, h0:h1])
+            torch.amax(buf, dim=reduce_dim, keepdim=True, out=hi)
+            torch.amin(buf, dim=reduce_dim, keepdim=True, out=lo)
+            torch.maximum(hi, lo.neg_(), out=hi)  # absmax without an abs() pass
+            # The floor keeps an all-zero channel at q = 0 (not 0 * inf = NaN); the stored scale
+            # is the clamped one, so the decoder multiplies by exactly what was divided by.
+            torch.div(hi, 127.0, out=lo).clamp_min_(_MIN_SCALE)
+            dest.copy_(lo)
+            if not exact:  # quantize with the rounded float16 scale the decoder will see
+                if bool((lo < _MIN_SCALE_F16).logical_and_(hi > 0).any()):
+                    raise InvalidKV("int8 codec: values too small for float16 scales; use scale_dtype='float32'")
+                lo.copy_(dest)
+            buf.mul_(lo.reciprocal_()).round_()
+            if not exact:  # the rounded float16 scale can sit just under absmax/127
+                buf.clamp_(-127.0, 127.0)
+            q[l0:l1, part, h0:h1].copy_(buf)
     if not _scales_sound(scales):
         _raise_bad_scales(kv, exact)
+
+
+def _parts(scales: torch.Tensor, n_k: int, layers: int, heads: int, tokens: int, dim: int):
+    """(part, its scales, the dim its absmax reduces): K per channel over tokens, V per token."""
+    return (
+        (0, scales[:n_k].view(layers, heads, 1, dim), 2),
+        (1, scales[n_k:].view(layers, heads, tokens, 1), 3),
+    )
 
 
 def _scales_sound(scales: torch.Tensor) -> bool:
@@ -616,15 +613,12 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor, n_k: int, out: torch.Tens
     layers, _, heads, tokens, dim = q.shape
     if scales.dtype != torch.float32:
         scales = scales.float()  # small: one scale per channel or token
-    k_scale = scales[:n_k].view(layers, heads, 1, dim)
-    v_scale = scales[n_k:].view(layers, heads, tokens, 1)
-    for l0, l1, h0, h1 in _chunks(layers, heads, 2 * tokens * dim):
-        nl, nh = l1 - l0, h1 - h0
-        buf = _SCRATCH.get("work", nl * 2 * nh * tokens * dim).view(nl, 2, nh, tokens, dim)
-        buf.copy_(q[l0:l1, :, h0:h1])
-        buf[:, 0].mul_(k_scale[l0:l1, h0:h1])
-        buf[:, 1].mul_(v_scale[l0:l1, h0:h1])
-        out[l0:l1, :, h0:h1].copy_(buf)
+    for part, scale, _ in _parts(scales, n_k, layers, heads, tokens, dim):
+        for l0, l1, h0, h1 in _chunks(layers, heads, tokens * dim):
+            buf = _SCRATCH.get("work", (l1 - l0) * (h1 - h0) * tokens * dim).view(l1 - l0, h1 - h0, tokens, dim)
+            buf.copy_(q[l0:l1, part, h0:h1])
+            buf.mul_(scale[l0:l1, h0:h1])
+            out[l0:l1, part, h0:h1].copy_(buf)
 
 
 def _bytes_view(frame: Any) -> memoryview:

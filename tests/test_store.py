@@ -263,7 +263,8 @@ def test_settings_from_env(monkeypatch):
         EmbeddedStore()
 
 
-def test_threaded_put_get_delete_keep_index_and_data_consistent():
+@pytest.mark.parametrize("iterations", [150, pytest.param(5000, marks=pytest.mark.slow)])
+def test_threaded_put_get_delete_keep_index_and_data_consistent(iterations):
     """Writers, readers and deleters on overlapping sequences: every read is exact."""
     spec = make_spec(block_tokens=4, num_layers=2, head_dim=8)
     base = make_kv(spec, 64, seed=7)  # token t's KV depends only on t: prefixes agree
@@ -274,7 +275,7 @@ def test_threaded_put_get_delete_keep_index_and_data_consistent():
 
         def worker(w: int) -> None:
             try:
-                for i in range(150):
+                for i in range(iterations):
                     s = (w + i) % len(seqs)
                     op = (w * 7 + i) % 5
                     if op < 2:

@@ -2,6 +2,7 @@
 
 import zlib
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -84,3 +85,8 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.slow
+class TestStoreMachineLong(StoreMachine.TestCase):
+    settings = settings(max_examples=2000, stateful_step_count=80, deadline=None)
