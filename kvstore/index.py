@@ -62,24 +62,6 @@ class Index:
         with self._cond:
             return self._entries.get(key)
 
-    def __contains__(self, key: object) -> bool:
-        with self._cond:
-            return key in self._entries
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._entries)
-
-    def prefix_len(self, keys: Iterable[BlockHash]) -> int:
-        """How many of ``keys``, from the first, are present (stops at the first miss)."""
-        n = 0
-        for key in keys:
-            with self._cond:
-                if key not in self._entries:
-                    return n
-            n += 1
-        return n
-
     def totals(self) -> tuple[int, int, int]:
         """(entries, frame bytes, raw KV bytes)."""
         with self._cond:
@@ -89,10 +71,6 @@ class Index:
         """Copies of every entry, safe to sort and filter without the lock."""
         with self._cond:
             return [replace(e) for e in self._entries.values()]
-
-    def keys(self) -> list[BlockHash]:
-        with self._cond:
-            return list(self._entries)  # type: ignore[arg-type]
 
     # -- writes ---------------------------------------------------------------
 

@@ -227,10 +227,6 @@ class KVStore:
             n += 1
         return n * spec.block_tokens
 
-    def block_keys(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> list[BlockHash]:
-        """The keys of every full block of ``tokens``, stored or not."""
-        return block_hashes(_check_spec(spec), tokens, namespace)
-
     def delete(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
         """Delete every stored block of ``tokens`` (shared prefix blocks included).
 

@@ -66,10 +66,6 @@ class TierStats:
     def free_bytes(self) -> int:
         return max(0, self.capacity_bytes - self.used_bytes)
 
-    @property
-    def used_frac(self) -> float:
-        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
-
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["free_bytes"] = self.free_bytes
