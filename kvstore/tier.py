@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from kvstore.errors import InvalidInput
 from kvstore.keys import BlockHash
 
 __all__ = ["Tier", "TierStats", "TierCounters", "Buffer", "FrameWriter"]
@@ -131,6 +132,28 @@ class Tier(ABC):
         n = writer(memoryview(buf))
         self.put(key, memoryview(buf)[:n])
         return n
+
+    def get_into(self, key: BlockHash, out: Buffer) -> int | None:
+        """Copy the frame under ``key`` into the writable buffer ``out``.
+
+        Arena tiers override this to copy once, straight into a buffer the
+        caller reuses, instead of allocating a fresh one per get.
+
+        Returns:
+            The frame's length, or ``None`` when absent.
+
+        Raises:
+            InvalidInput: ``out`` is shorter than the frame.
+        """
+        frame = self.get(key)
+        if frame is None:
+            return None
+        src = memoryview(frame).cast("B")
+        dst = memoryview(out).cast("B")
+        if len(dst) < len(src):
+            raise InvalidInput(f"out holds {len(dst)} bytes, the frame needs {len(src)}")
+        dst[: len(src)] = src
+        return len(src)
 
     def put_many(self, items: Iterable[tuple[BlockHash, Buffer]]) -> None:
         for key, frame in items:

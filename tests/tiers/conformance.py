@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.errors import InvalidKey, KVStoreError, StoreClosed, TierFull
+from kvstore.errors import InvalidInput, InvalidKey, KVStoreError, StoreClosed, TierFull
 from kvstore.tier import Tier, TierStats
 
 MiB = 1 << 20
@@ -138,6 +138,15 @@ class TierContract:
         assert tier.put_with(key(1), 64, writer) == 5
         assert bytes(tier.get(key(1))) == b"hello"
         assert tier.stats().used_bytes == 5
+
+    def test_get_into_reused_buffer(self, tier):
+        out = bytearray(8192)
+        tier.put(key(1), payload(5000, 1))
+        assert tier.get_into(key(1), out) == 5000
+        assert bytes(out[:5000]) == payload(5000, 1)
+        assert tier.get_into(key(2), out) is None
+        with pytest.raises(InvalidInput):
+            tier.get_into(key(1), bytearray(10))
 
     def test_threads(self, tier):
         errors: list[BaseException] = []

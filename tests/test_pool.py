@@ -1,0 +1,130 @@
+"""SlabAllocator: no overlap, exact accounting, fails only when nothing fits."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstore.errors import InvalidInput
+from kvstore.pool import SlabAllocator, _bin, _bin_floor
+
+
+def test_bins_are_monotonic_and_floors_round_trip():
+    prev = 0
+    for size in range(1, 70000, 7):
+        b = _bin(size)
+        assert b >= prev
+        prev = b
+        assert _bin_floor(b) <= size
+        assert _bin(_bin_floor(b)) == b
+
+
+def test_alloc_free_coalesces_back_to_one_range():
+    a = SlabAllocator(1 << 20)
+    offs = [a.alloc(1000) for _ in range(100)]
+    assert len(set(offs)) == 100 and a.used_bytes == 100 * 1024
+    for off in offs[::2] + offs[1::2]:
+        a.free(off)
+    assert a.used_bytes == 0 and a.largest_free() == 1 << 20
+
+
+def test_zero_byte_request_takes_one_unit():
+    a = SlabAllocator(128)
+    assert a.alloc(0) == 0 and a.alloc(0) == 64 and a.alloc(0) is None
+
+
+def test_fragmented_space_fails_until_compacted():
+    a = SlabAllocator(4096)
+    offs = [a.alloc(512) for _ in range(8)]
+    for off in offs[::2]:
+        a.free(off)
+    assert a.free_bytes == 2048 and a.alloc(1024) is None
+    moves = a.compact()
+    assert [m.dst for m in moves] == [0, 512, 1024, 1536]
+    assert a.alloc(2048) == 2048
+
+
+def test_compact_leaves_pinned_in_place():
+    a = SlabAllocator(4096)
+    offs = [a.alloc(512) for _ in range(8)]
+    for off in (offs[0], offs[2], offs[5]):
+        a.free(off)
+    pinned = offs[3]
+    a.compact(pinned=[pinned])
+    allocs = a.allocations()
+    assert pinned in allocs
+    spans = sorted((o, o + s) for o, s in allocs.items())
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+
+
+def test_double_free_is_typed():
+    a = SlabAllocator(4096)
+    off = a.alloc(10)
+    a.free(off)
+    with pytest.raises(InvalidInput):
+        a.free(off)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True])
+def test_bad_size(bad):
+    with pytest.raises(InvalidInput):
+        SlabAllocator(bad)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    SIZE = 1 << 16
+
+    def __init__(self):
+        super().__init__()
+        self.a = SlabAllocator(self.SIZE)
+        self.live: dict[int, int] = {}
+
+    @rule(n=st.integers(0, 20000))
+    def alloc(self, n):
+        off = self.a.alloc(n)
+        gaps = self.a._gaps() if off is None else None
+        if off is None:
+            assert all(length < self.a.rounded(n) for _, length in gaps)
+        else:
+            assert off % 64 == 0 and off + self.a.rounded(n) <= self.SIZE
+            self.live[off] = self.a.rounded(n)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1000))
+    def free(self, i):
+        off = sorted(self.live)[i % len(self.live)]
+        self.a.free(off)
+        del self.live[off]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def compact(self, data):
+        pinned = data.draw(st.sets(st.sampled_from(sorted(self.live)), max_size=3))
+        moves = self.a.compact(pinned)
+        remap = {m.src: m.dst for m in moves}
+        assert all(m.dst < m.src for m in moves)
+        assert not pinned & set(remap)
+        self.live = {remap.get(o, o): s for o, s in self.live.items()}
+        if not pinned:
+            assert self.a.largest_free() == self.a.free_bytes
+
+    @invariant()
+    def consistent(self):
+        assert self.a.allocations() == self.live
+        assert self.a.used_bytes == sum(self.live.values())
+        spans = sorted((o, o + s) for o, s in self.live.items())
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        free_total = sum(self.a._free_start.values())
+        assert free_total == self.SIZE - self.a.used_bytes
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+def test_shrink_returns_the_tail():
+    a = SlabAllocator(4096)
+    off = a.alloc(4000)
+    a.shrink(off, 100)
+    assert a.used_bytes == 128 and a.largest_free() == 4096 - 128
+    assert a.alloc(3968) == 128

@@ -1,0 +1,346 @@
+"""The shared body of tiers whose frames live in one preallocated arena.
+
+shm, cxl and device differ only in what the arena is (a ``/dev/shm`` mapping,
+hugepage memory, a torch tensor) and in how bytes get in and out. Everything
+else lives here once: the key map, the ``SlabAllocator``, capacity accounting,
+compaction, and the rule that memory a reader is copying from is never reused
+under it.
+
+Concurrency. One lock guards the maps; bytes move outside it. A put reserves
+its range under the lock, fills it unlocked and publishes under the lock, so an
+int8 encoder running in ``put_with`` does not stall other readers. A get pins
+its range (``_busy``) while it copies. A range that is deleted or replaced while
+pinned is *retired*: it leaves the key map and the accounting at once, and goes
+back to the allocator when the last reader lets go. Compaction never moves a
+pinned range. Subclasses can pin more (shm: ranges leased to other processes).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import abstractmethod
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from kvstore.errors import InvalidInput, StoreClosed, TierFull
+from kvstore.keys import BlockHash, check_key
+from kvstore.pool import Move, SlabAllocator
+from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats
+
+__all__ = ["ArenaTier", "Slot", "default_max_entries"]
+
+ALIGN = 64
+"""Slot alignment: one cache line, so two slots never share one."""
+
+
+def default_max_entries(capacity_bytes: int) -> int:
+    """One slot per 4 KiB of capacity, within [1024, 4M]: a 16-token block of
+    even a tiny model is larger than 4 KiB, so slots run out after bytes do."""
+    return min(max(capacity_bytes // 4096, 1024), 1 << 22)
+
+
+@dataclass(slots=True)
+class Slot:
+    """Where one frame lives."""
+
+    index: int
+    """Row in the slot table: shm publishes it to readers in other processes."""
+    offset: int
+    length: int
+    """Frame bytes; the allocator holds ``length`` rounded up to ``ALIGN``."""
+
+
+class ArenaTier(Tier):
+    """A tier over one arena of ``arena_bytes``; subclasses move the bytes.
+
+    Subclasses implement ``_copy_in``, ``_copy_out`` and ``_move`` and may
+    override ``_fill`` (write in place), ``_publish``/``_unpublish`` (announce a
+    slot) and ``_pinned_elsewhere`` (ranges other processes hold).
+    """
+
+    kind = "arena"
+
+    def __init__(self, capacity_bytes: int, *, name: str, max_entries: int | None = None) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise InvalidInput(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        slots = default_max_entries(capacity_bytes) if max_entries is None else max_entries
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots <= 0:
+            raise InvalidInput(f"max_entries must be a positive int, got {max_entries!r}")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.max_entries = slots
+        # Rounding costs at most ALIGN per slot; with this slack, a compacted
+        # arena always has room for whatever the capacity accounting admits.
+        self.arena_bytes = capacity_bytes + slots * ALIGN
+        self._alloc = SlabAllocator(self.arena_bytes, align=ALIGN)
+        self._slots: dict[bytes, Slot] = {}
+        self._free_rows = list(range(slots - 1, -1, -1))
+        self._busy: dict[int, int] = {}  # offset -> readers/writers copying it now
+        self._retired: dict[int, Slot] = {}  # offset -> slot gone from the map, still pinned
+        self._used = 0
+        self._reserved = 0
+        self._compactions = 0
+        self._counters = TierCounters()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- what a subclass provides ----------------------------------------------------
+
+    @abstractmethod
+    def _copy_in(self, offset: int, frame: memoryview) -> None:
+        """Copy ``frame`` into the arena at ``offset``."""
+
+    @abstractmethod
+    def _copy_out(self, offset: int, length: int) -> Buffer:
+        """A stable copy of ``length`` bytes at ``offset``."""
+
+    @abstractmethod
+    def _move(self, moves: list[Move]) -> None:
+        """Carry out compaction moves, in order, overlap-safe."""
+
+    def _fill(self, offset: int, size: int, writer: FrameWriter) -> int:
+        """Let ``writer`` produce a frame of at most ``size`` bytes at ``offset``."""
+        buf = bytearray(size)
+        with memoryview(buf) as view:
+            n = writer(view)
+            self._copy_in(offset, view[:n])
+        return n
+
+    def _copy_out_into(self, offset: int, length: int, out: memoryview) -> None:
+        out[:length] = memoryview(self._copy_out(offset, length)).cast("B")
+
+    def _publish(self, key: bytes, slot: Slot) -> None:
+        """The slot now holds ``key``'s frame. Lock held."""
+
+    def _unpublish(self, slot: Slot) -> None:
+        """The slot's frame is going away or moving. Lock held."""
+
+    def _pinned_elsewhere(self, slot: Slot) -> bool:
+        """Whether another process holds the slot's range. Lock held."""
+        return False
+
+    def _details(self) -> dict[str, str]:
+        return {}
+
+    # -- the Tier contract -------------------------------------------------------------
+
+    def put(self, key: BlockHash, frame: Buffer) -> None:
+        view = memoryview(frame).cast("B")
+
+        def write(dest_offset: int) -> int:
+            self._copy_in(dest_offset, view)
+            return len(view)
+
+        check_key(key)
+        self._put(key, len(view), write)
+
+    def put_with(self, key: BlockHash, size: int, writer: FrameWriter) -> int:
+        check_key(key)
+        return self._put(key, size, lambda offset: self._fill(offset, size, writer))
+
+    def _put(self, key: bytes, size: int, fill) -> int:
+        with self._lock:
+            slot = self._reserve(key, size)
+        try:
+            n = fill(slot.offset)
+            if not 0 <= n <= size:
+                raise InvalidInput(f"writer reported {n} bytes for a {size}-byte slot")
+        except BaseException:
+            with self._lock:
+                self._reserved -= size
+                self._release(slot)  # retired while pinned, freed by the unbusy below
+                self._unbusy(slot.offset)
+            raise
+        with self._lock:
+            self._reserved -= size
+            if self._closed:
+                raise StoreClosed(f"tier {self.name!r} was closed during a put")
+            slot.length = n
+            self._alloc.shrink(slot.offset, n)
+            old = self._slots.pop(key, None)
+            if old is not None:
+                self._used -= old.length
+                self._unpublish(old)
+                self._release(old)
+            self._slots[key] = slot
+            self._used += n
+            self._publish(key, slot)
+            self._counters.puts += 1
+            self._unbusy(slot.offset)
+        return n
+
+    def _reserve(self, key: bytes, size: int) -> Slot:
+        """Room for ``size`` bytes, pinned until published. Lock held.
+
+        Raises:
+            TierFull: over capacity, out of slots, or the arena is pinned apart.
+        """
+        self._check_open()
+        old = self._slots.get(key)
+        old_len = old.length if old is not None else 0
+        if self._used + self._reserved - old_len + size > self.capacity_bytes:
+            self._full(f"a {size}-byte frame does not fit ({self._used} of {self.capacity_bytes} bytes used)")
+        tight = not self._free_rows or self._alloc.largest_free() < self._alloc.rounded(size)
+        if tight and old is not None and not self._busy.get(old.offset):
+            # Replacing: let the old frame go first rather than need room for both.
+            del self._slots[key]
+            self._used -= old.length
+            self._unpublish(old)
+            self._release(old)
+        offset = self._alloc.alloc(size)
+        if offset is None and self._alloc.free_bytes >= self._alloc.rounded(size):
+            self._compact()
+            offset = self._alloc.alloc(size)
+        if offset is None:
+            self._full(f"no {size}-byte range is free: {len(self._busy)} ranges are being read")
+        if not self._free_rows:
+            self._alloc.free(offset)
+            self._full(f"all {self.max_entries} slots are in use")
+        self._reserved += size
+        self._busy[offset] = 1
+        return Slot(self._free_rows.pop(), offset, size)
+
+    def _full(self, why: str) -> None:
+        self._counters.errors += 1
+        raise TierFull(f"tier {self.name!r}: {why}", tier=self.name)
+
+    def get(self, key: BlockHash) -> Buffer | None:
+        slot = self._pin(key)
+        if slot is None:
+            return None
+        try:
+            return self._copy_out(slot.offset, slot.length)
+        finally:
+            with self._lock:
+                self._unbusy(slot.offset)
+
+    def get_into(self, key: BlockHash, out: Buffer) -> int | None:
+        slot = self._pin(key)
+        if slot is None:
+            return None
+        try:
+            view = memoryview(out).cast("B")
+            if len(view) < slot.length:
+                raise InvalidInput(f"out holds {len(view)} bytes, the frame needs {slot.length}")
+            self._copy_out_into(slot.offset, slot.length, view)
+            return slot.length
+        finally:
+            with self._lock:
+                self._unbusy(slot.offset)
+
+    def _pin(self, key: bytes) -> Slot | None:
+        with self._lock:
+            self._check_open()
+            self._counters.gets += 1
+            slot = self._slots.get(key)
+            if slot is None:
+                self._counters.misses += 1
+                return None
+            self._counters.hits += 1
+            self._busy[slot.offset] = self._busy.get(slot.offset, 0) + 1
+            return replace(slot)
+
+    def delete(self, key: BlockHash) -> bool:
+        with self._lock:
+            self._check_open()
+            slot = self._slots.pop(key, None)
+            if slot is None:
+                return False
+            self._used -= slot.length
+            self._counters.deletes += 1
+            self._unpublish(slot)
+            self._release(slot)
+            return True
+
+    def contains(self, key: BlockHash) -> bool:
+        with self._lock:
+            self._check_open()
+            return key in self._slots
+
+    def keys(self) -> Iterator[BlockHash]:
+        with self._lock:
+            self._check_open()
+            snapshot = list(self._slots)
+        return iter(snapshot)  # type: ignore[arg-type]
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            details = {
+                "arena_bytes": str(self.arena_bytes),
+                "arena_free_bytes": str(self._alloc.free_bytes),
+                "largest_free_bytes": str(self._alloc.largest_free()),
+                "compactions": str(self._compactions),
+                "retired": str(len(self._retired)),
+                **self._details(),
+            }
+            return TierStats(
+                name=self.name,
+                kind=self.kind,
+                entries=len(self._slots),
+                used_bytes=self._used,
+                capacity_bytes=self.capacity_bytes,
+                durable=self.durable,
+                shared=self.shared,
+                counters=replace(self._counters),
+                details=details,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for slot in self._slots.values():
+                self._unpublish(slot)
+            self._slots.clear()
+            self._used = 0
+        self._close_arena()
+
+    def _close_arena(self) -> None:
+        """Release the arena itself; called once, after the maps are cleared."""
+
+    # -- bookkeeping under the lock ------------------------------------------------
+
+    def _release(self, slot: Slot) -> None:
+        """Free ``slot`` now, or retire it until its readers let go."""
+        if self._busy.get(slot.offset) or self._pinned_elsewhere(slot):
+            self._retired[slot.offset] = slot
+            return
+        self._alloc.free(slot.offset)
+        self._free_rows.append(slot.index)
+
+    def _unbusy(self, offset: int) -> None:
+        left = self._busy[offset] - 1
+        if left:
+            self._busy[offset] = left
+            return
+        del self._busy[offset]
+        slot = self._retired.pop(offset, None)
+        if slot is not None:
+            self._release(slot)
+
+    def _reclaim(self) -> None:
+        """Free retired slots whose outside pins have gone."""
+        for offset, slot in list(self._retired.items()):
+            if not self._busy.get(offset) and not self._pinned_elsewhere(slot):
+                del self._retired[offset]
+                self._release(slot)
+
+    def _compact(self) -> None:
+        self._reclaim()
+        pinned = set(self._busy) | set(self._retired)
+        pinned |= {s.offset for s in self._slots.values() if self._pinned_elsewhere(s)}
+        moves = self._alloc.compact(pinned)
+        by_offset = {s.offset: (k, s) for k, s in self._slots.items()}
+        moved = [by_offset[m.src] for m in moves]
+        for _, slot in moved:  # readers elsewhere must see the old place go away first
+            self._unpublish(slot)
+        self._move(moves)
+        for (key, slot), move in zip(moved, moves):
+            slot.offset = move.dst
+            self._publish(key, slot)
+        self._compactions += 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"tier {self.name!r} is closed")
