@@ -192,7 +192,8 @@ class ArenaTier(Tier):
             self._compact()
             offset = self._alloc.alloc(size)
         if offset is None:
-            self._full(f"no {size}-byte range is free: {len(self._busy)} ranges are being read")
+            self._full(f"no {size}-byte range is free ({len(self._busy)} ranges being read, "
+                       f"{len(self._retired)} retired ranges still held by readers)")
         if not self._free_rows:
             self._alloc.free(offset)
             self._full(f"all {self.max_entries} slots are in use")
@@ -328,16 +329,18 @@ class ArenaTier(Tier):
 
     def _compact(self) -> None:
         self._reclaim()
-        pinned = set(self._busy) | set(self._retired)
-        pinned |= {s.offset for s in self._slots.values() if self._pinned_elsewhere(s)}
-        moves = self._alloc.compact(pinned)
-        by_offset = {s.offset: (k, s) for k, s in self._slots.items()}
-        moved = [by_offset[m.src] for m in moves]
-        for _, slot in moved:  # readers elsewhere must see the old place go away first
+        live = [(k, s) for k, s in self._slots.items() if not self._busy.get(s.offset)]
+        # Unpublish before probing for outside pins: a reader that pins a slot
+        # after the probe then finds its generation gone and backs off.
+        for _, slot in live:
             self._unpublish(slot)
+        pinned = set(self._busy) | set(self._retired)
+        pinned |= {s.offset for _, s in live if self._pinned_elsewhere(s)}
+        moves = self._alloc.compact(pinned)
         self._move(moves)
-        for (key, slot), move in zip(moved, moves):
-            slot.offset = move.dst
+        moved = {m.src: m.dst for m in moves}
+        for key, slot in live:
+            slot.offset = moved.get(slot.offset, slot.offset)
             self._publish(key, slot)
         self._compactions += 1
 

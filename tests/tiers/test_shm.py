@@ -1,0 +1,229 @@
+"""The shm tier on real /dev/shm, with readers in real other processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore.errors import InvalidInput, TierFull, TierUnavailable
+from tests.tiers.conformance import MiB, TierContract, key, payload, tier_state_machine
+from tiers.shm import SHM_DIR, ShmReader, ShmTier, SlotHandle, cleanup_stale
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def make_tier():
+    made = []
+
+    def make(capacity_bytes, **kw):
+        made.append(ShmTier(capacity_bytes, **kw))
+        return made[-1]
+
+    yield make
+    for tier in made:
+        tier.close()
+        assert not os.path.exists(tier.path), "close must unlink the segment"
+
+
+class TestShmTier(TierContract):
+    def test_stats_name_segment_and_pinning(self, tier):
+        details = tier.stats().details
+        assert details["segment"] == tier.path and os.path.exists(tier.path)
+        assert details["pinned"] == "false"  # no CUDA here
+        assert tier.stats().shared is True
+
+
+TestShmStateMachine = tier_state_machine(lambda cap: ShmTier(cap)).TestCase
+
+
+def framed(seed: int, n: int) -> bytes:
+    body = payload(n, seed)
+    return xxhash.xxh3_64_digest(body) + body
+
+
+def test_reader_copies_by_handle_and_misses_when_stale(make_tier):
+    tier = make_tier(4 * MiB)
+    tier.put(key(1), framed(1, 5000))
+    handle = tier.handle(key(1))
+    with ShmReader(tier.segment) as reader:
+        assert reader.read(handle) == framed(1, 5000)
+        assert reader.find(key(1)) == handle
+        tier.put(key(1), framed(2, 5000))  # replaced: the old handle must not serve
+        assert reader.read(handle) is None
+        fresh = tier.handle(key(1))
+        out = bytearray(8192)
+        assert reader.read(fresh, out) == 5008 and bytes(out[:5008]) == framed(2, 5000)
+        tier.delete(key(1))
+        assert reader.read(fresh) is None and reader.find(key(1)) is None
+    assert tier.handle(key(1)) is None
+
+
+def test_lease_keeps_bytes_still_until_released(make_tier):
+    tier = make_tier(1 * MiB, max_entries=8)
+    tier.put(key(1), framed(1, 200_000))
+    handle = tier.handle(key(1))
+    with ShmReader(tier.segment) as reader:
+        with reader.lease(handle) as view:
+            tier.delete(key(1))
+            for i in range(2, 6):  # fill the arena: the leased range must not be handed out
+                try:
+                    tier.put(key(i), framed(i, 200_000))
+                except TierFull:
+                    pass
+            assert bytes(view) == framed(1, 200_000)
+            assert tier.stats().details["retired"] == "1"
+        tier.put(key(9), b"x")  # the next put reclaims what the lease held
+        assert tier.stats().details["retired"] == "0"
+        with reader.lease(handle) as view:
+            assert view is None
+
+
+def test_handles_from_outside_are_checked(make_tier):
+    tier = make_tier(1 * MiB)
+    with ShmReader(tier.segment) as reader:
+        with pytest.raises(InvalidInput):
+            reader.read(SlotHandle(tier.segment, 0, tier.arena_bytes, 10, 2))
+        with pytest.raises(InvalidInput):
+            reader.read(SlotHandle("other", 0, 0, 10, 2))
+        with pytest.raises(InvalidInput):
+            SlotHandle.from_dict({"segment": tier.segment, "index": -1, "offset": 0, "length": 1, "gen": 2})
+    with pytest.raises(TierUnavailable):
+        ShmReader("kvstore.nothing.1.00000000")
+    with pytest.raises(InvalidInput):
+        ShmReader("../etc/passwd")
+
+
+def churn_against_reader(tier, seconds: float, max_frame: int = 200_000) -> dict:
+    """Overwrite four keys as fast as possible while another process reads them."""
+    keys = [key(i) for i in range(4)]
+    rng = np.random.default_rng(0)
+    # Made up front so the loop is nothing but puts: ranges get reused within microseconds.
+    frames = [framed(i, int(rng.integers(100, max_frame))) for i in range(24)]
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "tests.tiers.shm_churn", tier.segment, str(seconds), ",".join(k.hex() for k in keys)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )
+    writes = 0
+    while reader.poll() is None:
+        k = keys[writes % 4]
+        if writes % 7 == 6:
+            tier.delete(k)
+        else:
+            try:
+                tier.put(k, frames[writes % len(frames)])
+            except TierFull:  # leased ranges can hold the small arena apart for a moment
+                tier.delete(keys[(writes + 1) % 4])
+        writes += 1
+    out, _ = reader.communicate(timeout=30)
+    assert reader.returncode == 0
+    counts = json.loads(out)
+    counts["writes"] = writes
+    return counts
+
+
+def test_cross_process_reader_never_sees_a_torn_frame(make_tier):
+    # A small arena forces constant reuse and compaction of the ranges being read.
+    tier = make_tier(3 * MiB, max_entries=16)
+    counts = churn_against_reader(tier, seconds=3, max_frame=1 * MiB)
+    assert counts["torn"] == 0 and counts["torn_leased"] == 0, counts
+    assert int(tier.stats().details["compactions"]) > 10, "the churn must move ranges under the reader"
+    assert counts["ok"] > 100 and counts["leased"] > 10 and counts["stale"] > 0, counts
+
+
+@pytest.mark.slow
+def test_cross_process_reader_long_churn(make_tier):
+    counts = churn_against_reader(make_tier(3 * MiB, max_entries=16), seconds=30, max_frame=1 * MiB)
+    assert counts["torn"] == 0 and counts["torn_leased"] == 0 and counts["ok"] > 1000, counts
+
+
+def test_no_segment_outlives_kill_9(tmp_path):
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from tiers.shm import ShmTier\n"
+         "t = ShmTier(1 << 20, name='victim'); print(t.path, flush=True); time.sleep(60)"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        path = child.stdout.readline().strip()
+        assert os.path.exists(path)
+        assert os.path.basename(path) not in cleanup_stale()  # its owner is alive: keep it
+        assert os.path.exists(path)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        assert os.path.exists(path)  # kill -9 runs no cleanup of its own
+        tier = ShmTier(1 << 20)
+        try:
+            assert not os.path.exists(path)
+            assert os.path.basename(path) in tier.stale_removed
+        finally:
+            tier.close()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_interpreter_exit_without_close_unlinks():
+    out = subprocess.run(
+        [sys.executable, "-c", "from tiers.shm import ShmTier\nt = ShmTier(1 << 20); print(t.path)"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert out.startswith(SHM_DIR) and not os.path.exists(out)
+
+
+def test_reader_survives_owner_close(make_tier):
+    tier = make_tier(1 * MiB)
+    tier.put(key(1), b"abc")
+    handle = tier.handle(key(1))
+    reader = ShmReader(tier.segment)
+    tier.close()
+    assert reader.read(handle) is None  # closing unpublishes every slot
+    reader.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root")
+def test_arena_larger_than_shm_is_tierfull(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        with pytest.raises(TierFull):
+            ShmTier(8 * MiB, shm_dir=str(mnt))
+        assert os.listdir(mnt) == []  # the failed segment is gone too
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_concurrent_gets_during_compaction(make_tier):
+    tier = make_tier(1 * MiB, max_entries=32)
+    stop = threading.Event()
+    bad = []
+
+    def reader():
+        while not stop.is_set():
+            for i in range(8):
+                got = tier.get(key(i))
+                if got is not None and bytes(got[:8]) != xxhash.xxh3_64_digest(bytes(got[8:])):
+                    bad.append(i)
+
+    th = threading.Thread(target=reader)
+    th.start()
+    try:
+        for n in range(300):
+            i = n % 8
+            try:
+                tier.put(key(i), framed(n, (n * 7919) % 150_000 + 10))
+            except TierFull:
+                tier.delete(key((i + 3) % 8))
+    finally:
+        stop.set()
+        th.join()
+    assert not bad
+    assert int(tier.stats().details["compactions"]) > 0
