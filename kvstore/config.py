@@ -15,7 +15,7 @@ from typing import Mapping
 from kvstore.codec import Codec
 from kvstore.errors import InvalidInput
 
-__all__ = ["Settings", "parse_size"]
+__all__ = ["Settings", "parse_size", "TIER_KINDS"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -24,6 +24,8 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _MAX_SIZE = 2**60
+_REDIS_URL = re.compile(r"^(redis|rediss|redis\+cluster)://")
+TIER_KINDS = ("memory", "device", "shm", "cxl", "redis", "nvme")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -50,15 +52,59 @@ def parse_size(text: str | int) -> int:
 class Settings:
     """Engine settings. ``from_env()`` reads each field from ``KVSTORE_<FIELD>``."""
 
-    memory_bytes: int = 4 * 2**30
-    """Capacity of the default in-process memory tier, bytes (KVSTORE_MEMORY_BYTES)."""
+    tiers: str = "shm,cxl,nvme"
+    """Tiers, fastest first, comma-separated (KVSTORE_TIERS). ``redis`` is put
+    above ``nvme`` by itself when ``redis_url`` is set and the list omits it."""
     codec: str = Codec.RAW.value
     """Codec for new frames: raw, int8 or int8+lz4 (KVSTORE_CODEC)."""
+    data_dir: str = "./kvstore-data"
+    """Where the nvme tier keeps its files (KVSTORE_DATA_DIR)."""
+    memory_bytes: int = 4 * 2**30
+    """Capacity of the in-process memory tier, bytes (KVSTORE_MEMORY_BYTES)."""
+    device_bytes: int = 2 * 2**30
+    """Capacity of the device tier's preallocated pool, bytes (KVSTORE_DEVICE_BYTES)."""
+    shm_bytes: int = 1 * 2**30
+    """Capacity of the shared-memory arena, bytes; reserved in /dev/shm at start (KVSTORE_SHM_BYTES)."""
+    cxl_bytes: int = 1 * 2**30
+    """Capacity of the hugepage arena, bytes; pre-faulted at start (KVSTORE_CXL_BYTES)."""
+    cxl_node: int | None = None
+    """NUMA node for the cxl arena; default the highest-numbered one, the far node (KVSTORE_CXL_NODE)."""
+    nvme_bytes: int = 64 * 2**30
+    """Frame bytes the nvme tier may hold (KVSTORE_NVME_BYTES)."""
+    redis_url: str | None = None
+    """``redis://host:port/db`` or ``redis+cluster://host:port`` (KVSTORE_REDIS_URL)."""
+    redis_bytes: int = 16 * 2**30
+    """Frame bytes kvstore may keep in Redis, shared by every server on that keyspace (KVSTORE_REDIS_BYTES)."""
+    redis_keyspace: str = "default"
+    """Key prefix part, so several deployments can share one Redis (KVSTORE_REDIS_KEYSPACE)."""
 
     def __post_init__(self) -> None:
         # Accept "4GiB" as well as ints; store plain bytes and the canonical codec name.
-        object.__setattr__(self, "memory_bytes", parse_size(self.memory_bytes))
+        for f in fields(self):
+            if f.name.endswith("_bytes"):
+                object.__setattr__(self, f.name, parse_size(getattr(self, f.name)))
         object.__setattr__(self, "codec", Codec.parse(self.codec).value)
+        object.__setattr__(self, "tiers", ",".join(self.tier_names()))
+        if self.cxl_node is not None and (isinstance(self.cxl_node, bool) or not isinstance(self.cxl_node, int)
+                                          or self.cxl_node < 0):
+            raise InvalidInput(f"cxl_node must be a non-negative int, got {self.cxl_node!r}")
+        if self.redis_url is not None and not _REDIS_URL.match(str(self.redis_url)):
+            raise InvalidInput(f"redis_url must start with redis://, rediss:// or redis+cluster://, got {self.redis_url!r}")
+
+    def tier_names(self) -> list[str]:
+        """The tiers to build, fastest first, with ``redis`` added above ``nvme`` when a URL is set.
+
+        Raises:
+            InvalidInput: an unknown or repeated tier name.
+        """
+        names = [n.strip().lower() for n in str(self.tiers).split(",") if n.strip()]
+        unknown = [n for n in names if n not in TIER_KINDS]
+        if unknown or not names or len(set(names)) != len(names):
+            raise InvalidInput(f"tiers must be distinct names from {', '.join(TIER_KINDS)}, got {self.tiers!r}")
+        if self.redis_url and "redis" not in names:
+            at = names.index("nvme") if "nvme" in names else len(names)
+            names.insert(at, "redis")
+        return names
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -74,10 +120,20 @@ class Settings:
             if raw is None:
                 continue
             try:
-                values[f.name] = parse_size(raw) if f.name.endswith("_bytes") else raw
+                values[f.name] = _parse_field(f.name, raw)
             except InvalidInput as exc:
                 raise InvalidInput(f"KVSTORE_{f.name.upper()}: {exc}") from exc
         try:
             return cls(**values)  # type: ignore[arg-type]
         except InvalidInput as exc:
             raise InvalidInput(f"bad KVSTORE_* setting: {exc}") from exc
+
+
+def _parse_field(name: str, raw: str) -> object:
+    if name.endswith("_bytes"):
+        return parse_size(raw)
+    if name == "cxl_node":
+        if not raw.strip().isdigit():
+            raise InvalidInput(f"a NUMA node number, got {raw!r}")
+        return int(raw)
+    return raw or None if name == "redis_url" else raw

@@ -382,10 +382,13 @@ class KVStore:
 
 
 class EmbeddedStore(KVStore):
-    """An in-process store. With no ``tiers``, one memory tier sized by ``Settings``.
+    """An in-process store. With no ``tiers``, the tiers ``Settings`` names.
+
+    The default is shm -> cxl -> nvme (under ``./kvstore-data``), with Redis
+    above nvme when ``KVSTORE_REDIS_URL`` is set.
 
     Args:
-        tiers: tiers to use instead of the default memory tier.
+        tiers: tiers to use instead of the configured ones.
         codec, tier_codecs: as for ``KVStore``; ``codec`` defaults to the settings'.
         settings: defaults to ``Settings.from_env()``.
     """
@@ -400,9 +403,9 @@ class EmbeddedStore(KVStore):
     ) -> None:
         settings = settings or Settings.from_env()
         if tiers is None:
-            from tiers.memory import MemoryTier  # kvstore -> tiers; lazy so tiers may import kvstore.tier
+            from kvstore.build import build_tiers  # lazy: tiers import kvstore.tier
 
-            tiers = [MemoryTier(settings.memory_bytes)]
+            tiers = build_tiers(settings)
         super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs)
 
 

@@ -16,7 +16,7 @@ TOKENS = list(range(500, 600))  # 6 full blocks of 16, tail of 4
 
 @pytest.fixture
 def store():
-    with EmbeddedStore(settings=Settings(memory_bytes=256 * MiB)) as s:
+    with EmbeddedStore(settings=Settings(tiers="memory", memory_bytes=256 * MiB)) as s:
         yield s
 
 
@@ -95,7 +95,7 @@ def test_an_entry_under_another_namespace_is_a_miss(store, spec):
 
 def test_tokens_as_tensor_and_bfloat16():
     spec = make_spec(dtype="bfloat16", block_tokens=8)
-    with EmbeddedStore(settings=Settings(memory_bytes=16 * MiB)) as store:
+    with EmbeddedStore(settings=Settings(tiers="memory", memory_bytes=16 * MiB)) as store:
         kv = make_kv(spec, 24)
         assert store.put_kv(spec, torch.tensor(TOKENS[:24]), kv) == 24
         kv2, n = store.get_kv(spec, TOKENS[:24])
@@ -104,7 +104,7 @@ def test_tokens_as_tensor_and_bfloat16():
 
 @pytest.mark.parametrize("codec", ["int8", "int8+lz4"])
 def test_int8_store_keeps_error_bound_and_saves_bytes(spec, codec):
-    with EmbeddedStore(codec=codec, settings=Settings(memory_bytes=64 * MiB)) as store:
+    with EmbeddedStore(codec=codec, settings=Settings(tiers="memory", memory_bytes=64 * MiB)) as store:
         kv = make_kv(spec, 100)
         store.put_kv(spec, TOKENS, kv)
         kv2, n = store.get_kv(spec, TOKENS)
@@ -116,7 +116,7 @@ def test_int8_store_keeps_error_bound_and_saves_bytes(spec, codec):
 
 
 def test_int8_refuses_nan_before_storing_anything(spec):
-    with EmbeddedStore(codec="int8", settings=Settings(memory_bytes=64 * MiB)) as store:
+    with EmbeddedStore(codec="int8", settings=Settings(tiers="memory", memory_bytes=64 * MiB)) as store:
         kv = make_kv(spec, 100)
         kv[1, 1, 0, 70, 3] = float("nan")  # in block 4
         store.put_kv(spec, TOKENS[:16], kv[:, :, :, :16])  # block 0 was there before the call
@@ -232,7 +232,7 @@ def test_put_kv_shape_and_dtype_errors(store, spec):
 
 
 def test_closed_store_refuses(spec):
-    store = EmbeddedStore(settings=Settings(memory_bytes=MiB))
+    store = EmbeddedStore(settings=Settings(tiers="memory", memory_bytes=MiB))
     store.close()
     store.close()
     for call in (lambda: store.put_kv(spec, TOKENS, make_kv(spec, 100)),
@@ -253,6 +253,7 @@ def test_constructor_errors():
 
 
 def test_settings_from_env(monkeypatch):
+    monkeypatch.setenv("KVSTORE_TIERS", "memory")
     monkeypatch.setenv("KVSTORE_MEMORY_BYTES", "3MiB")
     monkeypatch.setenv("KVSTORE_CODEC", "int8")
     with EmbeddedStore() as store:
@@ -271,7 +272,7 @@ def test_threaded_put_get_delete_keep_index_and_data_consistent(iterations):
     seqs = [list(range(t0, t0 + 64)) for t0 in (0,)] + [list(range(32)) + list(range(100 + 32 * i, 132 + 32 * i)) for i in range(3)]
     kvs = [base if i == 0 else torch.cat([base[:, :, :, :32], make_kv(spec, 32, seed=i)], dim=3) for i in range(len(seqs))]
     errors: list[BaseException] = []
-    with EmbeddedStore(settings=Settings(memory_bytes=64 * MiB)) as store:
+    with EmbeddedStore(settings=Settings(tiers="memory", memory_bytes=64 * MiB)) as store:
 
         def worker(w: int) -> None:
             try:
@@ -339,10 +340,10 @@ def test_put_during_a_slow_delete_of_the_same_block_is_not_lost(spec):
 
 
 def test_settings_accept_sizes_and_normalise():
-    s = Settings(memory_bytes="2MiB", codec="int8")
+    s = Settings(tiers="memory", memory_bytes="2MiB", codec="int8")
     assert s.memory_bytes == 2 * MiB and s.codec == "int8"
     with pytest.raises(InvalidInput):
-        Settings(memory_bytes=0)
+        Settings(tiers="memory", memory_bytes=0)
     with pytest.raises(InvalidInput):
         Settings(codec="gzip")
 
@@ -378,7 +379,7 @@ def test_a_sound_frame_of_another_block_is_a_miss_not_wrong_kv(spec):
 def test_kv_with_autograd_history(store, spec):
     kv = make_kv(spec, 32).float().requires_grad_()
     spec32 = spec.replace(dtype="float32")
-    with EmbeddedStore(codec="int8", settings=Settings(memory_bytes=16 * MiB)) as s:
+    with EmbeddedStore(codec="int8", settings=Settings(tiers="memory", memory_bytes=16 * MiB)) as s:
         assert s.put_kv(spec32, TOKENS[:32], kv * 1) == 32
         got, n = s.get_kv(spec32, TOKENS[:32])
         assert n == 32 and not got.requires_grad
@@ -397,7 +398,7 @@ def test_delete_blocks_is_all_or_nothing(store, spec):
 
 
 def test_close_empties_the_index(spec):
-    store = EmbeddedStore(settings=Settings(memory_bytes=16 * MiB))
+    store = EmbeddedStore(settings=Settings(tiers="memory", memory_bytes=16 * MiB))
     store.put_kv(spec, TOKENS, make_kv(spec, 100))
     store.close()
     assert store.stats().blocks == 0 and store.stats().frame_bytes == 0

@@ -1,0 +1,78 @@
+"""Tiers from settings: the one place that knows each tier's constructor.
+
+``Settings.tier_names()`` says which tiers, fastest first; this module builds
+them. Tier modules are imported only when named, so an embedded store that
+never uses Redis never imports redis-py.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from kvstore.config import Settings
+from kvstore.tier import Tier
+
+__all__ = ["build_tiers"]
+
+
+def _memory(s: Settings) -> Tier:
+    from tiers.memory import MemoryTier
+
+    return MemoryTier(s.memory_bytes)
+
+
+def _device(s: Settings) -> Tier:
+    from tiers.device import DeviceTier
+
+    return DeviceTier(s.device_bytes)
+
+
+def _shm(s: Settings) -> Tier:
+    from tiers.shm import ShmTier
+
+    return ShmTier(s.shm_bytes)
+
+
+def _cxl(s: Settings) -> Tier:
+    from tiers.cxl import CXLTier
+
+    return CXLTier(s.cxl_bytes, numa_node=s.cxl_node)
+
+
+def _redis(s: Settings) -> Tier:
+    from kvstore.errors import InvalidInput
+    from tiers.redis import RedisTier
+
+    if not s.redis_url:
+        raise InvalidInput("the redis tier needs KVSTORE_REDIS_URL")
+    return RedisTier(s.redis_url, s.redis_bytes, keyspace=s.redis_keyspace)
+
+
+def _nvme(s: Settings) -> Tier:
+    from tiers.nvme import NVMeTier
+
+    return NVMeTier(os.path.join(s.data_dir, "nvme"), s.nvme_bytes)
+
+
+_BUILDERS: dict[str, Callable[[Settings], Tier]] = {
+    "memory": _memory, "device": _device, "shm": _shm, "cxl": _cxl, "redis": _redis, "nvme": _nvme,
+}
+
+
+def build_tiers(settings: Settings) -> list[Tier]:
+    """The tiers ``settings`` names, built in order; on failure, those built are closed.
+
+    Raises:
+        InvalidInput: a bad tier list or a tier setting out of range.
+        TierError: a tier's backing could not be set up (e.g. /dev/shm too small).
+    """
+    built: list[Tier] = []
+    try:
+        for name in settings.tier_names():
+            built.append(_BUILDERS[name](settings))
+    except BaseException:
+        for tier in built:
+            tier.close()
+        raise
+    return built

@@ -1,0 +1,53 @@
+"""Settings: tier lists, env parsing, and the tiers they build."""
+
+import os
+
+import pytest
+
+from kvstore.build import build_tiers
+from kvstore.config import Settings
+from kvstore.errors import InvalidInput
+
+MiB = 1 << 20
+
+
+def test_defaults_are_the_embedded_stack():
+    s = Settings()
+    assert s.tier_names() == ["shm", "cxl", "nvme"]
+    assert s.data_dir == "./kvstore-data" and s.redis_url is None
+
+
+def test_redis_url_puts_redis_above_nvme():
+    assert Settings(redis_url="redis://127.0.0.1:6379/0").tier_names() == ["shm", "cxl", "redis", "nvme"]
+    assert Settings(tiers="memory", redis_url="redis://x:1").tier_names() == ["memory", "redis"]
+    assert Settings(tiers="redis,shm", redis_url="redis://x:1").tier_names() == ["redis", "shm"]
+
+
+@pytest.mark.parametrize("tiers", ["", "shm,shm", "shm,tape", "gpu"])
+def test_bad_tier_lists(tiers):
+    with pytest.raises(InvalidInput, match="tiers"):
+        Settings(tiers=tiers)
+
+
+def test_env_forms(monkeypatch):
+    monkeypatch.setenv("KVSTORE_TIERS", " SHM , nvme ")
+    monkeypatch.setenv("KVSTORE_SHM_BYTES", "64MiB")
+    monkeypatch.setenv("KVSTORE_CXL_NODE", "0")
+    monkeypatch.setenv("KVSTORE_REDIS_URL", "redis+cluster://127.0.0.1:7000")
+    s = Settings.from_env()
+    assert s.tiers == "shm,redis,nvme" and s.shm_bytes == 64 * MiB and s.cxl_node == 0
+    assert s.tier_names() == ["shm", "redis", "nvme"]
+    monkeypatch.setenv("KVSTORE_CXL_NODE", "far")
+    with pytest.raises(InvalidInput, match="KVSTORE_CXL_NODE"):
+        Settings.from_env()
+    monkeypatch.setenv("KVSTORE_CXL_NODE", "")
+    monkeypatch.setenv("KVSTORE_REDIS_URL", "http://nope")
+    with pytest.raises(InvalidInput, match="redis_url"):
+        Settings.from_env()
+
+
+def test_build_closes_what_it_built_when_a_later_tier_fails():
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(InvalidInput):
+        build_tiers(Settings(tiers="shm,redis", shm_bytes=MiB))  # redis named, but no URL
+    assert set(os.listdir("/dev/shm")) == before  # the shm arena built first was closed and unlinked
