@@ -133,6 +133,8 @@ def _parse_field(name: str, raw: str) -> object:
     if name.endswith("_bytes"):
         return parse_size(raw)
     if name == "cxl_node":
+        if not raw.strip():
+            return None
         if not raw.strip().isdigit():
             raise InvalidInput(f"a NUMA node number, got {raw!r}")
         return int(raw)
