@@ -19,6 +19,7 @@ them) stay where they are.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -42,6 +43,7 @@ class Move:
     size: int
 
 
+@functools.lru_cache(maxsize=8192)  # a handful of frame sizes recur; this runs 5-7 times per put
 def _bin(size: int) -> int:
     """Bin index of a free range of ``size`` bytes (> 0): ranges in bin b are >= its lower bound."""
     top = size.bit_length() - 1
@@ -222,9 +224,9 @@ class SlabAllocator:
         own = _bin(need)
         first = own if _bin_floor(own) == need else own + 1
         # Any range in a bin at or above ``first`` fits; prefer the smallest such bin.
-        candidates = [b for b in self._bins if b >= first]
-        if candidates:
-            return min(self._bins[min(candidates)])
+        best = min((b for b in self._bins if b >= first), default=None)
+        if best is not None:
+            return min(self._bins[best])
         for start in self._bins.get(own, ()):
             if self._free_start[start] >= need:
                 return start

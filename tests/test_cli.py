@@ -46,3 +46,21 @@ def test_bench_rejects_bad_repeats(tmp_path):
 def test_serve_says_not_yet():
     res = run("serve")
     assert res.returncode == 2 and "not yet" in res.stderr
+
+
+def test_bench_tiers_quick_measures_every_tier(tmp_path):
+    res = run("bench", "tiers", "--quick", "--repeats", "1", "--out", str(tmp_path), "--dir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    (path,) = tmp_path.glob("tiers-*.json")
+    result = json.loads(path.read_text())
+    assert result["notes"] == []  # every tier ran, none was skipped
+    assert {(r["tier"], r["size"]) for r in result["rows"]} == {
+        (t, s) for t in ("memory", "device", "shm", "cxl", "redis", "nvme") for s in ("1MiB", "64KiB")}
+    for row in result["rows"]:
+        assert row["put_gbps"]["median"] > 0 and row["raw_get_gbps"]["median"] > 0
+    assert not list(tmp_path.glob(".kvstore-bench-*")), "the bench cleans up its work dir"
+
+
+def test_bench_tiers_rejects_unknown_tier(tmp_path):
+    res = run("bench", "tiers", "--tiers", "shm,tape", "--out", str(tmp_path))
+    assert res.returncode == 2 and "tape" in res.stderr
