@@ -182,29 +182,31 @@ class KVStore:
         toks = normalize_tokens(tokens)
         self._count(get_calls=1, tokens_requested=spec.full_blocks(len(toks)) * spec.block_tokens)
         spec_fp = spec.fingerprint()
-        found: list[tuple[BlockHash, IndexEntry, Any]] = []
+        found: list[tuple[BlockHash, IndexEntry]] = []
         for key in iter_block_hashes(spec, toks, namespace):
             entry = self._index.get(key)
             if not _is_current(entry, namespace, spec_fp):
                 break
-            frame = self._read(entry)
-            if frame is None:
-                break
-            found.append((key, entry, frame))
+            found.append((key, entry))
         bt = spec.block_tokens
         out = spec.empty_kv(len(found) * bt)
+        # One reused frame buffer per thread: a fresh buffer per block would page-fault
+        # at a fraction of copy speed (see kvstore.pool).
+        scratch = _FRAMES.get(max((e.size for _, e in found), default=0))
         good = 0
-        for i, (key, entry, frame) in enumerate(found):
+        for i, (key, entry) in enumerate(found):
+            n = self._read_into(entry, scratch)
+            if n is None:
+                break
             try:
                 # expect_checksum: a sound frame that is not the one indexed (a tier mix-up) is refused
-                codec_mod.decode(frame, out=out[:, :, :, i * bt : (i + 1) * bt], expect_checksum=entry.checksum)
+                codec_mod.decode(scratch[:n], out=out[:, :, :, i * bt : (i + 1) * bt], expect_checksum=entry.checksum)
             except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
                 log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(), entry.tier, exc)
                 self._drop(entry, corrupt=True)
                 break
             good += 1
-        self._index.touch([key for key, _, _ in found[:good]], time.time())
-        del found
+        self._index.touch([key for key, _ in found[:good]], time.time())
         self._count(tokens_hit=good * bt)
         if good * bt < out.shape[3]:
             out = out[:, :, :, : good * bt].clone()
@@ -333,18 +335,21 @@ class KVStore:
             ) from failure
         raise failure
 
-    def _read(self, entry: IndexEntry) -> Any:
-        """The frame of ``entry``, or ``None`` (and the entry dropped) when it is gone."""
+    def _read_into(self, entry: IndexEntry, out: memoryview) -> int | None:
+        """Copy ``entry``'s frame into ``out``; ``None`` (and the entry dropped) when it is gone."""
         tier = self._by_name[entry.tier]
         try:
-            frame = tier.get(entry.key)
+            n = tier.get_into(entry.key, out)
+        except InvalidInput:  # the frame outgrew what the index recorded: not the frame indexed
+            self._drop(entry, corrupt=True)
+            return None
         except TierError as exc:
             self._count(tier_errors=1)
             log.warning("tier %s failed a get (%s); served as a miss", tier.name, exc)
             return None
-        if frame is None:
+        if n is None:
             self._drop(entry, corrupt=False)
-        return frame
+        return n
 
     def _drop(self, entry: IndexEntry, *, corrupt: bool) -> None:
         """Unpublish a block found gone or damaged, unless it was rewritten meanwhile."""
@@ -410,6 +415,21 @@ class EmbeddedStore(KVStore):
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+class _FrameBuffers(threading.local):
+    """A per-thread frame buffer that grows to the largest frame read so far."""
+
+    def __init__(self) -> None:
+        self.buf = memoryview(bytearray(0))
+
+    def get(self, nbytes: int) -> memoryview:
+        if len(self.buf) < nbytes:
+            self.buf = memoryview(bytearray(max(nbytes, 2 * len(self.buf))))
+        return self.buf
+
+
+_FRAMES = _FrameBuffers()
 
 
 def _check_spec(spec: Any) -> KVSpec:
