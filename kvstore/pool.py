@@ -105,6 +105,16 @@ class SlabAllocator:
         """A copy of ``offset -> rounded size`` for every live allocation."""
         return dict(self._allocs)
 
+    def copy(self) -> "SlabAllocator":
+        """An independent allocator in the same state, to plan on."""
+        twin = SlabAllocator.__new__(SlabAllocator)
+        twin.size, twin.align, twin._used = self.size, self.align, self._used
+        twin._allocs = dict(self._allocs)
+        twin._free_start = dict(self._free_start)
+        twin._free_end = dict(self._free_end)
+        twin._bins = {b: set(members) for b, members in self._bins.items()}
+        return twin
+
     # -- alloc / free ---------------------------------------------------------------
 
     def alloc(self, n: int) -> int | None:

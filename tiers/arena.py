@@ -154,6 +154,8 @@ class ArenaTier(Tier):
         with self._lock:
             self._reserved -= size
             if self._closed:
+                self._release(slot)
+                self._unbusy(slot.offset)
                 raise StoreClosed(f"tier {self.name!r} was closed during a put")
             slot.length = n
             self._alloc.shrink(slot.offset, n)
@@ -173,33 +175,60 @@ class ArenaTier(Tier):
         """Room for ``size`` bytes, pinned until published. Lock held.
 
         Raises:
-            TierFull: over capacity, out of slots, or the arena is pinned apart.
+            TierFull: over capacity, out of slots, or the arena is pinned apart;
+                nothing changed.
         """
         self._check_open()
         old = self._slots.get(key)
         old_len = old.length if old is not None else 0
         if self._used + self._reserved - old_len + size > self.capacity_bytes:
             self._full(f"a {size}-byte frame does not fit ({self._used} of {self.capacity_bytes} bytes used)")
-        tight = not self._free_rows or self._alloc.largest_free() < self._alloc.rounded(size)
-        if tight and old is not None and not self._busy.get(old.offset):
-            # Replacing: let the old frame go first rather than need room for both.
+        offset = self._alloc.alloc(size) if self._free_rows else None
+        if offset is None:
+            offset = self._make_room(key, old, size)
+        self._reserved += size
+        self._busy[offset] = 1
+        return Slot(self._free_rows.pop(), offset, size)
+
+    def _make_room(self, key: bytes, old: Slot | None, size: int) -> int:
+        """Allocate when the easy way failed: drop the frame being replaced, compact.
+
+        Both steps are planned on a copy of the allocator first, so a put that
+        cannot succeed raises TierFull before it has dropped or moved anything.
+        """
+        # Replacing: the old frame may go first rather than need room for both.
+        droppable = old is not None and not self._busy.get(old.offset) and not self._pinned_elsewhere(old)
+        plan = self._alloc.copy()
+        if droppable:
+            plan.free(old.offset)
+        compact = plan.alloc(size) is None
+        if compact:
+            plan = self._alloc.copy()
+            if droppable:
+                plan.free(old.offset)
+            plan.compact(self._pinned_offsets(skip=old if droppable else None))
+            if plan.alloc(size) is None:
+                self._full(f"no {size}-byte range is free ({len(self._busy)} ranges being read, "
+                           f"{len(self._retired)} retired ranges still held by readers)")
+        if not self._free_rows and not droppable:
+            self._full(f"all {self.max_entries} slots are in use")
+        if droppable:
             del self._slots[key]
             self._used -= old.length
             self._unpublish(old)
             self._release(old)
-        offset = self._alloc.alloc(size)
-        if offset is None and self._alloc.free_bytes >= self._alloc.rounded(size):
+        if compact:
             self._compact()
-            offset = self._alloc.alloc(size)
-        if offset is None:
-            self._full(f"no {size}-byte range is free ({len(self._busy)} ranges being read, "
-                       f"{len(self._retired)} retired ranges still held by readers)")
-        if not self._free_rows:
-            self._alloc.free(offset)
-            self._full(f"all {self.max_entries} slots are in use")
-        self._reserved += size
-        self._busy[offset] = 1
-        return Slot(self._free_rows.pop(), offset, size)
+        offset = self._alloc.alloc(size)
+        if offset is None:  # a reader in another process leased a range since the plan
+            self._full(f"no {size}-byte range is free: a reader pinned one during compaction")
+        return offset
+
+    def _pinned_offsets(self, skip: Slot | None = None) -> set[int]:
+        """Ranges compaction must leave in place. Lock held."""
+        pinned = set(self._busy) | set(self._retired)
+        pinned |= {s.offset for s in self._slots.values() if s is not skip and self._pinned_elsewhere(s)}
+        return pinned
 
     def _full(self, why: str) -> None:
         self._counters.errors += 1
@@ -265,6 +294,7 @@ class ArenaTier(Tier):
         return iter(snapshot)  # type: ignore[arg-type]
 
     def stats(self) -> TierStats:
+        extra = self._details()  # outside the lock: it may ask the kernel (smaps, NUMA)
         with self._lock:
             details = {
                 "arena_bytes": str(self.arena_bytes),
@@ -272,7 +302,7 @@ class ArenaTier(Tier):
                 "largest_free_bytes": str(self._alloc.largest_free()),
                 "compactions": str(self._compactions),
                 "retired": str(len(self._retired)),
-                **self._details(),
+                **extra,
             }
             return TierStats(
                 name=self.name,

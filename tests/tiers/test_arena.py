@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.errors import TierFull
+from kvstore.errors import StoreClosed, TierFull
 from tests.tiers.conformance import MiB, TierContract, key, payload, tier_state_machine
 from tiers.arena import ArenaTier
 
@@ -101,3 +101,31 @@ class TestHeapArena(TierContract):
 
 
 TestHeapArenaStateMachine = tier_state_machine(lambda cap: HeapArena(cap)).TestCase
+
+
+def test_tierfull_on_replace_keeps_the_old_frame():
+    # A pinned range blocks compaction; the put fails and the frame it would replace survives.
+    tier = HeapArena(1 * MiB, max_entries=16)
+    for i, n in ((1, 512 * 1024), (2, 256 * 1024), (3, 200 * 1024)):
+        tier.put(key(i), payload(n, i))
+    pinned = tier._pin(key(3))
+    with pytest.raises(TierFull):
+        tier.put(key(2), payload(300 * 1024, 9))
+    assert bytes(tier.get(key(2))) == payload(256 * 1024, 2)
+    with tier._lock:
+        tier._unbusy(pinned.offset)
+    tier.put(key(2), payload(300 * 1024, 9))
+    assert bytes(tier.get(key(2))) == payload(300 * 1024, 9)
+    assert bytes(tier.get(key(3))) == payload(200 * 1024, 3)
+
+
+def test_close_during_a_put_releases_its_range():
+    tier = HeapArena(1 * MiB)
+
+    def writer(view):
+        tier.close()
+        return 0
+
+    with pytest.raises(StoreClosed):
+        tier.put_with(key(1), 100, writer)
+    assert tier._busy == {}
