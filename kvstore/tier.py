@@ -149,7 +149,12 @@ class Tier(ABC):
         if frame is None:
             return None
         src = memoryview(frame).cast("B")
-        dst = memoryview(out).cast("B")
+        try:
+            dst = memoryview(out).cast("B")
+        except TypeError as exc:  # not a buffer, or not contiguous
+            raise InvalidInput(f"out must be one contiguous writable buffer: {exc}") from exc
+        if dst.readonly:
+            raise InvalidInput("out is read-only")
         if len(dst) < len(src):
             raise InvalidInput(f"out holds {len(dst)} bytes, the frame needs {len(src)}")
         dst[: len(src)] = src

@@ -27,7 +27,7 @@ from kvstore.keys import BlockHash, check_key
 from kvstore.pool import Move, SlabAllocator
 from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats
 
-__all__ = ["ArenaTier", "Slot", "default_max_entries"]
+__all__ = ["ArenaTier", "Slot", "default_max_entries", "writable_bytes"]
 
 ALIGN = 64
 """Slot alignment: one cache line, so two slots never share one."""
@@ -37,6 +37,38 @@ def default_max_entries(capacity_bytes: int) -> int:
     """One slot per 4 KiB of capacity, within [1024, 4M]: a 16-token block of
     even a tiny model is larger than 4 KiB, so slots run out after bytes do."""
     return min(max(capacity_bytes // 4096, 1024), 1 << 22)
+
+
+def writable_bytes(out: Buffer) -> memoryview:
+    """``out`` as a flat writable byte view.
+
+    Raises:
+        InvalidInput: ``out`` is read-only or not one contiguous buffer.
+    """
+    try:
+        view = memoryview(out)
+    except TypeError as exc:
+        raise InvalidInput(f"out must be a writable buffer, got {type(out).__name__}") from exc
+    if view.readonly:
+        raise InvalidInput("out is read-only")
+    if not view.contiguous:
+        raise InvalidInput("out must be one contiguous buffer")
+    return view.cast("B")
+
+
+class _Staging(threading.local):
+    """A per-thread buffer for writers that cannot write into the arena itself."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(0)
+
+    def view(self, size: int) -> memoryview:
+        if len(self.buf) < size:
+            self.buf = bytearray(size)
+        return memoryview(self.buf)[:size]
+
+
+_STAGING = _Staging()
 
 
 @dataclass(slots=True)
@@ -99,9 +131,12 @@ class ArenaTier(Tier):
         """Carry out compaction moves, in order, overlap-safe."""
 
     def _fill(self, offset: int, size: int, writer: FrameWriter) -> int:
-        """Let ``writer`` produce a frame of at most ``size`` bytes at ``offset``."""
-        buf = bytearray(size)
-        with memoryview(buf) as view:
+        """Let ``writer`` produce a frame of at most ``size`` bytes at ``offset``.
+
+        This default stages through a reused per-thread buffer; host arenas
+        override it to hand the writer the slot itself.
+        """
+        with _STAGING.view(size) as view:
             n = writer(view)
             self._copy_in(offset, view[:n])
         return n
@@ -249,7 +284,7 @@ class ArenaTier(Tier):
         if slot is None:
             return None
         try:
-            view = memoryview(out).cast("B")
+            view = writable_bytes(out)
             if len(view) < slot.length:
                 raise InvalidInput(f"out holds {len(view)} bytes, the frame needs {slot.length}")
             self._copy_out_into(slot.offset, slot.length, view)

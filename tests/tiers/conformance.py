@@ -147,6 +147,10 @@ class TierContract:
         assert tier.get_into(key(2), out) is None
         with pytest.raises(InvalidInput):
             tier.get_into(key(1), bytearray(10))
+        with pytest.raises(InvalidInput):
+            tier.get_into(key(1), bytes(8192))  # read-only
+        with pytest.raises(InvalidInput):
+            tier.get_into(key(1), np.zeros((2, 8192), np.uint8)[:, ::2])  # not contiguous
 
     def test_threads(self, tier):
         errors: list[BaseException] = []
