@@ -1,7 +1,7 @@
 """SlabAllocator: no overlap, exact accounting, fails only when nothing fits."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
