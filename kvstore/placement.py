@@ -1,0 +1,403 @@
+"""Placement: which tier each entry should be in, decided from access heat.
+
+The manager keeps its own small record per entry (tier, size, heat, pins) and
+turns events into ``MoveOrder``s; it never touches a tier. The store carries
+orders out (copy, switch the index, delete: ``kvstore/mover.py``) and reports
+back with ``moved``; the trace simulator (``bench/placement.py``) drives the
+very same code with a simulated clock and a mover that only updates records.
+
+Rules, in the order ``plan`` applies them:
+
+1. **Promotion.** A get that hits below the top tier makes the entry a
+   candidate. It moves to the top tier when that tier has room under its high
+   watermark, or when its heat beats the coldest movable resident there by the
+   scorer's margin; the watermark rule below then pushes that resident down.
+2. **Demotion.** A tier above ``high_watermark_frac`` sends its coldest movable
+   entries one tier down until it is under ``low_watermark_frac``; the last tier
+   evicts. ``make_room`` does the same at once, for a put that found the tier full.
+3. **Hysteresis.** An entry that arrived in its tier less than
+   ``min_residency_s`` ago does not move again (except to make room for a put),
+   and promotion needs the margin. Heat itself is an exponentially decayed
+   average. With ``hysteresis=False`` all three are off; the bench measures what
+   they save on an oscillating workload.
+4. **Pins and leases.** A pinned or leased entry never moves down or out.
+
+Every applied move is logged with its reason, per entry (for ``explain``) and
+store-wide (bounded).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from kvstore.errors import InvalidInput
+from kvstore.heat import DecayedRate, Heat, Scorer
+
+__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """How placement treats one tier."""
+
+    name: str
+    capacity_bytes: int
+    high_watermark_frac: float = 0.90
+    """Above this share of capacity, the coldest entries go down."""
+    low_watermark_frac: float = 0.75
+    """... until the tier is back under this share."""
+    cold: bool = False
+    """Frames demoted into a cold tier are re-encoded int8 (nvme and redis by default)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark_frac <= self.high_watermark_frac <= 1:
+            raise InvalidInput(f"tier {self.name!r}: need 0 < low_watermark_frac <= high_watermark_frac <= 1, "
+                               f"got {self.low_watermark_frac}, {self.high_watermark_frac}")
+        if self.capacity_bytes <= 0:
+            raise InvalidInput(f"tier {self.name!r}: capacity_bytes must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """Placement knobs, with units in their names."""
+
+    half_life_s: float = 60.0
+    """Heat halves after this long without access (DecayedRate)."""
+    margin_frac: float = 0.2
+    """A promotion needs this much more heat than the resident it displaces."""
+    min_residency_s: float = 5.0
+    """An entry stays this long in a tier before placement moves it again."""
+    promote: bool = True
+    hysteresis: bool = True
+    """False turns off the margin and the residency time (the bench's control)."""
+    move_bytes_per_s: int = 512 * 2**20
+    """Budget of the background mover."""
+    interval_s: float = 0.25
+    """How often the background mover plans."""
+    entry_log: int = 8
+    """Moves remembered per entry, for explain."""
+    store_log: int = 10_000
+    """Moves remembered store-wide."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveOrder:
+    """A decision: move ``key`` from ``src`` to ``dst`` (``None``: evict)."""
+
+    key: bytes
+    src: str
+    dst: str | None
+    size: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRecord:
+    """A move that happened."""
+
+    time_s: float
+    key: bytes
+    src: str
+    dst: str | None
+    size: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"time_s": self.time_s, "key": self.key.hex(), "src": self.src, "dst": self.dst,
+                "bytes": self.size, "reason": self.reason}
+
+
+@dataclass(slots=True)
+class _Resident:
+    tier: int
+    size: int
+    since_s: float
+    """When it arrived in its current tier (residency starts here)."""
+    heat: Heat = field(default_factory=Heat)
+    pinned_until: float = 0.0
+    leases: int = 0
+    moves: deque = field(default_factory=deque)
+
+
+class PlacementManager:
+    """Decides moves across ``tiers`` (fastest first). Thread-safe; every event is O(1).
+
+    Args:
+        tiers: one policy per tier, fastest first.
+        scorer: heat strategy (default ``DecayedRate`` from the config).
+        config: knobs (``PlacementConfig()`` by default).
+        clock: seconds; the simulator passes a simulated one.
+    """
+
+    def __init__(self, tiers: Sequence[TierPolicy], *, scorer: Scorer | None = None,
+                 config: PlacementConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if not tiers:
+            raise InvalidInput("placement needs at least one tier")
+        self.tiers = list(tiers)
+        self.config = config or PlacementConfig()
+        self.scorer = scorer or DecayedRate(self.config.half_life_s, self.config.margin_frac)
+        self.clock = clock
+        self._pos = {t.name: i for i, t in enumerate(self.tiers)}
+        if len(self._pos) != len(self.tiers):
+            raise InvalidInput("tier names must be unique")
+        self._res: dict[bytes, _Resident] = {}
+        self._members: list[dict[bytes, _Resident]] = [{} for _ in self.tiers]
+        self._used = [0] * len(self.tiers)
+        self._candidates: dict[bytes, None] = {}  # an ordered set
+        self._log: deque[MoveRecord] = deque(maxlen=self.config.store_log)
+        self._moved = {"promoted": 0, "demoted": 0, "evicted": 0}
+        self._moved_bytes = 0
+        self._lock = threading.Lock()
+
+    # -- events from the store ------------------------------------------------------
+
+    def admitted(self, key: bytes, tier: str, size: int, *, access: bool = True) -> None:
+        """``key`` was written (or found at start) in ``tier``; a write counts as an access."""
+        now = self.clock()
+        with self._lock:
+            r = self._res.get(key)
+            if r is None:
+                r = self._res[key] = _Resident(self._pos[tier], size, now)
+            else:
+                self._leave(key, r)
+                r.tier, r.size, r.since_s = self._pos[tier], size, now
+            self._members[r.tier][key] = r
+            self._used[r.tier] += size
+            if access:
+                self.scorer.touch(r.heat, now)
+
+    def accessed(self, keys: Iterable[bytes]) -> None:
+        """Each key was read: heat goes up; one below the top tier becomes a promotion candidate."""
+        now = self.clock()
+        with self._lock:
+            for key in keys:
+                r = self._res.get(key)
+                if r is None:
+                    continue
+                self.scorer.touch(r.heat, now)
+                if r.tier and self.config.promote:
+                    self._candidates[key] = None
+
+    def removed(self, key: bytes) -> None:
+        """``key`` is gone (deleted, overwritten elsewhere, found missing)."""
+        with self._lock:
+            r = self._res.pop(key, None)
+            if r is not None:
+                self._leave(key, r)
+            self._candidates.pop(key, None)
+
+    def moved(self, order: MoveOrder, size: int | None = None) -> None:
+        """The store carried ``order`` out; ``size`` is the frame's size in its new tier."""
+        now = self.clock()
+        with self._lock:
+            r = self._res.get(order.key)
+            if r is None:
+                return
+            self._leave(order.key, r)
+            record = MoveRecord(now, order.key, order.src, order.dst, order.size, order.reason)
+            self._log.append(record)
+            self._moved_bytes += order.size
+            kind = order.reason.split(":", 1)[0]
+            self._moved[kind] = self._moved.get(kind, 0) + 1
+            if order.dst is None:
+                del self._res[order.key]
+                return
+            r.tier, r.since_s = self._pos[order.dst], now
+            r.size = order.size if size is None else size
+            self._members[r.tier][order.key] = r
+            self._used[r.tier] += r.size
+            r.moves.append(record)
+            while len(r.moves) > self.config.entry_log:
+                r.moves.popleft()
+
+    def _leave(self, key: bytes, r: _Resident) -> None:
+        self._members[r.tier].pop(key, None)
+        self._used[r.tier] -= r.size
+
+    # -- pins and leases ------------------------------------------------------------
+
+    def pin(self, key: bytes, ttl_s: float | None = None) -> bool:
+        """Keep ``key`` in its tier or higher, for ``ttl_s`` seconds or until unpinned.
+
+        Returns:
+            False when placement does not know the key.
+        """
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidInput(f"ttl_s must be positive, got {ttl_s!r}")
+        with self._lock:
+            r = self._res.get(key)
+            if r is None:
+                return False
+            r.pinned_until = math.inf if ttl_s is None else self.clock() + ttl_s
+            return True
+
+    def unpin(self, key: bytes) -> bool:
+        with self._lock:
+            r = self._res.get(key)
+            if r is None or not r.pinned_until:
+                return False
+            r.pinned_until = 0.0
+            return True
+
+    def lease(self, key: bytes) -> bool:
+        """A zero-copy reader holds ``key``: it must not move or go until ``release``."""
+        with self._lock:
+            r = self._res.get(key)
+            if r is None:
+                return False
+            r.leases += 1
+            return True
+
+    def release(self, key: bytes) -> None:
+        with self._lock:
+            r = self._res.get(key)
+            if r is not None and r.leases:
+                r.leases -= 1
+
+    def is_pinned(self, key: bytes) -> bool:
+        with self._lock:
+            r = self._res.get(key)
+            return r is not None and r.pinned_until > self.clock()
+
+    # -- decisions -------------------------------------------------------------------
+
+    def plan(self) -> list[MoveOrder]:
+        """Promotions first, then demotions for every tier above its high watermark."""
+        now = self.clock()
+        with self._lock:
+            projected = list(self._used)
+            orders: list[MoveOrder] = []
+            ordered: set[bytes] = set()
+            if self.config.promote and self._candidates:
+                orders += self._promotions(now, projected, ordered)
+            for i, tier in enumerate(self.tiers):
+                high = tier.high_watermark_frac * tier.capacity_bytes
+                if projected[i] > high:
+                    frac = projected[i] / tier.capacity_bytes
+                    target = tier.low_watermark_frac * tier.capacity_bytes
+                    reason = (f"demoted: {tier.name} above high watermark {tier.high_watermark_frac:.2f} "
+                              f"({frac:.2f})")
+                    orders += self._demote(i, projected[i] - target, now, projected, ordered, reason,
+                                           respect_residency=True)
+            return orders
+
+    def make_room(self, tier: str, nbytes: int) -> list[MoveOrder]:
+        """Orders that free ``nbytes`` in ``tier`` now, for a put that found it full.
+
+        Residency is not waited for here: the put is waiting.
+        """
+        now = self.clock()
+        with self._lock:
+            i = self._pos[tier]
+            t = self.tiers[i]
+            need = self._used[i] + nbytes - t.capacity_bytes
+            if need <= 0:
+                return []
+            reason = f"demoted: {t.name} full for a {nbytes}-byte put"
+            return self._demote(i, need, now, list(self._used), set(), reason, respect_residency=False)
+
+    def _movable(self, r: _Resident, now: float, respect_residency: bool) -> bool:
+        if r.leases or r.pinned_until > now:
+            return False
+        return not (respect_residency and self.config.hysteresis
+                    and now - r.since_s < self.config.min_residency_s)
+
+    def _demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],
+                reason: str, *, respect_residency: bool) -> list[MoveOrder]:
+        dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) else None
+        why = reason if dst else reason.replace("demoted:", "evicted:", 1)
+        orders = []
+        freed = 0
+        for key, r in sorted(self._members[i].items(), key=lambda kv: kv[1].heat.score):
+            if freed >= need:
+                break
+            if key in ordered or not self._movable(r, now, respect_residency):
+                continue
+            orders.append(MoveOrder(key, self.tiers[i].name, dst, r.size, why))
+            ordered.add(key)
+            freed += r.size
+            projected[i] -= r.size
+            if dst is not None:
+                projected[i + 1] += r.size
+        return orders
+
+    def _promotions(self, now: float, projected: list[int], ordered: set[bytes]) -> list[MoveOrder]:
+        top = self.tiers[0]
+        room = top.high_watermark_frac * top.capacity_bytes - projected[0]
+        residents = sorted(
+            (r.heat.score for r in self._members[0].values() if self._movable(r, now, True)), reverse=True)
+        hysteresis = self.config.hysteresis
+        orders = []
+        for key in list(self._candidates):
+            del self._candidates[key]
+            r = self._res.get(key)
+            if r is None or r.tier == 0 or key in ordered:
+                continue
+            if hysteresis and now - r.since_s < self.config.min_residency_s:
+                continue
+            src = self.tiers[r.tier].name
+            if r.size <= room:
+                reason = f"promoted: {top.name} has room ({projected[0] / top.capacity_bytes:.2f} full)"
+                room -= r.size
+            elif residents and (self.scorer.beats(r.heat.score, residents[-1]) if hysteresis
+                                else r.heat.score > residents[-1]):
+                coldest = residents.pop()
+                reason = (f"promoted: heat {self.scorer.rate(r.heat, now):.3g}/s beats the coldest in {top.name} "
+                          f"by more than {self.config.margin_frac:.0%}" if hysteresis else
+                          f"promoted: hotter than the coldest in {top.name}") + f" (score {r.heat.score:.3g} > {coldest:.3g})"
+            else:
+                continue
+            orders.append(MoveOrder(key, src, top.name, r.size, reason))
+            ordered.add(key)
+            projected[r.tier] -= r.size
+            projected[0] += r.size
+        return orders
+
+    # -- what happened ---------------------------------------------------------------
+
+    def explain(self, key: bytes) -> dict | None:
+        """Where ``key`` is and why, or None when placement does not know it."""
+        now = self.clock()
+        with self._lock:
+            r = self._res.get(key)
+            if r is None:
+                return None
+            return {
+                "tier": self.tiers[r.tier].name,
+                "size": r.size,
+                "heat_score": r.heat.score,
+                "heat_per_s": self.scorer.rate(r.heat, now),
+                "accesses": r.heat.count,
+                "last_access_age_s": now - r.heat.last_s,
+                "resident_for_s": now - r.since_s,
+                "pinned": r.pinned_until > now,
+                "pinned_for_s": None if r.pinned_until in (0.0, math.inf) or r.pinned_until <= now
+                else r.pinned_until - now,
+                "leases": r.leases,
+                "scorer": self.scorer.name,
+                "moves": [m.to_dict() for m in r.moves],
+            }
+
+    def log(self, limit: int = 100) -> list[MoveRecord]:
+        """The latest moves, newest last."""
+        with self._lock:
+            return list(self._log)[-limit:]
+
+    def usage(self) -> dict[str, int]:
+        """Bytes placement believes each tier holds."""
+        with self._lock:
+            return {t.name: self._used[i] for i, t in enumerate(self.tiers)}
+
+    def tier_of(self, key: bytes) -> str | None:
+        with self._lock:
+            r = self._res.get(key)
+            return None if r is None else self.tiers[r.tier].name
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._moved, "bytes_moved": self._moved_bytes, "entries": len(self._res)}
