@@ -34,6 +34,8 @@ from kvstore.errors import (
     TierFull,
 )
 from kvstore.index import Index, IndexEntry
+from kvstore.heat import Scorer
+from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
 from kvstore.keys import BlockHash, block_hashes, check_key, iter_block_hashes, normalize_tokens, validate_namespace
 from kvstore.spec import KVSpec
 from kvstore.tier import Tier, TierStats
@@ -62,6 +64,11 @@ class StoreCounters:
     stale_blocks: int = 0
     """Index entries whose frame the tier no longer had; dropped."""
     tier_errors: int = 0
+    blocks_promoted: int = 0
+    blocks_demoted: int = 0
+    blocks_evicted: int = 0
+    """Dropped from the last tier by placement."""
+    blocks_migrated: int = 0
 
 
 @dataclass(slots=True)
@@ -76,6 +83,8 @@ class StoreStats:
     codec_bytes_saved: int
     counters: StoreCounters
     tiers: list[TierStats] = field(default_factory=list)
+    moves: dict[str, int] = field(default_factory=dict)
+    """Placement moves by kind (promoted, demoted, evicted, migrated) and bytes moved."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -88,8 +97,15 @@ class KVStore:
 
     Args:
         tiers: at least one tier; names must be unique.
-        codec: codec for new frames (``raw``, ``int8``, ``int8+lz4``).
-        tier_codecs: per-tier overrides by tier name, e.g. ``{"nvme": "int8"}``.
+        codec: codec for new frames (``raw``, ``int8``, ``int8+lz4``). Cold
+            tiers (nvme, redis) default to ``int8`` when this is ``raw``.
+        tier_codecs: per-tier overrides by tier name, e.g. ``{"nvme": "raw"}``.
+        placement: placement knobs (``PlacementConfig()`` by default).
+        tier_policies: per-tier ``TierPolicy`` fields by tier name, e.g.
+            ``{"shm": {"high_watermark_frac": 0.8}}``.
+        scorer: heat strategy (default: decayed access rate).
+        background: run the placement mover in a thread; tests and the
+            simulator call ``run_placement()`` themselves instead.
     """
 
     def __init__(
@@ -98,6 +114,10 @@ class KVStore:
         *,
         codec: str | Codec = Codec.RAW,
         tier_codecs: Mapping[str, str | Codec] | None = None,
+        placement: PlacementConfig | None = None,
+        tier_policies: Mapping[str, Mapping[str, Any]] | None = None,
+        scorer: Scorer | None = None,
+        background: bool = True,
     ) -> None:
         tiers = list(tiers)
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
@@ -110,13 +130,34 @@ class KVStore:
         if unknown:
             raise InvalidInput(f"tier_codecs names unknown tier(s) {unknown}; tiers are {names}")
         default = Codec.parse(codec)
+        kinds = {t.name: _kind(t) for t in tiers}
+        cold = {name for name, kind in kinds.items() if kind in COLD_KINDS}
         self._tiers = tiers
         self._by_name = {t.name: t for t in tiers}
-        self._codecs = {t.name: Codec.parse(overrides.get(t.name, default)) for t in tiers}
+        # Hot tiers keep the store's codec; cold ones hold int8 unless told otherwise.
+        self._codecs = {
+            t.name: Codec.parse(overrides.get(t.name, Codec.INT8 if t.name in cold and default is Codec.RAW else default))
+            for t in tiers
+        }
         self._index = Index()
         self._counters = StoreCounters()
         self._counter_lock = threading.Lock()
         self._closed = False
+        policies = dict(tier_policies or {})
+        unknown = sorted(set(policies) - set(names))
+        if unknown:
+            raise InvalidInput(f"tier_policies names unknown tier(s) {unknown}; tiers are {names}")
+        self.placement = PlacementManager(
+            [TierPolicy(t.name, t.capacity_bytes, cold=t.name in cold, **policies.get(t.name, {})) for t in tiers],
+            scorer=scorer, config=placement,
+        )
+        from kvstore.mover import Mover  # the mover reads store internals; imported late to keep one direction
+        from kvstore.recovery import recover
+
+        self._mover = Mover(self, on_move=self._moved)
+        self.recovered = recover(self)
+        if background:
+            self._mover.start()
 
     # -- public API -------------------------------------------------------------
 
@@ -153,18 +194,29 @@ class KVStore:
         if any(c is not Codec.RAW for c in self._codecs.values()):
             _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])  # refuse before storing anything
         bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), time.time()
-        for i, key in enumerate(keys):
-            if _is_current(self._index.get(key), namespace, spec_fp):
-                self._count(blocks_deduped=1)
-                continue
-            with self._index.claim(key):
-                if _is_current(self._index.get(key), namespace, spec_fp):  # written while we waited
+        held: list[BlockHash] = []  # this call's blocks: making room must not push out the chain being written
+        try:
+            for i, key in enumerate(keys):
+                if _is_current(self._index.get(key), namespace, spec_fp):
                     self._count(blocks_deduped=1)
+                    if self.placement.lease(key):
+                        held.append(key)
                     continue
                 block = kv[:, :, :, i * bt : (i + 1) * bt]
-                entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
-                self._index.add(entry)
-            self._count(blocks_written=1)
+                self._make_room(block)  # outside any claim: it moves other keys, which claims them
+                with self._index.claim(key):
+                    if _is_current(self._index.get(key), namespace, spec_fp):  # written while we waited
+                        self._count(blocks_deduped=1)
+                        continue
+                    entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
+                    self._index.add(entry)
+                    self.placement.admitted(key, entry.tier, entry.size)
+                    if self.placement.lease(key):
+                        held.append(key)
+                self._count(blocks_written=1)
+        finally:
+            for key in held:
+                self.placement.release(key)
         return n_blocks * bt
 
     def get_kv(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> tuple[torch.Tensor, int]:
@@ -196,8 +248,14 @@ class KVStore:
         good = 0
         for i, (key, entry) in enumerate(found):
             n = self._read_into(entry, scratch)
-            if n is None:
-                break
+            if n is None:  # moved between our index read and the copy: look once more
+                again = self._index.get(key)
+                if again is None or again is entry or not _is_current(again, namespace, spec_fp):
+                    break
+                entry = again
+                n = self._read_into(entry, scratch)
+                if n is None:
+                    break
             try:
                 # expect_checksum: a sound frame that is not the one indexed (a tier mix-up) is refused
                 codec_mod.decode(scratch[:n], out=out[:, :, :, i * bt : (i + 1) * bt], expect_checksum=entry.checksum)
@@ -206,7 +264,9 @@ class KVStore:
                 self._drop(entry, corrupt=True)
                 break
             good += 1
-        self._index.touch([key for key, _ in found[:good]], time.time())
+        hits = [key for key, _ in found[:good]]
+        self._index.touch(hits, time.time())
+        self.placement.accessed(hits)
         self._count(tokens_hit=good * bt)
         if good * bt < out.shape[3]:
             out = out[:, :, :, : good * bt].clone()
@@ -261,6 +321,80 @@ class KVStore:
         """Copies of every index entry."""
         return self._index.snapshot()
 
+    # -- placement ------------------------------------------------------------------
+
+    def pin(self, spec: KVSpec, tokens: Any, namespace: str = "default", ttl_s: float | None = None) -> int:
+        """Keep the stored blocks of ``tokens`` in their tier or higher; returns blocks pinned."""
+        return self.pin_keys(self._current_keys(spec, tokens, namespace), ttl_s)
+
+    def unpin(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
+        return self.unpin_keys(self._current_keys(spec, tokens, namespace))
+
+    def pin_keys(self, keys: Sequence[BlockHash], ttl_s: float | None = None) -> int:
+        """Pin blocks by key (for ``ttl_s`` seconds, or until unpinned); returns how many were stored."""
+        self._check_open()
+        return sum(self.placement.pin(check_key(k), ttl_s) for k in list(keys))
+
+    def unpin_keys(self, keys: Sequence[BlockHash]) -> int:
+        self._check_open()
+        return sum(self.placement.unpin(check_key(k)) for k in list(keys))
+
+    def explain(self, key: BlockHash) -> dict[str, Any] | None:
+        """Where a block is, what it is, how hot, its pins and its last moves; None if absent."""
+        entry = self._index.get(check_key(key))
+        if entry is None:
+            return None
+        info = self.placement.explain(key) or {}
+        return {"key": key.hex(), "tier": entry.tier, "size": entry.size, "codec": entry.codec.value,
+                "raw_bytes": entry.raw_bytes, "namespace": entry.namespace, "spec_fingerprint": entry.spec_fp,
+                "depth": entry.depth, "hits": entry.hits, "created_s": entry.created_s,
+                "last_access_s": entry.last_access_s, **{k: v for k, v in info.items() if k not in ("tier", "size")}}
+
+    def migrate(self, key: BlockHash, tier: str, reason: str = "migrated: by an operator") -> bool:
+        """Move one block to ``tier`` now (pins do not stop an operator); False if it did not move.
+
+        Raises:
+            InvalidInput: an unknown tier.
+        """
+        self._check_open()
+        if tier not in self._by_name:
+            raise InvalidInput(f"unknown tier {tier!r}; tiers are {[t.name for t in self._tiers]}")
+        entry = self._index.get(check_key(key))
+        if entry is None or entry.tier == tier:
+            return False
+        return self._mover.execute(MoveOrder(key, entry.tier, tier, entry.size, reason))
+
+    def moves(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The store's latest moves, newest last."""
+        return [m.to_dict() for m in self.placement.log(limit)]
+
+    def run_placement(self) -> int:
+        """One placement round now (what the background mover does); returns moves made."""
+        self._check_open()
+        return self._mover.run_once()
+
+    def _current_keys(self, spec: KVSpec, tokens: Any, namespace: str) -> list[BlockHash]:
+        self._check_open()
+        spec = _check_spec(spec)
+        spec_fp = spec.fingerprint()
+        keys = []
+        for key in iter_block_hashes(spec, tokens, namespace):
+            if not _is_current(self._index.get(key), namespace, spec_fp):
+                break
+            keys.append(key)
+        return keys
+
+    def _make_room(self, block: torch.Tensor) -> None:
+        """If the top tier cannot take ``block``, demote its coldest entries first."""
+        top = self._tiers[0]
+        codec = self._codecs[top.name]
+        size = codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=_META_BUDGET)
+        for order in self.placement.make_room(top.name, size):
+            self._mover.execute(order)
+
+    def _moved(self, order: MoveOrder, new_size: int) -> None:
+        self._count(**{f"blocks_{order.reason.split(':', 1)[0]}": 1})
+
     def stats(self) -> StoreStats:
         blocks, frame_bytes, raw_bytes = self._index.totals()
         with self._counter_lock:
@@ -272,12 +406,14 @@ class KVStore:
             codec_bytes_saved=raw_bytes - frame_bytes,
             counters=counters,
             tiers=[t.stats() for t in self._tiers],
+            moves=self.placement.counters(),
         )
 
     def close(self) -> None:
         """Close every tier. Idempotent; the store refuses calls afterwards."""
         if self._closed:
             return
+        self._mover.stop()  # no move may start against tiers that are closing
         self._closed = True
         self._index.clear()
         for tier in self._tiers:
@@ -356,6 +492,7 @@ class KVStore:
         with self._index.claim(entry.key):
             if self._index.remove(entry.key, expected=entry) is None:
                 return
+            self.placement.removed(entry.key)
             self._count(**{"corrupt_blocks" if corrupt else "stale_blocks": 1})
             if corrupt:
                 self._delete_frame(entry)
@@ -365,6 +502,7 @@ class KVStore:
             entry = self._index.remove(key)  # unpublish first, then delete the data
             if entry is None:
                 return 0
+            self.placement.removed(key)
             self._delete_frame(entry)
         self._count(blocks_deleted=1)
         return 1
@@ -396,6 +534,7 @@ class EmbeddedStore(KVStore):
         tiers: tiers to use instead of the configured ones.
         codec, tier_codecs: as for ``KVStore``; ``codec`` defaults to the settings'.
         settings: defaults to ``Settings.from_env()``.
+        placement: ``placement``, ``tier_policies``, ``scorer``, ``background``, as for ``KVStore``.
     """
 
     def __init__(
@@ -405,13 +544,14 @@ class EmbeddedStore(KVStore):
         codec: str | Codec | None = None,
         tier_codecs: Mapping[str, str | Codec] | None = None,
         settings: Settings | None = None,
+        **placement: Any,
     ) -> None:
         settings = settings or Settings.from_env()
         if tiers is None:
             from kvstore.build import build_tiers  # lazy: tiers import kvstore.tier
 
             tiers = build_tiers(settings)
-        super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs)
+        super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs, **placement)
 
 
 # -- helpers ---------------------------------------------------------------------
@@ -451,6 +591,17 @@ def _check_finite(kv: torch.Tensor) -> None:
     lo, hi = torch.aminmax(kv)
     if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
         raise InvalidKV("kv holds NaN or Inf values; the int8 codec cannot store them (nothing was stored)")
+
+
+COLD_KINDS = ("nvme", "redis")
+"""Tier kinds whose frames are int8 by default: slow media, where halving bytes pays."""
+
+_META_BUDGET = 256  # bytes reserved for frame metadata when sizing a block ahead of encoding
+
+
+def _kind(tier: Tier) -> str:
+    kind = getattr(tier, "kind", None)
+    return kind if isinstance(kind, str) else tier.stats().kind
 
 
 def _frame_meta(namespace: str, spec_fp: str, depth: int) -> bytes:

@@ -135,8 +135,34 @@ def test_per_tier_codec():
         by_tier = {e.tier: e.codec for e in store.entries()}
         assert by_tier == {"hot": Codec.RAW, "cold": Codec.INT8}
         assert hot.stats().entries == 15 and cold.stats().entries == 5
+        # One call never pushes out its own chain: the blocks that did not fit went below.
+        assert {e.depth for e in store.entries() if e.tier == "cold"} == {15, 16, 17, 18, 19}
         kv2, n = store.get_kv(spec, list(range(20 * 16)))
         assert n == 320 and torch.equal(kv2[:, :, :, : 15 * 16], kv[:, :, :, : 15 * 16])
+        err = (kv2[:, :, :, 15 * 16:].float() - kv[:, :, :, 15 * 16:].float()).norm() / kv[:, :, :, 15 * 16:].float().norm()
+        assert 0 < err < 0.01
+
+
+def test_a_later_put_demotes_the_coldest_and_recodes_them():
+    hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB blocks: 15 fit in hot
+    with KVStore([hot, cold], tier_codecs={"cold": "int8"}, background=False) as store:
+        first, second = list(range(10 * 16)), list(range(10_000, 10_000 + 10 * 16))
+        kv1, kv2 = make_kv(spec, len(first), seed=1), make_kv(spec, len(second), seed=2)
+        store.put_kv(spec, first, kv1)
+        store.get_kv(spec, first[: 5 * 16])  # the first five blocks are hotter than the rest
+        store.put_kv(spec, second, kv2)
+        demoted = sorted(e.depth for e in store.entries() if e.tier == "cold")
+        assert demoted == [5, 6, 7, 8, 9] and store.stats().counters.blocks_demoted == 5
+        assert all(e.codec is Codec.INT8 for e in store.entries() if e.tier == "cold")
+        got, n = store.get_kv(spec, first)
+        assert n == len(first) and torch.equal(got[:, :, :, : 5 * 16], kv1[:, :, :, : 5 * 16])
+        tail, ref = got[:, :, :, 5 * 16:].float(), kv1[:, :, :, 5 * 16:].float()
+        assert 0 < float((tail - ref).norm() / ref.norm()) < 0.01
+        cold_key = next(e.key for e in store.entries() if e.tier == "cold")
+        why = store.explain(cold_key)
+        assert why["tier"] == "cold" and why["codec"] == "int8"
+        assert "demoted: hot full" in why["moves"][-1]["reason"]
 
 
 def test_full_everywhere_raises_with_progress(spec):

@@ -10,6 +10,17 @@ from tests.conftest import make_kv, make_spec
 MiB = 1 << 20
 
 
+def assert_served(store, got, kv, cold):
+    """Hot tiers give back the very bytes; the cold tier holds int8 within 1%."""
+    for e in store.entries():
+        sl = slice(e.depth * 16, (e.depth + 1) * 16)
+        if e.tier == cold:
+            ref = kv[:, :, :, sl].float()
+            assert float((got[:, :, :, sl].float() - ref).norm() / ref.norm()) < 0.01
+        else:
+            assert torch.equal(got[:, :, :, sl], kv[:, :, :, sl]), e.tier
+
+
 def test_default_stack_fills_top_down_and_serves_from_every_tier(tmp_path):
     spec = make_spec(num_layers=8, num_kv_heads=4, head_dim=64)  # 64 KiB per 16-token block
     settings = Settings(shm_bytes=1 * MiB, cxl_bytes=1 * MiB, data_dir=str(tmp_path), nvme_bytes=64 * MiB)
@@ -21,7 +32,8 @@ def test_default_stack_fills_top_down_and_serves_from_every_tier(tmp_path):
         per_tier = {t.name: t.stats().entries for t in store.tiers}
         assert per_tier["shm"] > 0 and per_tier["cxl"] > 0 and per_tier["nvme"] > 0, per_tier
         got, n = store.get_kv(spec, tokens)
-        assert n == len(tokens) and torch.equal(got, kv)
+        assert n == len(tokens)
+        assert_served(store, got, kv, cold="nvme")
         assert os.path.isdir(tmp_path / "nvme")
     assert not [p for p in os.listdir("/dev/shm") if f".{os.getpid()}." in p], "shm arena left behind"
 
@@ -39,4 +51,5 @@ def test_redis_url_adds_the_redis_tier_above_nvme(tmp_path):
             store.put_kv(spec, tokens, kv)
             assert store.tiers[2].stats().entries > 0
             got, n = store.get_kv(spec, tokens)
-            assert n == len(tokens) and torch.equal(got, kv)
+            assert n == len(tokens)
+            assert_served(store, got, kv, cold="redis")

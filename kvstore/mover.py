@@ -1,0 +1,175 @@
+"""Carrying out placement's orders: copy, switch the index, then delete.
+
+A move never leaves a window in which the index names a frame that is gone:
+
+1. read the frame from the source tier (a stable copy);
+2. re-encode it when the destination wants another codec (int8 in cold tiers,
+   raw again on the way up);
+3. write it to the destination (making room there first if it is full);
+4. under the key's claim, switch the index entry to the destination, but only
+   if the entry is still the one we copied (a concurrent put or delete wins);
+5. delete the source frame.
+
+A crash between 3 and 5 leaves two copies and loses nothing: a durable tier's
+copy is re-indexed at the next start (``kvstore/recovery.py``). A reader that
+looked the entry up before step 4 reads the source, which is still there; one
+that reads after step 5 finds the new entry when it looks again
+(``KVStore.get_kv`` re-reads the index once on a miss).
+
+The background thread plans every ``interval_s`` and spends at most
+``move_bytes_per_s`` (a token bucket), so placement never starves the data path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
+
+from kvstore import codec as codec_mod
+from kvstore.codec import Codec
+from kvstore.errors import FrameError, InvalidKV, TierError, TierFull
+from kvstore.placement import MoveOrder
+
+if TYPE_CHECKING:  # the store owns the mover; this is for type names only
+    from kvstore.store import KVStore
+
+__all__ = ["Mover"]
+
+log = logging.getLogger("kvstore.mover")
+
+
+class Mover:
+    """Executes ``MoveOrder``s for one store; optionally in a background thread."""
+
+    def __init__(self, store: "KVStore", *, on_move: Callable[[MoveOrder, int], None] | None = None) -> None:
+        self._store = store
+        self._placement = store.placement
+        self._on_move = on_move
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tokens = float(self._placement.config.move_bytes_per_s)
+
+    # -- one move ----------------------------------------------------------------
+
+    def execute(self, order: MoveOrder, *, depth: int = 0) -> bool:
+        """Carry out ``order``; False when it no longer applies or the destination refused it."""
+        store, index = self._store, self._store._index
+        entry = index.get(order.key)
+        if entry is None:
+            self._placement.removed(order.key)
+            return False
+        if entry.tier != order.src:  # placement's record is behind: resync it
+            self._placement.admitted(order.key, entry.tier, entry.size, access=False)
+            return False
+        if order.dst is None:
+            with index.claim(order.key):
+                if index.remove(order.key, expected=entry) is None:
+                    return False
+                store._delete_frame(entry)
+            self._done(order, 0)
+            return True
+        src, dst = store._by_name[order.src], store._by_name[order.dst]
+        try:
+            frame = src.get(order.key)
+        except TierError as exc:
+            log.warning("move of %s: tier %s failed a get (%s)", order.key.hex(), src.name, exc)
+            return False
+        if frame is None:
+            store._drop(entry, corrupt=False)
+            return False
+        try:
+            frame, codec, checksum = self._recode(frame, entry.codec, store._codecs[dst.name])
+        except (FrameError, InvalidKV) as exc:
+            log.warning("move of %s: frame in %s is damaged (%s); dropped", order.key.hex(), src.name, exc)
+            store._drop(entry, corrupt=True)
+            return False
+        if not self._write(dst, order.key, frame, depth):
+            return False
+        with index.claim(order.key):
+            if index.get(order.key) is not entry:  # rewritten or deleted while we copied
+                current = index.get(order.key)
+                if current is None or current.tier != dst.name:
+                    self._delete_quietly(dst, order.key)
+                return False
+            index.add(replace(entry, tier=dst.name, size=len(frame), codec=codec, checksum=checksum))
+        self._delete_quietly(src, order.key)
+        self._done(order, len(frame))
+        return True
+
+    def _write(self, dst, key: bytes, frame, depth: int) -> bool:
+        for attempt in range(2):
+            try:
+                dst.put(key, frame)
+                return True
+            except TierFull:
+                if attempt or depth >= len(self._store._tiers):
+                    return False
+                for sub in self._placement.make_room(dst.name, len(frame)):
+                    self.execute(sub, depth=depth + 1)
+            except TierError as exc:
+                log.warning("move of %s: tier %s failed a put (%s)", key.hex(), dst.name, exc)
+                return False
+        return False
+
+    @staticmethod
+    def _recode(frame, have: Codec, want: Codec) -> tuple[object, Codec, int]:
+        """The frame in the codec ``want`` (re-encoded only when it differs)."""
+        if have is want:
+            return frame, have, codec_mod.read_header(frame).body_checksum
+        kv = codec_mod.decode(frame)
+        try:
+            new = codec_mod.encode(kv, want, meta=codec_mod.frame_meta(frame))
+        except InvalidKV:  # int8 cannot hold this block (e.g. Inf); keep the codec it has
+            return frame, have, codec_mod.read_header(frame).body_checksum
+        header = codec_mod.read_header(new)
+        return new, header.codec, header.body_checksum
+
+    def _delete_quietly(self, tier, key: bytes) -> None:
+        try:
+            tier.delete(key)
+        except TierError as exc:
+            log.warning("move of %s: tier %s failed a delete (%s)", key.hex(), tier.name, exc)
+
+    def _done(self, order: MoveOrder, new_size: int) -> None:
+        self._placement.moved(order, new_size)
+        if self._on_move is not None:
+            self._on_move(order, new_size)
+
+    # -- the background loop ---------------------------------------------------------
+
+    def run_once(self) -> int:
+        """Plan and execute within the byte budget; returns how many moves happened."""
+        cfg = self._placement.config
+        self._tokens = min(self._tokens + cfg.move_bytes_per_s * cfg.interval_s, float(cfg.move_bytes_per_s))
+        done = 0
+        for order in self._placement.plan():
+            if order.size > self._tokens and done:
+                break  # out of budget: the next round re-plans from fresh heat
+            if self.execute(order):
+                done += 1
+                self._tokens -= order.size
+        return done
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvstore-mover", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        interval = self._placement.config.interval_s
+        while not self._stop.wait(interval):
+            try:
+                self.run_once()
+            except Exception:  # keep moving next round; a bug here must not kill placement
+                log.exception("placement round failed")
+            # a store that closed mid-round has cleared its index; nothing more to do
+            if self._store._closed:
+                return
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        self._thread = None

@@ -1,0 +1,136 @@
+"""Placement inside a real store: promotion, demotion, pins, moves under readers, crashes."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from kvstore import Codec, KVStore
+from kvstore.placement import PlacementConfig
+from tests.conftest import make_kv, make_spec
+from tiers.memory import MemoryTier
+from tiers.nvme import NVMeTier
+
+MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = make_spec(num_layers=8, head_dim=64)  # 64 KiB blocks: 15 fit in 1 MiB
+QUICK = PlacementConfig(min_residency_s=0.0)
+
+
+def chain(i: int, blocks: int = 8) -> list[int]:
+    return list(range(i * 10_000, i * 10_000 + 16 * blocks))
+
+
+def test_hot_entries_are_promoted_and_watermarks_hold():
+    hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    with KVStore([hot, cold], placement=QUICK, background=False) as store:
+        kvs = {i: make_kv(SPEC, 16 * 8, seed=i) for i in range(4)}
+        for i, kv in kvs.items():
+            store.put_kv(SPEC, chain(i), kv)  # 32 blocks: chains 0 and 1 end up below
+        assert {e.tier for e in store.entries() if e.key in set(_keys(store, 0))} == {"cold"}
+        for _ in range(5):
+            store.get_kv(SPEC, chain(0))  # chain 0 gets hot
+        store.run_placement()
+        assert {store.entry(k).tier for k in _keys(store, 0)} == {"hot"}
+        usage = hot.stats().used_bytes / hot.capacity_bytes
+        assert usage <= store.placement.tiers[0].high_watermark_frac
+        got, n = store.get_kv(SPEC, chain(0))
+        assert n == 128 and torch.equal(got, kvs[0])  # raw both ways: promotion is exact
+        reasons = [m["reason"] for m in store.moves()]
+        assert any(r.startswith("promoted") for r in reasons) and any("above high watermark" in r for r in reasons)
+
+
+def _keys(store, i):
+    from kvstore.keys import block_hashes
+
+    return block_hashes(SPEC, chain(i))
+
+
+def test_pinned_chain_never_leaves_the_top_tier():
+    hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    with KVStore([hot, cold], placement=QUICK, background=False) as store:
+        store.put_kv(SPEC, chain(0), make_kv(SPEC, 128, seed=0))
+        assert store.pin(SPEC, chain(0)) == 8
+        for i in range(1, 8):
+            store.put_kv(SPEC, chain(i), make_kv(SPEC, 128, seed=i))
+            store.run_placement()
+        assert {store.entry(k).tier for k in _keys(store, 0)} == {"hot"}
+        assert store.explain(_keys(store, 0)[0])["pinned"] is True
+        assert store.unpin(SPEC, chain(0)) == 8
+
+
+def test_single_tier_evicts_coldest_chains_not_the_one_being_written():
+    with KVStore([MemoryTier(1 * MiB, name="only")], placement=QUICK, background=False) as store:
+        for i in range(4):
+            store.put_kv(SPEC, chain(i), make_kv(SPEC, 128, seed=i))
+        assert store.lookup(SPEC, chain(3)) == 128
+        assert store.lookup(SPEC, chain(0)) < 128  # the oldest chain paid for the newest
+        assert store.stats().counters.blocks_evicted > 0
+
+
+def test_readers_during_moves_always_get_correct_data():
+    a, b = MemoryTier(64 * MiB, name="a"), MemoryTier(64 * MiB, name="b")
+    with KVStore([a, b], background=False) as store:
+        kvs = {i: make_kv(SPEC, 64, seed=i) for i in range(3)}
+        for i, kv in kvs.items():
+            store.put_kv(SPEC, chain(i, 4), kv)
+        stop = threading.Event()
+        bad, full, reads = [], [0], [0]
+
+        def reader(i):
+            while not stop.is_set():
+                got, n = store.get_kv(SPEC, chain(i, 4))
+                reads[0] += 1
+                if not torch.equal(got, kvs[i][:, :, :, :n]):
+                    bad.append(i)
+                full[0] += n == 64
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        moves = 0
+        deadline = time.monotonic() + 3
+        try:
+            while time.monotonic() < deadline:
+                for e in store.entries():
+                    moves += store.migrate(e.key, "b" if e.tier == "a" else "a")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not bad
+        assert moves > 100 and reads[0] > 50
+        assert full[0] / reads[0] > 0.5, (full[0], reads[0])  # a second index look covers most races
+
+
+def test_kill_9_during_a_demotion_storm_loses_nothing(tmp_path):
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    child = subprocess.Popen([sys.executable, "-m", "tests.placement_crash_child", str(fast), str(slow)],
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    done = []
+    try:
+        while len(done) < 12:
+            line = child.stdout.readline()
+            assert line, "the child died on its own"
+            done.append(int(line))
+        time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    tiers = [NVMeTier(str(fast), 2 * MiB, name="fast"), NVMeTier(str(slow), 512 * MiB, name="slow")]
+    with KVStore(tiers, tier_codecs={"fast": "raw", "slow": "raw"}, background=False) as store:
+        assert store.recovered.entries >= 12 * 4
+        for seed in done:
+            tokens = list(range(seed * 1000, seed * 1000 + 64))
+            got, n = store.get_kv(make_spec(num_layers=8, num_kv_heads=4, head_dim=64), tokens)
+            assert n == 64, f"chain {seed} lost blocks"
+            assert torch.equal(got, make_kv(make_spec(num_layers=8, num_kv_heads=4, head_dim=64), 64, seed=seed))
+        assert {e.tier for e in store.entries()} == {"fast", "slow"}  # the storm did move things
+        assert all(e.codec is Codec.RAW for e in store.entries())
