@@ -31,6 +31,7 @@ from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.errors import FrameError, InvalidKV, TierError, TierFull
 from kvstore.placement import MoveOrder
+from kvstore.shared import Replica
 
 if TYPE_CHECKING:  # the store owns the mover; this is for type names only
     from kvstore.store import KVStore
@@ -71,6 +72,12 @@ class Mover:
             self._done(order, 0)
             return True
         src, dst = store._by_name[order.src], store._by_name[order.dst]
+        shared = store._shared
+        if shared is not None and dst.name == shared.name:
+            replica = shared.replica(order.key)
+            if replica is not None:  # already there (write-through): switch to it, copy nothing
+                return self._switch(entry, order, dst, replica.size, replica.codec, replica.checksum,
+                                    delete_src=True)
         try:
             frame = src.get(order.key)
         except TierError as exc:
@@ -87,16 +94,34 @@ class Mover:
             return False
         if not self._write(dst, order.key, frame, depth):
             return False
+        # Other nodes read the shared tier: leaving it is a copy, never a delete.
+        leaving_shared = shared is not None and src.name == shared.name
+        if leaving_shared:
+            shared.remember(order.key, Replica(entry.size, entry.codec, entry.checksum))
+        if shared is not None and dst.name == shared.name:
+            shared.remember(order.key, Replica(len(frame), codec, checksum))
+        return self._switch(entry, order, dst, len(frame), codec, checksum, delete_src=not leaving_shared)
+
+    def _switch(self, entry, order: MoveOrder, dst, size: int, codec: Codec, checksum: int, *,
+                delete_src: bool) -> bool:
+        """Point the index at ``dst`` if ``entry`` is still current; then drop the source."""
+        index = self._store._index
         with index.claim(order.key):
-            if index.get(order.key) is not entry:  # rewritten or deleted while we copied
-                current = index.get(order.key)
-                if current is None or current.tier != dst.name:
+            current = index.get(order.key)
+            if current is not entry:  # rewritten or deleted while we copied
+                if (current is None or current.tier != dst.name) and self._owns(dst, order.key):
                     self._delete_quietly(dst, order.key)
                 return False
-            index.add(replace(entry, tier=dst.name, size=len(frame), codec=codec, checksum=checksum))
-        self._delete_quietly(src, order.key)
-        self._done(order, len(frame))
+            index.add(replace(entry, tier=dst.name, size=size, codec=codec, checksum=checksum))
+        if delete_src:
+            self._delete_quietly(self._store._by_name[order.src], order.key)
+        self._done(order, size)
         return True
+
+    def _owns(self, tier, key: bytes) -> bool:
+        """Whether a copy we just made in ``tier`` is ours to remove (not another node's)."""
+        shared = self._store._shared
+        return shared is None or tier.name != shared.name or shared.replica(key) is None
 
     def _write(self, dst, key: bytes, frame, depth: int) -> bool:
         for attempt in range(2):

@@ -36,6 +36,7 @@ from kvstore.errors import (
 from kvstore.index import Index, IndexEntry
 from kvstore.heat import Scorer
 from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
+from kvstore.shared import SharedTier, WritePolicy, find_shared
 from kvstore.keys import BlockHash, block_hashes, check_key, iter_block_hashes, normalize_tokens, validate_namespace
 from kvstore.spec import KVSpec
 from kvstore.tier import Tier, TierStats
@@ -69,6 +70,8 @@ class StoreCounters:
     blocks_evicted: int = 0
     """Dropped from the last tier by placement."""
     blocks_migrated: int = 0
+    blocks_adopted: int = 0
+    """Blocks this store served from the shared tier that another node had stored."""
 
 
 @dataclass(slots=True)
@@ -85,6 +88,8 @@ class StoreStats:
     tiers: list[TierStats] = field(default_factory=list)
     moves: dict[str, int] = field(default_factory=dict)
     """Placement moves by kind (promoted, demoted, evicted, migrated) and bytes moved."""
+    shared: dict[str, Any] = field(default_factory=dict)
+    """The shared tier's write policy, bytes written and blocks adopted from other nodes."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -106,6 +111,8 @@ class KVStore:
         scorer: heat strategy (default: decayed access rate).
         background: run the placement mover in a thread; tests and the
             simulator call ``run_placement()`` themselves instead.
+        write_policy: when blocks reach a shared tier (Redis), if there is one:
+            ``write_through``, ``write_back``, ``selective`` (or a ``WritePolicy``).
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class KVStore:
         tier_policies: Mapping[str, Mapping[str, Any]] | None = None,
         scorer: Scorer | None = None,
         background: bool = True,
+        write_policy: str | WritePolicy = "write_through",
     ) -> None:
         tiers = list(tiers)
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
@@ -151,6 +159,9 @@ class KVStore:
             [TierPolicy(t.name, t.capacity_bytes, cold=t.name in cold, **policies.get(t.name, {})) for t in tiers],
             scorer=scorer, config=placement,
         )
+        policy = write_policy if isinstance(write_policy, WritePolicy) else WritePolicy(str(write_policy))
+        shared = find_shared(tiers)
+        self._shared = SharedTier(self, shared, policy) if shared is not None else None
         from kvstore.mover import Mover  # the mover reads store internals; imported late to keep one direction
         from kvstore.recovery import recover
 
@@ -211,6 +222,8 @@ class KVStore:
                     entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
                     self._index.add(entry)
                     self.placement.admitted(key, entry.tier, entry.size)
+                    if self._shared is not None:
+                        self._shared.after_put(entry, block, _frame_meta(namespace, spec_fp, i))
                     if self.placement.lease(key):
                         held.append(key)
                 self._count(blocks_written=1)
@@ -235,10 +248,17 @@ class KVStore:
         self._count(get_calls=1, tokens_requested=spec.full_blocks(len(toks)) * spec.block_tokens)
         spec_fp = spec.fingerprint()
         found: list[tuple[BlockHash, IndexEntry]] = []
+        adopted: dict[BlockHash, Any] = {}  # frames just read from the shared tier: not read twice
         for key in iter_block_hashes(spec, toks, namespace):
             entry = self._index.get(key)
             if not _is_current(entry, namespace, spec_fp):
-                break
+                got = self._shared.adopt(key, namespace, spec_fp) if self._shared is not None else None
+                if got is None or not _is_current(got[0], namespace, spec_fp):
+                    break
+                entry, frame = got
+                if frame is not None:
+                    adopted[key] = frame
+                    self._count(blocks_adopted=1)
             found.append((key, entry))
         bt = spec.block_tokens
         out = spec.empty_kv(len(found) * bt)
@@ -247,7 +267,12 @@ class KVStore:
         scratch = _FRAMES.get(max((e.size for _, e in found), default=0))
         good = 0
         for i, (key, entry) in enumerate(found):
-            n = self._read_into(entry, scratch)
+            frame = adopted.pop(key, None)
+            if frame is not None:
+                n = len(memoryview(frame).cast("B"))
+                scratch[:n] = memoryview(frame).cast("B")
+            else:
+                n = self._read_into(entry, scratch)
             if n is None:  # moved between our index read and the copy: look once more
                 again = self._index.get(key)
                 if again is None or again is entry or not _is_current(again, namespace, spec_fp):
@@ -267,6 +292,9 @@ class KVStore:
         hits = [key for key, _ in found[:good]]
         self._index.touch(hits, time.time())
         self.placement.accessed(hits)
+        if self._shared is not None:
+            for entry in self._shared.after_hits([e for _, e in found[:good]]):
+                self._shared.replicate(entry)
         self._count(tokens_hit=good * bt)
         if good * bt < out.shape[3]:
             out = out[:, :, :, : good * bt].clone()
@@ -282,11 +310,14 @@ class KVStore:
         spec = _check_spec(spec)
         self._count(lookup_calls=1)
         spec_fp = spec.fingerprint()
+        keys = block_hashes(spec, tokens, namespace)
         n = 0
-        for key in iter_block_hashes(spec, tokens, namespace):
+        for key in keys:
             if not _is_current(self._index.get(key), namespace, spec_fp):
                 break
             n += 1
+        if n < len(keys) and self._shared is not None:  # other nodes may have stored the rest
+            n += self._shared.count_prefix(keys[n:])
         return n * spec.block_tokens
 
     def delete(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
@@ -407,6 +438,7 @@ class KVStore:
             counters=counters,
             tiers=[t.stats() for t in self._tiers],
             moves=self.placement.counters(),
+            shared=self._shared.stats() if self._shared is not None else {},
         )
 
     def close(self) -> None:
@@ -493,6 +525,8 @@ class KVStore:
             if self._index.remove(entry.key, expected=entry) is None:
                 return
             self.placement.removed(entry.key)
+            if self._shared is not None and entry.tier == self._shared.name:
+                self._shared.forget(entry.key)
             self._count(**{"corrupt_blocks" if corrupt else "stale_blocks": 1})
             if corrupt:
                 self._delete_frame(entry)
@@ -504,6 +538,8 @@ class KVStore:
                 return 0
             self.placement.removed(key)
             self._delete_frame(entry)
+            if self._shared is not None:
+                self._shared.delete(key)
         self._count(blocks_deleted=1)
         return 1
 

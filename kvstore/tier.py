@@ -83,6 +83,8 @@ class Tier(ABC):
     """An acknowledged put survives a crash of this process (and of the host, for nvme)."""
     shared: bool
     """Other processes or hosts can see what this tier holds."""
+    shared_writers: bool = False
+    """Other stores write here too (Redis): a miss in one store's index may be a hit here."""
 
     @abstractmethod
     def put(self, key: BlockHash, frame: Buffer) -> None:
