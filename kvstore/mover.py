@@ -100,6 +100,7 @@ class Mover:
             shared.remember(order.key, Replica(entry.size, entry.codec, entry.checksum))
         if shared is not None and dst.name == shared.name:
             shared.remember(order.key, Replica(len(frame), codec, checksum))
+            shared.demoted(len(frame))
         return self._switch(entry, order, dst, len(frame), codec, checksum, delete_src=not leaving_shared)
 
     def _switch(self, entry, order: MoveOrder, dst, size: int, codec: Codec, checksum: int, *,

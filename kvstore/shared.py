@@ -81,6 +81,8 @@ class SharedTier:
         self._replicas: dict[bytes, Replica] = {}
         self._lock = threading.Lock()
         self.bytes_written = 0
+        """Bytes of copies this store made (write-through, selective); demotions are ``bytes_demoted``."""
+        self.bytes_demoted = 0
         self.blocks_adopted = 0
 
     # -- replicas ------------------------------------------------------------------
@@ -196,10 +198,16 @@ class SharedTier:
             self.blocks_adopted += 1
         return entry, frame
 
+    def demoted(self, nbytes: int) -> None:
+        """Placement copied ``nbytes`` down into the shared tier."""
+        with self._lock:
+            self.bytes_demoted += nbytes
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"tier": self.name, "write_policy": self.policy.mode, "replicas": len(self._replicas),
-                    "bytes_written": self.bytes_written, "blocks_adopted": self.blocks_adopted}
+                    "bytes_written": self.bytes_written, "bytes_demoted": self.bytes_demoted,
+                    "blocks_adopted": self.blocks_adopted}
 
 
 def find_shared(tiers: Sequence[Tier]) -> Tier | None:

@@ -210,6 +210,7 @@ class KVStore:
             for i, key in enumerate(keys):
                 if _is_current(self._index.get(key), namespace, spec_fp):
                     self._count(blocks_deduped=1)
+                    self.placement.accessed([key])  # a shared prefix written again is in use
                     if self.placement.lease(key):
                         held.append(key)
                     continue
