@@ -26,13 +26,30 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from kvstore.errors import InvalidInput
 from kvstore.keys import BlockHash
 
-__all__ = ["Tier", "TierStats", "TierCounters", "Buffer", "FrameWriter"]
+__all__ = ["Tier", "TierStats", "TierCounters", "Buffer", "FrameWriter", "writable_bytes"]
 
 Buffer = Any
 """Any contiguous bytes-like object (bytes, bytearray, memoryview, numpy array)."""
 
 FrameWriter = Callable[[memoryview], int]
 """Fills a writable view and returns how many bytes it used."""
+
+
+def writable_bytes(out: Buffer) -> memoryview:
+    """``out`` as a flat writable byte view.
+
+    Raises:
+        InvalidInput: ``out`` is read-only or not one contiguous buffer.
+    """
+    try:
+        view = memoryview(out)
+    except TypeError as exc:
+        raise InvalidInput(f"out must be a writable buffer, got {type(out).__name__}") from exc
+    if view.readonly:
+        raise InvalidInput("out is read-only")
+    if not view.contiguous:
+        raise InvalidInput("out must be one contiguous buffer")
+    return view.cast("B")
 
 
 @dataclass(slots=True)
@@ -151,12 +168,7 @@ class Tier(ABC):
         if frame is None:
             return None
         src = memoryview(frame).cast("B")
-        try:
-            dst = memoryview(out).cast("B")
-        except TypeError as exc:  # not a buffer, or not contiguous
-            raise InvalidInput(f"out must be one contiguous writable buffer: {exc}") from exc
-        if dst.readonly:
-            raise InvalidInput("out is read-only")
+        dst = writable_bytes(out)
         if len(dst) < len(src):
             raise InvalidInput(f"out holds {len(dst)} bytes, the frame needs {len(src)}")
         dst[: len(src)] = src

@@ -25,9 +25,9 @@ from typing import Iterator
 from kvstore.errors import InvalidInput, StoreClosed, TierFull
 from kvstore.keys import BlockHash, check_key
 from kvstore.pool import Move, SlabAllocator
-from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats
+from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats, writable_bytes
 
-__all__ = ["ArenaTier", "Slot", "default_max_entries", "writable_bytes"]
+__all__ = ["ArenaTier", "Slot", "default_max_entries"]
 
 ALIGN = 64
 """Slot alignment: one cache line, so two slots never share one."""
@@ -37,23 +37,6 @@ def default_max_entries(capacity_bytes: int) -> int:
     """One slot per 4 KiB of capacity, within [1024, 4M]: a 16-token block of
     even a tiny model is larger than 4 KiB, so slots run out after bytes do."""
     return min(max(capacity_bytes // 4096, 1024), 1 << 22)
-
-
-def writable_bytes(out: Buffer) -> memoryview:
-    """``out`` as a flat writable byte view.
-
-    Raises:
-        InvalidInput: ``out`` is read-only or not one contiguous buffer.
-    """
-    try:
-        view = memoryview(out)
-    except TypeError as exc:
-        raise InvalidInput(f"out must be a writable buffer, got {type(out).__name__}") from exc
-    if view.readonly:
-        raise InvalidInput("out is read-only")
-    if not view.contiguous:
-        raise InvalidInput("out must be one contiguous buffer")
-    return view.cast("B")
 
 
 class _Staging(threading.local):
@@ -160,32 +143,40 @@ class ArenaTier(Tier):
     # -- the Tier contract -------------------------------------------------------------
 
     def put(self, key: BlockHash, frame: Buffer) -> None:
+        check_key(key)
         view = memoryview(frame).cast("B")
-
-        def write(dest_offset: int) -> int:
-            self._copy_in(dest_offset, view)
-            return len(view)
-
-        check_key(key)
-        self._put(key, len(view), write)
-
-    def put_with(self, key: BlockHash, size: int, writer: FrameWriter) -> int:
-        check_key(key)
-        return self._put(key, size, lambda offset: self._fill(offset, size, writer))
-
-    def _put(self, key: bytes, size: int, fill) -> int:
+        size = len(view)
         with self._lock:
             slot = self._reserve(key, size)
         try:
-            n = fill(slot.offset)
+            self._copy_in(slot.offset, view)
+        except BaseException:
+            self._abort(slot, size)
+            raise
+        self._commit(key, slot, size, size)
+
+    def put_with(self, key: BlockHash, size: int, writer: FrameWriter) -> int:
+        check_key(key)
+        with self._lock:
+            slot = self._reserve(key, size)
+        try:
+            n = self._fill(slot.offset, size, writer)
             if not 0 <= n <= size:
                 raise InvalidInput(f"writer reported {n} bytes for a {size}-byte slot")
         except BaseException:
-            with self._lock:
-                self._reserved -= size
-                self._release(slot)  # retired while pinned, freed by the unbusy below
-                self._unbusy(slot.offset)
+            self._abort(slot, size)
             raise
+        self._commit(key, slot, size, n)
+        return n
+
+    def _abort(self, slot: Slot, size: int) -> None:
+        with self._lock:
+            self._reserved -= size
+            self._release(slot)  # retired while pinned, freed by the unbusy below
+            self._unbusy(slot.offset)
+
+    def _commit(self, key: bytes, slot: Slot, size: int, n: int) -> None:
+        """Publish a filled slot in place of ``key``'s old frame."""
         with self._lock:
             self._reserved -= size
             if self._closed:
@@ -193,7 +184,8 @@ class ArenaTier(Tier):
                 self._unbusy(slot.offset)
                 raise StoreClosed(f"tier {self.name!r} was closed during a put")
             slot.length = n
-            self._alloc.shrink(slot.offset, n)
+            if n < size:
+                self._alloc.shrink(slot.offset, n)
             old = self._slots.pop(key, None)
             if old is not None:
                 self._used -= old.length
@@ -204,7 +196,6 @@ class ArenaTier(Tier):
             self._publish(key, slot)
             self._counters.puts += 1
             self._unbusy(slot.offset)
-        return n
 
     def _reserve(self, key: bytes, size: int) -> Slot:
         """Room for ``size`` bytes, pinned until published. Lock held.

@@ -48,7 +48,7 @@ from typing import Iterator
 
 from kvstore.errors import InvalidInput, StoreClosed, TierFull, TierIOError, TierUnavailable
 from kvstore.keys import BlockHash, check_key
-from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats
+from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats, writable_bytes
 from tiers.nvme_file import (
     DATA_OFFSET,
     FORMAT,
@@ -188,7 +188,14 @@ class NVMeTier(Tier):
             TierIOError: the OS reported an I/O error while reading.
             StoreClosed: the tier is closed.
         """
-        key = check_key(key)
+        return self._read(check_key(key), None)
+
+    def get_into(self, key: BlockHash, out: Buffer) -> int | None:
+        """Read the frame straight into ``out`` (verified there); its length, or None when absent."""
+        got = self._read(check_key(key), writable_bytes(out))
+        return None if got is None else len(got)
+
+    def _read(self, key: bytes, out: memoryview | None) -> Buffer | None:
         with self._lock:
             self._check_open()
             self._counters.gets += 1
@@ -197,7 +204,7 @@ class NVMeTier(Tier):
                 return None
         path = self._path(key.hex())
         try:
-            _, data = load(path, key.hex(), body=True)
+            _, data = load(path, key.hex(), body=True, out=out)
         except FileNotFoundError:  # deleted meanwhile (by us: a miss; by someone else: drop it)
             self._miss(key, path, None)
             return None

@@ -109,17 +109,20 @@ def frame_facts(frame: memoryview) -> dict[str, str]:
     return {k: v[:FACT_MAX_CHARS] for k, v in facts.items()}
 
 
-def load(path: str, key_hex: str, *, body: bool) -> tuple[FileHeader, bytearray | None]:
+def load(path: str, key_hex: str, *, body: bool, out: memoryview | None = None) -> tuple[FileHeader, Buffer | None]:
     """Check ``path``'s header against ``key_hex`` and its length; read and hash the frame if ``body``.
+
+    With ``out``, the frame lands there (no allocation) and the returned body is ``out``.
 
     Raises:
         Corrupt: not a file of ours for this key, the wrong length or checksum.
+        InvalidInput: ``out`` is shorter than the frame.
         OSError: as the OS reports it (FileNotFoundError included).
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         header = parse_header(fd, key_hex)
-        return header, (read_body(fd, header) if body else None)
+        return header, (read_body(fd, header, out) if body else None)
     finally:
         os.close(fd)
 
@@ -151,16 +154,22 @@ def parse_header(fd: int, key_hex: str) -> FileHeader:
     return FileHeader(frame_len=n, checksum=checksum, data_offset=U64.size + hlen, ident=ident)
 
 
-def read_body(fd: int, header: FileHeader) -> bytearray:
-    """Read and verify the frame bytes into one new buffer. Raises Corrupt."""
-    buf = bytearray(header.frame_len)
-    view, pos = memoryview(buf), 0
-    while pos < len(buf):
+def read_body(fd: int, header: FileHeader, out: memoryview | None = None) -> Buffer:
+    """Read and verify the frame bytes into ``out`` or one new buffer. Raises Corrupt."""
+    if out is None:
+        buf: Buffer = bytearray(header.frame_len)
+        view = memoryview(buf)
+    else:
+        if len(out) < header.frame_len:
+            raise InvalidInput(f"out holds {len(out)} bytes, the frame needs {header.frame_len}")
+        buf = view = out[: header.frame_len]
+    pos = 0
+    while pos < header.frame_len:
         got = os.preadv(fd, [view[pos:]], header.data_offset + pos)
         if got == 0:
             raise Corrupt("file ended early", header.ident)
         pos += got
-    if xxhash.xxh3_64_intdigest(buf) != header.checksum:
+    if xxhash.xxh3_64_intdigest(view) != header.checksum:
         raise Corrupt("frame checksum mismatch", header.ident)
     return buf
 
