@@ -91,6 +91,7 @@ class NVMeTier(Tier):
         fsync: bool = True,
         direct_io: bool = True,
         verify_on_start: bool = False,
+        spare_files: int = 64,
     ) -> None:
         """Open (or create) ``data_dir`` and rebuild the index from its files.
 
@@ -103,6 +104,7 @@ class NVMeTier(Tier):
                 the tier is not durable (``durable`` is False).
             direct_io: write with ``O_DIRECT`` (falls back when the file system refuses).
             verify_on_start: hash every file during the start-up scan, not only its header.
+            spare_files: how many replaced or deleted files to keep for reuse (0: none).
 
         Raises:
             InvalidInput: capacity_bytes is not a positive int.
@@ -129,9 +131,15 @@ class NVMeTier(Tier):
         self._lock = threading.Lock()
         self._closed = False
         self._qdir = os.path.join(self.data_dir, "quarantine")
+        self._rdir = os.path.join(self.data_dir, ".recycle")
+        self._recycled: dict[int, list[str]] = {}  # file size -> spare files of that size
+        self._recycled_count = 0
+        self._recycled_hits = 0
+        self._max_spares = spare_files
         self._lock_fd = self._lock_dir()
         try:
             started = time.perf_counter()
+            self._empty_recycle_bin()
             self._scan()
             self._scan_ms = (time.perf_counter() - started) * 1e3
         except BaseException:
@@ -232,7 +240,8 @@ class NVMeTier(Tier):
             if key not in self._index:
                 return False
             try:
-                os.unlink(path)
+                if not self._keep_spare(path, link=False):
+                    os.unlink(path)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -276,6 +285,8 @@ class NVMeTier(Tier):
                     "quarantined_temp_files": str(self._quarantined["temp"]),
                     "quarantined_corrupt_files": str(self._quarantined["corrupt"]),
                     "missing_files": str(self._quarantined["missing"]),
+                    "spare_files": str(self._recycled_count),
+                    "spare_files_reused": str(self._recycled_hits),
                 },
             )
 
@@ -320,17 +331,22 @@ class NVMeTier(Tier):
         key_hex = key.hex()
         header = file_header(key_hex, frame)
         leaf = os.path.dirname(self._path(key_hex))
-        tmp = os.path.join(leaf, f".{key_hex}.{os.getpid()}.{next(self._tmp_ids)}{_TMP_SUFFIX}")
-        try:
-            self._write_temp(tmp, header, frame, staged)
-        except OSError as exc:
-            raise self._os_error(exc, f"writing {tmp}") from exc
+        tmp = self._rewrite_spare(header, frame)
+        if tmp is None:
+            tmp = os.path.join(leaf, f".{key_hex}.{os.getpid()}.{next(self._tmp_ids)}{_TMP_SUFFIX}")
+            try:
+                self._write_temp(tmp, header, frame, staged)
+            except OSError as exc:
+                raise self._os_error(exc, f"writing {tmp}") from exc
         try:
             with self._lock:  # rename and index change together: the index always matches the names
                 try:
                     self._check_open()
                     self._check_fits(key, len(frame), 0)  # the index may have moved while we wrote
-                    os.replace(tmp, self._path(key_hex))
+                    final = self._path(key_hex)
+                    if key in self._index:
+                        self._keep_spare(final, link=True)  # the old file lives on as a spare
+                    os.replace(tmp, final)
                 except BaseException:
                     unlink_quietly(tmp)
                     raise
@@ -369,6 +385,72 @@ class NVMeTier(Tier):
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    # -- spare files ---------------------------------------------------------------
+    #
+    # A new file costs a journal commit for its blocks (the fdatasync of a
+    # fresh temp file) on top of the one for its name (the directory fsync):
+    # measured here, 1.30 ms against 1.09 for a bare write+fsync of 1 MiB.
+    # Rewriting a spare file of the very same size allocates nothing, so its
+    # fdatasync only flushes data: 0.50 ms for the whole put. Spares are the
+    # files that deletes and overwrites would unlink; they live in .recycle/
+    # until reused, are never served, and are removed at every start.
+
+    def _keep_spare(self, path: str, *, link: bool) -> bool:
+        """Keep ``path``'s file as a spare (a hard link when it must stay in place). Lock held."""
+        if self._recycled_count >= self._max_spares:
+            return False
+        try:
+            size = os.stat(path).st_size
+            spare = os.path.join(self._rdir, f"{next(self._tmp_ids)}.spare")
+            (os.link if link else os.rename)(path, spare)
+        except OSError:
+            return False
+        self._recycled.setdefault(size, []).append(spare)
+        self._recycled_count += 1
+        return True
+
+    def _rewrite_spare(self, header: bytes, frame: memoryview) -> str | None:
+        """A spare file of exactly this frame's file size, rewritten with it and synced; or None."""
+        size = len(header) + len(frame)
+        with self._lock:
+            spares = self._recycled.get(size)
+            if not spares:
+                return None
+            path = spares.pop()
+            self._recycled_count -= 1
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                views, pos = [memoryview(header), frame], 0
+                while views:
+                    n = os.pwritev(fd, views, pos)
+                    if n == 0:
+                        raise OSError(errno.EIO, "write made no progress")
+                    pos += n
+                    while views and n >= len(views[0]):
+                        n -= len(views[0])
+                        views.pop(0)
+                    if views:
+                        views[0] = views[0][n:]
+                if self._fsync:
+                    os.fdatasync(fd)
+                    # As with O_DIRECT writes: a frame sent to the cold tier is not read
+                    # again soon, so it should not push hotter data out of the page cache.
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError:
+            unlink_quietly(path)
+            return None  # the caller writes a fresh temp file instead
+        with self._lock:
+            self._recycled_hits += 1
+        return path
+
+    def _empty_recycle_bin(self) -> None:
+        with os.scandir(self._rdir) as it:
+            for entry in it:
+                unlink_quietly(entry.path)
 
     def _sync_dir(self, path: str) -> None:
         if not self._fsync:
@@ -456,7 +538,8 @@ class NVMeTier(Tier):
             os.makedirs(self.data_dir, exist_ok=True)
             fd = os.open(os.path.join(self.data_dir, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            missing = [d for d in (*_FANOUT, "quarantine") if not os.path.isdir(os.path.join(self.data_dir, d))]
+            missing = [d for d in (*_FANOUT, "quarantine", ".recycle")
+                       if not os.path.isdir(os.path.join(self.data_dir, d))]
             for d in missing:
                 os.makedirs(os.path.join(self.data_dir, d), exist_ok=True)
             if missing and self._fsync:  # the new names must be durable before a file in them is

@@ -41,7 +41,8 @@ def main(argv: list[str]) -> None:
     from tiers.nvme import NVMeTier
 
     data_dir, start, frame_bytes, n_keys = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    tier = NVMeTier(data_dir, CAPACITY_BYTES)
+    spares = int(argv[4]) if len(argv) > 4 else 64
+    tier = NVMeTier(data_dir, CAPACITY_BYTES, spare_files=spares)
     frame = bytearray(_base(frame_bytes))  # restamped in place: no 32 MiB copy per put
     i = start
     while True:

@@ -374,7 +374,7 @@ def test_refused_o_direct_falls_back_to_buffered_writes(open_tier, monkeypatch):
 # -- kill -9 -------------------------------------------------------------------------
 
 
-def _crash_rounds(data_dir: Path, rounds: int, frame_bytes: int, n_keys: int = 6) -> int:
+def _crash_rounds(data_dir: Path, rounds: int, frame_bytes: int, n_keys: int = 6, spares: int = 0) -> int:
     """Kill a writing child ``rounds`` times; check every acknowledged put after each.
 
     Even rounds kill as soon as a temp file appears (mid-write); odd rounds
@@ -387,7 +387,7 @@ def _crash_rounds(data_dir: Path, rounds: int, frame_bytes: int, n_keys: int = 6
         start = (r + 1) * 1_000_000
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.tiers.nvme_crash_child", str(data_dir), str(start),
-             str(frame_bytes), str(n_keys)],
+             str(frame_bytes), str(n_keys), str(spares)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         acked = b""
@@ -396,7 +396,7 @@ def _crash_rounds(data_dir: Path, rounds: int, frame_bytes: int, n_keys: int = 6
                 line = child.stdout.readline()
                 assert line, f"child died: {child.stderr.read().decode()[-2000:]}"
                 acked += line
-            if r % 2 == 0:
+            if r % 2 == 0 and not spares:
                 _wait_for_temp_file(data_dir, n_keys)
             else:
                 time.sleep(random.uniform(0, 0.3))  # anywhere in the next few puts
@@ -419,6 +419,17 @@ def test_acknowledged_puts_survive_kill_9(tmp_path):
         assert temps >= 1  # at least one kill landed mid-write (each even round waits for one)
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)  # ~250 MiB
+
+
+def test_acknowledged_puts_survive_kill_9_while_rewriting_spares(tmp_path):
+    # Overwrites of equal-sized frames go through spare files (no temp file to wait
+    # for), so these rounds kill at random points of the put cycle.
+    data_dir = tmp_path / "crash"
+    try:
+        _crash_rounds(data_dir, rounds=4, frame_bytes=8 * MiB, spares=64)
+        assert os.listdir(data_dir / ".recycle") == []  # each restart throws spares away
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -561,3 +572,19 @@ def test_throughput_vs_raw(tmp_path, size):
         assert med["raw put"] / med["tier put"] >= 0.8
     assert med["raw get cold"] / med["tier get cold"] >= 0.8
     assert med["raw get warm"] / med["tier get warm"] >= 0.8
+
+
+def test_spare_files_are_reused_and_never_outlive_a_restart(tmp_path):
+    tier = NVMeTier(tmp_path / "d", 64 * MiB)
+    tier.put(key(1), payload(100_000, 1))
+    tier.put(key(1), payload(100_000, 2))  # the first file becomes a spare
+    tier.put(key(2), payload(100_000, 3))  # same size: written into that spare
+    details = tier.stats().details
+    assert details["spare_files_reused"] == "1" and details["spare_files"] == "0"
+    assert bytes(tier.get(key(1))) == payload(100_000, 2) and bytes(tier.get(key(2))) == payload(100_000, 3)
+    assert tier.delete(key(2)) and tier.stats().details["spare_files"] == "1"
+    tier.close()
+    again = NVMeTier(tmp_path / "d", 64 * MiB)
+    assert again.stats().details["spare_files"] == "0" and os.listdir(tmp_path / "d" / ".recycle") == []
+    assert bytes(again.get(key(1))) == payload(100_000, 2) and again.get(key(2)) is None
+    again.close()
