@@ -97,6 +97,18 @@ def _chunks(total: int, step: int) -> Iterator[tuple[int, int, int]]:
         yield i, start, min(start + step, total)
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)``, through numpy when both live on the CPU.
+
+    torch's CPU ``copy_`` fans out to OpenMP threads; on a small, busy machine
+    a 1 MiB copy then measured 8 ms (0.13 GB/s) where numpy's memcpy takes 20 us.
+    """
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
 class _Lane:
     """One direction of traffic: a lock, a stream (CUDA only) and optional staging halves.
 
@@ -117,13 +129,13 @@ class _Lane:
         with self.lock, self._on_stream():
             self._check_open()
             if self._direct(src):
-                dst.copy_(src, non_blocking=True)
+                _copy(dst, src, True)
             else:
                 for i, start, stop in _chunks(len(src), len(self.halves[0])):
                     half = self.halves[i % 2][: stop - start]
                     self._wait(i % 2)  # the DMA that last read this half is over
-                    half.copy_(src[start:stop])
-                    dst[start:stop].copy_(half, non_blocking=True)
+                    _copy(half, src[start:stop])
+                    _copy(dst[start:stop], half, True)
                     self._record(i % 2)
             self._sync()
 
@@ -132,12 +144,12 @@ class _Lane:
         with self.lock, self._on_stream():
             self._check_open()
             if self._direct(dst):
-                dst.copy_(src, non_blocking=True)
+                _copy(dst, src, True)
             else:
                 pending = None
                 for i, start, stop in _chunks(len(src), len(self.halves[0])):
                     # The half was drained one step ago, so the DMA may refill it now.
-                    self.halves[i % 2][: stop - start].copy_(src[start:stop], non_blocking=True)
+                    _copy(self.halves[i % 2][: stop - start], src[start:stop], True)
                     self._record(i % 2)
                     if pending is not None:
                         self._drain(dst, *pending)  # overlaps the DMA just queued
@@ -154,7 +166,7 @@ class _Lane:
             if caller is not None:
                 self.stream.wait_stream(caller)  # the engine may still be reading ``dst``
             # Without a stream of ours (a cpu pool) a blocking copy is what makes this complete.
-            dst.copy_(src, non_blocking=self.stream is not None)
+            _copy(dst, src, self.stream is not None)
             self._sync()
 
     def move(self, pool: torch.Tensor, scratch: torch.Tensor, moves: list[Move]) -> None:
@@ -183,7 +195,7 @@ class _Lane:
 
     def _drain(self, dst: torch.Tensor, which: int, start: int, stop: int) -> None:
         self._wait(which)
-        dst[start:stop].copy_(self.halves[which][: stop - start])
+        _copy(dst[start:stop], self.halves[which][: stop - start])
 
     def _record(self, which: int) -> None:
         if self.done[which] is not None:
