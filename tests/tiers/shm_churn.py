@@ -10,7 +10,7 @@ import time
 
 import xxhash
 
-from tiers.shm import ShmReader
+from kvstore.shmview import ShmReader
 
 
 def check(frame) -> bool:

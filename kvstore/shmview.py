@@ -1,0 +1,199 @@
+"""The shm arena's layout and its reader: what a co-located client needs.
+
+``tiers/shm.py`` owns and writes the arena; this module holds the file layout
+they share and ``ShmReader``, which attaches to an arena by name from any
+process. It lives in ``kvstore`` so that ``client_sdk`` can read frames
+straight out of a co-located server's memory without importing the tiers.
+
+File layout (all integers little-endian u64, offsets from the file start)::
+
+    0        header: magic, version, owner pid and start time, table and data geometry
+    4096     slot table: rows of 64 bytes: gen, offset, length, key[32], pad
+    data_at  the data region
+
+A published slot has an even ``gen``; the owner makes it odd before the slot's
+bytes may change and publishes a new even value when a frame is in place. A
+reader copies only while ``gen`` equals its handle's before and after the
+copy (a seqlock), so it gets the frame or a miss, never torn bytes. This relies
+on x86-64's ordered stores and loads (TSO); a weakly ordered CPU would need
+fences. A read lease is a shared open-file-description lock on the slot's row,
+which the owner tests before it frees or moves the range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from kvstore.errors import InvalidInput, TierUnavailable
+from kvstore.keys import BlockHash, check_key
+from kvstore.tier import Buffer
+
+__all__ = [
+    "ShmReader", "SlotHandle", "SHM_DIR", "lock_row", "MAGIC", "HEADER", "TABLE_AT", "ROW", "ROW_WORDS",
+    "GEN", "OFF", "LEN", "KEY",
+]
+
+SHM_DIR = "/dev/shm"
+MAGIC = b"KVSHMv01"
+HEADER = struct.Struct("<8sQQQQQQ")  # magic, version, pid, start ticks, rows, data_at, data_bytes
+TABLE_AT = 4096
+ROW = 64
+ROW_WORDS = ROW // 8
+GEN, OFF, LEN, KEY = 0, 1, 2, 3  # word indexes in a row; the key fills words 3..6
+FLOCK = struct.Struct("hhxxxxqqi4x")  # struct flock on x86-64 Linux: type, whence, start, len, pid
+
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHandle:
+    """What a reader in another process needs to copy one frame out."""
+
+    segment: str
+    index: int
+    offset: int
+    """From the start of the data region."""
+    length: int
+    gen: int
+
+    def to_dict(self) -> dict[str, int | str]:
+        return {"segment": self.segment, "index": self.index, "offset": self.offset,
+                "length": self.length, "gen": self.gen}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SlotHandle":
+        try:
+            fields = {k: data[k] for k in ("segment", "index", "offset", "length", "gen")}
+        except (KeyError, TypeError) as exc:
+            raise InvalidInput(f"a slot handle needs segment, index, offset, length and gen: {exc}") from exc
+        for k in ("index", "offset", "length", "gen"):
+            if isinstance(fields[k], bool) or not isinstance(fields[k], int) or fields[k] < 0:
+                raise InvalidInput(f"slot handle field {k!r} must be a non-negative int, got {fields[k]!r}")
+        if not isinstance(fields["segment"], str):
+            raise InvalidInput("slot handle field 'segment' must be a string")
+        return cls(**fields)
+
+
+def lock_row(fd: int, kind: int, index: int, *, test: bool = False) -> bool:
+    """Set (or, with ``test``, probe) an OFD lock on slot table row ``index``.
+
+    Returns:
+        For a probe, whether a conflicting lock exists; otherwise True.
+    """
+    arg = FLOCK.pack(kind, os.SEEK_SET, TABLE_AT + index * ROW, ROW, 0)
+    if test:
+        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, arg)
+        return FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+    return True
+
+
+class ShmReader:
+    """Attaches to a ``ShmTier``'s arena by segment name from any process.
+
+    Args:
+        segment: ``ShmTier.segment`` (a name, not a path).
+        shm_dir: where POSIX shared memory lives.
+
+    Raises:
+        TierUnavailable: no such segment, or it is not a kvstore arena.
+    """
+
+    def __init__(self, segment: str, shm_dir: str = SHM_DIR) -> None:
+        if not isinstance(segment, str) or "/" in segment or segment in ("", ".", ".."):
+            raise InvalidInput(f"segment must be a plain name, got {segment!r}")
+        self.segment = segment
+        try:
+            self._fd = os.open(os.path.join(shm_dir, segment), os.O_RDONLY)
+        except OSError as exc:
+            raise TierUnavailable(f"shm segment {segment!r} cannot be opened: {exc}", tier="shm") from exc
+        try:
+            self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
+            magic, _, _, _, rows, data_at, data_bytes = HEADER.unpack(self._map[:HEADER.size])
+            if magic != MAGIC or data_at + data_bytes > len(self._map):
+                raise TierUnavailable(f"{segment!r} is not a kvstore arena", tier="shm")
+        except (OSError, ValueError, struct.error) as exc:
+            os.close(self._fd)
+            raise TierUnavailable(f"shm segment {segment!r} cannot be mapped: {exc}", tier="shm") from exc
+        self._rows = np.frombuffer(self._map, np.uint64, rows * ROW_WORDS, TABLE_AT).reshape(rows, ROW_WORDS)
+        self._words = memoryview(self._map)[TABLE_AT:TABLE_AT + rows * ROW].cast("Q")
+        self._view = memoryview(self._map)[data_at:data_at + data_bytes]
+        self._leases: dict[int, int] = {}  # row -> leases held by this reader
+        self._lock = threading.Lock()
+
+    def find(self, key: BlockHash) -> SlotHandle | None:
+        """Scan the slot table for ``key``; the owner's ``handle`` is faster."""
+        want = np.frombuffer(check_key(key), np.uint64)
+        rows = np.flatnonzero((self._rows[:, KEY:KEY + 4] == want).all(axis=1))
+        for index in rows:
+            gen, off, length = (int(v) for v in self._rows[index, :3])
+            if gen % 2 == 0 and np.array_equal(self._rows[index, KEY:KEY + 4], want):
+                return SlotHandle(self.segment, int(index), off, length, gen)
+        return None
+
+    def read(self, handle: SlotHandle, out: Buffer | None = None) -> bytes | int | None:
+        """Copy the frame out: bytes, or its length when copied into ``out``; None if stale."""
+        self._check(handle)
+        gen_at = handle.index * ROW_WORDS + GEN
+        if self._words[gen_at] != handle.gen:
+            return None
+        src = self._view[handle.offset:handle.offset + handle.length]
+        if out is None:
+            data = src.tobytes()
+        else:
+            dst = memoryview(out).cast("B")
+            if len(dst) < handle.length:
+                raise InvalidInput(f"out holds {len(dst)} bytes, the frame needs {handle.length}")
+            dst[:handle.length] = src
+            data = handle.length
+        # The owner makes gen odd before the bytes may change, so an unchanged gen means an untorn copy.
+        return data if self._words[gen_at] == handle.gen else None
+
+    @contextlib.contextmanager
+    def lease(self, handle: SlotHandle) -> Iterator[memoryview | None]:
+        """A read-only view of the frame that stays valid inside the block; None if stale."""
+        self._check(handle)
+        with self._lock:
+            if not self._leases.get(handle.index):
+                lock_row(self._fd, fcntl.F_RDLCK, handle.index)
+            self._leases[handle.index] = self._leases.get(handle.index, 0) + 1
+        try:
+            # Checked after the lock: from here on the owner sees the lease before reusing the range.
+            valid = self._words[handle.index * ROW_WORDS + GEN] == handle.gen
+            with self._view[handle.offset:handle.offset + handle.length] as view:
+                yield view if valid else None
+        finally:
+            with self._lock:
+                self._leases[handle.index] -= 1
+                if not self._leases[handle.index]:
+                    del self._leases[handle.index]
+                    lock_row(self._fd, fcntl.F_UNLCK, handle.index)
+
+    def _check(self, handle: SlotHandle) -> None:
+        if handle.segment != self.segment:
+            raise InvalidInput(f"handle is for segment {handle.segment!r}, this reader is {self.segment!r}")
+        if handle.index >= len(self._rows) or handle.offset + handle.length > len(self._view):
+            raise InvalidInput(f"handle {handle} lies outside the arena")
+
+    def close(self) -> None:
+        """Drop the mapping; leases still held are released by the kernel."""
+        self._view.release()
+        self._words.release()
+        self._rows = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        os.close(self._fd)
+
+    def __enter__(self) -> "ShmReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
