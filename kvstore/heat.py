@@ -6,7 +6,7 @@ placement can sort residents once and reuse the order; each scorer below keeps
 that property. ``beats(a, b)`` says whether ``a`` is hotter than ``b`` by the
 scorer's margin: the first line of defence against ping-pong.
 
-- ``DecayedRate``: an exponentially decayed access count (kvstore's default).
+- ``DecayedRate``: an exponentially decayed access count that saturates (kvstore's default).
 - ``LRU``: the last access time; what LMCache and Mooncake approximate.
 - ``LFU``: the access count, never decayed.
 """
@@ -54,27 +54,35 @@ class Scorer(ABC):
 
 
 class DecayedRate(Scorer):
-    """An access count that halves every ``half_life_s`` seconds.
+    """An access count that halves every ``half_life_s`` seconds, saturating at ``max_count``.
 
     Stored as ``log2(count at t) + t / half_life_s``: decay shifts every entry's
     log by the same amount, so this number does not change as time passes and
     entries sort without recomputing anything. ``beats`` asks for
     ``margin_frac`` more decayed accesses (20% by default).
+
+    The count saturates (4 by default) because a very hot entry would otherwise
+    take several half-lives to cool once its traffic moves on, and the new hot
+    set waits that long for the fast tier. Entries at the cap still sort, by
+    their last access: frequent enough, then most recent first. TinyLFU's
+    counters saturate (at 15) for the same reason.
     """
 
     name = "decayed-rate"
 
-    def __init__(self, half_life_s: float = 60.0, margin_frac: float = 0.2) -> None:
-        if not half_life_s > 0 or not margin_frac >= 0:
-            raise InvalidInput(f"half_life_s must be > 0 and margin_frac >= 0, got {half_life_s}, {margin_frac}")
+    def __init__(self, half_life_s: float = 60.0, margin_frac: float = 0.2, max_count: float = 4.0) -> None:
+        if not half_life_s > 0 or not margin_frac >= 0 or not max_count >= 1:
+            raise InvalidInput(f"need half_life_s > 0, margin_frac >= 0 and max_count >= 1, "
+                               f"got {half_life_s}, {margin_frac}, {max_count}")
         self.half_life_s = float(half_life_s)
         self.margin_frac = float(margin_frac)
+        self.max_count = float(max_count)
         self._margin_log = math.log2(1.0 + margin_frac)
 
     def touch(self, heat: Heat, now_s: float) -> None:
         shift = now_s / self.half_life_s
         current = 2.0 ** (heat.score - shift) if heat.count else 0.0
-        heat.score = math.log2(current + 1.0) + shift
+        heat.score = math.log2(min(current + 1.0, self.max_count)) + shift
         heat.count += 1
         heat.last_s = now_s
 
@@ -82,7 +90,8 @@ class DecayedRate(Scorer):
         return a - b > self._margin_log if self._margin_log else a > b
 
     def rate(self, heat: Heat, now_s: float) -> float:
-        # A steady rate r holds the decayed count at r * half_life / ln 2.
+        # A steady rate r holds the decayed count at r * half_life / ln 2. Saturated
+        # entries read as max_count * ln 2 / half_life (about 0.046/s by default): "at least".
         if not heat.count:
             return 0.0
         return 2.0 ** (heat.score - now_s / self.half_life_s) * math.log(2) / self.half_life_s

@@ -9,18 +9,22 @@ very same code with a simulated clock and a mover that only updates records.
 Rules, in the order ``plan`` applies them:
 
 1. **Promotion.** A get that hits below the top tier makes the entry a
-   candidate. It moves to the top tier when that tier has room under its high
-   watermark, or when its heat beats the coldest movable resident there by the
-   scorer's margin; the watermark rule below then pushes that resident down.
-2. **Demotion.** A tier above ``high_watermark_frac`` sends its coldest movable
+   candidate. Hottest first, candidates move to the top tier while it has room
+   under its high watermark, then each only in exchange for residents it beats
+   by the scorer's margin: those are demoted one tier, in orders placed before
+   the promotion so that a mover frees the room first.
+2. **Demotion.** A tier above ``high_watermark_frac`` sends its coldest
    entries one tier down until it is under ``low_watermark_frac``; the last tier
    evicts. ``make_room`` does the same at once, for a put that found the tier full.
-3. **Hysteresis.** An entry that arrived in its tier less than
-   ``min_residency_s`` ago does not move again (except to make room for a put),
-   and promotion needs the margin. Heat itself is an exponentially decayed
-   average. With ``hysteresis=False`` all three are off; the bench measures what
+3. **Hysteresis.** Within ``min_residency_s`` of a move an entry does not go
+   back the way it came (a promoted entry is not demoted, a demoted one not
+   promoted), except to make room for a put; and promotion needs the margin.
+   Watermark demotion stops at such a settling entry rather than demote hotter
+   ones in its place. Heat itself is an exponentially decayed count. With
+   ``hysteresis=False`` margin and residency are off; the bench measures what
    they save on an oscillating workload.
-4. **Pins and leases.** A pinned or leased entry never moves down or out.
+4. **Pins and leases.** A pinned or leased entry never moves down or out
+   (demotion looks past it); a leased one does not move up either.
 
 Every applied move is logged with its reason, per entry (for ``explain``) and
 store-wide (bounded).
@@ -28,6 +32,7 @@ store-wide (bounded).
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import time
@@ -68,6 +73,8 @@ class PlacementConfig:
 
     half_life_s: float = 60.0
     """Heat halves after this long without access (DecayedRate)."""
+    heat_max_count: float = 4.0
+    """Decayed accesses at which heat saturates (DecayedRate), so a cooled-off hot set yields soon."""
     margin_frac: float = 0.2
     """A promotion needs this much more heat than the resident it displaces."""
     min_residency_s: float = 5.0
@@ -118,6 +125,8 @@ class _Resident:
     size: int
     since_s: float
     """When it arrived in its current tier (residency starts here)."""
+    came: int = 0
+    """How it arrived: +1 promoted, -1 demoted, 0 written. Residency only blocks going back."""
     heat: Heat = field(default_factory=Heat)
     pinned_until: float = 0.0
     leases: int = 0
@@ -140,7 +149,8 @@ class PlacementManager:
             raise InvalidInput("placement needs at least one tier")
         self.tiers = list(tiers)
         self.config = config or PlacementConfig()
-        self.scorer = scorer or DecayedRate(self.config.half_life_s, self.config.margin_frac)
+        self.scorer = scorer or DecayedRate(self.config.half_life_s, self.config.margin_frac,
+                                                self.config.heat_max_count)
         self.clock = clock
         self._pos = {t.name: i for i, t in enumerate(self.tiers)}
         if len(self._pos) != len(self.tiers):
@@ -165,7 +175,7 @@ class PlacementManager:
                 r = self._res[key] = _Resident(self._pos[tier], size, now)
             else:
                 self._leave(key, r)
-                r.tier, r.size, r.since_s = self._pos[tier], size, now
+                r.tier, r.size, r.since_s, r.came = self._pos[tier], size, now, 0
             self._members[r.tier][key] = r
             self._used[r.tier] += size
             if access:
@@ -207,6 +217,7 @@ class PlacementManager:
             if order.dst is None:
                 del self._res[order.key]
                 return
+            r.came = 1 if self._pos[order.dst] < r.tier else -1
             r.tier, r.since_s = self._pos[order.dst], now
             r.size = order.size if size is None else size
             self._members[r.tier][order.key] = r
@@ -267,7 +278,8 @@ class PlacementManager:
     # -- decisions -------------------------------------------------------------------
 
     def plan(self) -> list[MoveOrder]:
-        """Promotions first, then demotions for every tier above its high watermark."""
+        """Promotions (each after the demotion that makes its room), then demotions
+        for every tier above its high watermark. A mover carries them out in order."""
         now = self.clock()
         with self._lock:
             projected = list(self._used)
@@ -289,7 +301,8 @@ class PlacementManager:
     def make_room(self, tier: str, nbytes: int) -> list[MoveOrder]:
         """Orders that free ``nbytes`` in ``tier`` now, for a put that found it full.
 
-        Residency is not waited for here: the put is waiting.
+        Residency is not waited for here: the put is waiting. Pinned and leased
+        entries still stay, so the orders may free less than asked.
         """
         now = self.clock()
         with self._lock:
@@ -301,11 +314,24 @@ class PlacementManager:
             reason = f"demoted: {t.name} full for a {nbytes}-byte put"
             return self._demote(i, need, now, list(self._used), set(), reason, respect_residency=False)
 
-    def _movable(self, r: _Resident, now: float, respect_residency: bool) -> bool:
-        if r.leases or r.pinned_until > now:
-            return False
-        return not (respect_residency and self.config.hysteresis
-                    and now - r.since_s < self.config.min_residency_s)
+    def _held(self, r: _Resident, now: float) -> bool:
+        """Pinned or leased: it must not go down or out."""
+        return bool(r.leases) or r.pinned_until > now
+
+    def _settling(self, r: _Resident, now: float, up: bool) -> bool:
+        """Residency forbids this move: it would send ``r`` back the way it came
+        within ``min_residency_s``. That is the ping-pong; a fresh write may go
+        down at once, and a demoted entry may go further down."""
+        return (self.config.hysteresis and r.came == (-1 if up else 1)
+                and now - r.since_s < self.config.min_residency_s)
+
+    def _coldest(self, i: int, ordered: set[bytes]):
+        """Residents of tier ``i`` not yet ordered, coldest first (a heap popped lazily: O(n + k log n))."""
+        heap = [(r.heat.score, key) for key, r in self._members[i].items() if key not in ordered]
+        heapq.heapify(heap)
+        while heap:
+            score, key = heapq.heappop(heap)
+            yield score, key, self._members[i][key]
 
     def _demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],
                 reason: str, *, respect_residency: bool) -> list[MoveOrder]:
@@ -313,50 +339,86 @@ class PlacementManager:
         why = reason if dst else reason.replace("demoted:", "evicted:", 1)
         orders = []
         freed = 0
-        for key, r in sorted(self._members[i].items(), key=lambda kv: kv[1].heat.score):
+        for _, key, r in self._coldest(i, ordered):
             if freed >= need:
                 break
-            if key in ordered or not self._movable(r, now, respect_residency):
-                continue
-            orders.append(MoveOrder(key, self.tiers[i].name, dst, r.size, why))
-            ordered.add(key)
+            if self._held(r, now):
+                continue  # pinned or leased: look past it
+            if respect_residency and self._settling(r, now, up=False):
+                break  # the coldest must stay a while: sending hotter ones down instead would be worse
+            orders.append(self._order_down(i, key, r, why, projected, ordered))
             freed += r.size
-            projected[i] -= r.size
-            if dst is not None:
-                projected[i + 1] += r.size
         return orders
 
+    def _order_down(self, i: int, key: bytes, r: _Resident, reason: str, projected: list[int],
+                    ordered: set[bytes]) -> MoveOrder:
+        dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) else None
+        ordered.add(key)
+        projected[i] -= r.size
+        if dst is not None:
+            projected[i + 1] += r.size
+        return MoveOrder(key, self.tiers[i].name, dst, r.size, reason)
+
     def _promotions(self, now: float, projected: list[int], ordered: set[bytes]) -> list[MoveOrder]:
+        """Hottest candidates first: into free room below the top tier's high watermark,
+        else in exchange for colder residents (demoted first, so the mover has the room)."""
         top = self.tiers[0]
         room = top.high_watermark_frac * top.capacity_bytes - projected[0]
-        residents = sorted(
-            (r.heat.score for r in self._members[0].values() if self._movable(r, now, True)), reverse=True)
-        hysteresis = self.config.hysteresis
-        orders = []
-        for key in list(self._candidates):
-            del self._candidates[key]
+        candidates = []
+        for key in self._candidates:
             r = self._res.get(key)
-            if r is None or r.tier == 0 or key in ordered:
-                continue
-            if hysteresis and now - r.since_s < self.config.min_residency_s:
-                continue
-            src = self.tiers[r.tier].name
+            if r is not None and r.tier and key not in ordered and not r.leases and not self._settling(r, now, True):
+                candidates.append((r.heat.score, key, r))
+        self._candidates.clear()
+        candidates.sort(key=lambda c: c[0], reverse=True)
+        victims = ((s, k, r) for s, k, r in self._coldest(0, ordered)
+                   if not self._held(r, now) and not self._settling(r, now, False))
+        orders: list[MoveOrder] = []
+        for score, key, r in candidates:
             if r.size <= room:
-                reason = f"promoted: {top.name} has room ({projected[0] / top.capacity_bytes:.2f} full)"
                 room -= r.size
-            elif residents and (self.scorer.beats(r.heat.score, residents[-1]) if hysteresis
-                                else r.heat.score > residents[-1]):
-                coldest = residents.pop()
-                reason = (f"promoted: heat {self.scorer.rate(r.heat, now):.3g}/s beats the coldest in {top.name} "
-                          f"by more than {self.config.margin_frac:.0%}" if hysteresis else
-                          f"promoted: hotter than the coldest in {top.name}") + f" (score {r.heat.score:.3g} > {coldest:.3g})"
+                reason = f"promoted: {top.name} has room ({projected[0] / top.capacity_bytes:.2f} full)"
             else:
-                continue
-            orders.append(MoveOrder(key, src, top.name, r.size, reason))
+                displaced = self._displace(score, r.size - room, victims, now, projected, ordered)
+                if displaced is None:
+                    break  # later candidates are colder and the residents left hotter: none would win
+                orders += displaced[0]
+                room += displaced[1] - r.size
+                reason = self._beat_reason(r, score, displaced[2], now)
+            orders.append(MoveOrder(key, self.tiers[r.tier].name, top.name, r.size, reason))
             ordered.add(key)
             projected[r.tier] -= r.size
             projected[0] += r.size
         return orders
+
+    def _displace(self, score: float, need: int, victims, now: float, projected: list[int],
+                  ordered: set[bytes]) -> tuple[list[MoveOrder], int, float] | None:
+        """Demotions of top-tier residents colder than ``score`` (by the margin, with
+        hysteresis) that free ``need`` bytes; None, and nothing ordered, when there are not enough."""
+        picked = []
+        freed = 0
+        while freed < need:
+            victim = next(victims, None)
+            if victim is None or not self._beats(score, victim[0]):
+                return None  # an unbeaten victim ends the search: the ones after it are hotter
+            picked.append(victim)
+            freed += victim[2].size
+        reason = f"demoted: displaced from {self.tiers[0].name} by a hotter entry"
+        orders = [self._order_down(0, key, r, f"{reason} (score {s:.3g} < {score:.3g})", projected, ordered)
+                  for s, key, r in picked]
+        return orders, freed, picked[-1][0]
+
+    def _beats(self, a: float, b: float) -> bool:
+        return self.scorer.beats(a, b) if self.config.hysteresis else a > b
+
+    def _beat_reason(self, r: _Resident, score: float, coldest: float, now: float) -> str:
+        top = self.tiers[0].name
+        if self.config.hysteresis:
+            head = (f"promoted: heat {self.scorer.rate(r.heat, now):.3g}/s beats the coldest in {top} "
+                    f"by more than the scorer's margin")
+        else:
+            head = f"promoted: hotter than the coldest in {top}"
+        return f"{head} (score {score:.3g} > {coldest:.3g})"
 
     # -- what happened ---------------------------------------------------------------
 

@@ -1,0 +1,286 @@
+"""PlacementManager on its own: promotion, watermarks, hysteresis, pins, leases, explain, make_room.
+
+A fake clock drives the manager and ``apply`` plays the mover: it carries each
+order out with ``moved`` (making room in a full destination first), as a store
+or the bench's simulator would.
+"""
+
+import math
+
+import pytest
+
+from kvstore.errors import InvalidInput
+from kvstore.heat import LRU, DecayedRate, Heat
+from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
+
+B = 100  # bytes per entry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def key(i: int) -> bytes:
+    return b"k%04d" % i
+
+
+def manager(top_blocks=10, low_blocks=100, *, high=0.9, low=0.5, single=False, **config):
+    clock = Clock()
+    tiers = [TierPolicy("top", top_blocks * B, high_watermark_frac=high, low_watermark_frac=low)]
+    if not single:
+        tiers.append(TierPolicy("low", low_blocks * B))
+    return PlacementManager(tiers, config=PlacementConfig(**config), clock=clock), clock
+
+
+def apply(m: PlacementManager, orders: list[MoveOrder]) -> int:
+    """Carry orders out in order; returns how many applied."""
+    done = 0
+    for order in orders:
+        if m.tier_of(order.key) != order.src:
+            continue
+        if order.dst is not None:
+            done += apply(m, m.make_room(order.dst, order.size))
+        m.moved(order)
+        done += 1
+    return done
+
+
+def touch(m: PlacementManager, clock: Clock, keys, times: int = 1, dt: float = 0.01) -> None:
+    for _ in range(times):
+        for k in keys:
+            clock.now += dt
+            m.accessed([k])
+
+
+def test_lower_tier_hit_is_promoted_into_room_and_explained():
+    m, clock = manager()
+    m.admitted(key(1), "low", B)
+    touch(m, clock, [key(1)])
+    orders = m.plan()
+    assert [(o.key, o.src, o.dst) for o in orders] == [(key(1), "low", "top")]
+    assert orders[0].reason.startswith("promoted") and "room" in orders[0].reason
+    apply(m, orders)
+    info = m.explain(key(1))
+    assert info["tier"] == "top" and info["accesses"] == 2
+    assert [mv["reason"] for mv in info["moves"]] == [orders[0].reason]
+    assert info["moves"][0]["src"] == "low" and info["moves"][0]["dst"] == "top"
+    assert m.counters()["promoted"] == 1 and m.counters()["bytes_moved"] == B
+
+
+def test_above_high_watermark_demotes_coldest_down_to_low_watermark():
+    m, clock = manager(high=0.9, low=0.5)
+    for i in range(10):
+        clock.now += 1
+        m.admitted(key(i), "top", B)  # top 100% full
+    touch(m, clock, [key(i) for i in range(5, 10)], times=3)  # 5..9 are hot
+    orders = m.plan()
+    assert all(o.dst == "low" for o in orders)
+    assert {o.key for o in orders} == {key(i) for i in range(5)}  # the coldest five, down to 50%
+    apply(m, orders)
+    assert m.usage()["top"] <= 0.5 * 10 * B
+    assert "above high watermark" in m.explain(key(0))["moves"][-1]["reason"]
+    assert m.plan() == []  # under the high watermark: nothing more to do
+
+
+def test_hot_candidate_displaces_the_coldest_resident_demotion_first():
+    m, clock = manager(high=1.0, low=0.9, min_residency_s=0)
+    for i in range(10):
+        m.admitted(key(i), "top", B)
+    touch(m, clock, [key(i) for i in range(1, 10)], times=3)  # key 0 is the coldest
+    m.admitted(key(99), "low", B)
+    touch(m, clock, [key(99)], times=6)
+    orders = m.plan()
+    assert [(o.key, o.dst) for o in orders] == [(key(0), "low"), (key(99), "top")]
+    assert "displaced" in orders[0].reason and "beats the coldest" in orders[1].reason
+    apply(m, orders)
+    assert m.tier_of(key(99)) == "top" and m.tier_of(key(0)) == "low"
+    assert m.usage()["top"] == 10 * B
+
+
+def test_margin_holds_back_a_barely_hotter_candidate():
+    def run(hysteresis: bool) -> str | None:
+        clock = Clock()
+        tiers = [TierPolicy("top", 10 * B, 1.0, 0.9), TierPolicy("low", 100 * B)]
+        m = PlacementManager(tiers, scorer=DecayedRate(60, margin_frac=0.2, max_count=math.inf),
+                             config=PlacementConfig(hysteresis=hysteresis, min_residency_s=0), clock=clock)
+        for i in range(10):
+            m.admitted(key(i), "top", B)
+        m.admitted(key(99), "low", B)
+        touch(m, clock, [key(i) for i in range(10)] + [key(99)], times=8)  # 9 accesses each
+        touch(m, clock, [key(99)])  # 10 against 9: hotter, by less than the 20% margin
+        apply(m, m.plan())
+        return m.tier_of(key(99))
+
+    assert run(hysteresis=False) == "top"
+    assert run(hysteresis=True) == "low"
+    s = DecayedRate(60, margin_frac=1.0)
+    assert s.beats(math.log2(2.5), 0.0) and not s.beats(math.log2(1.5), 0.0)
+
+
+def test_min_residency_keeps_a_promoted_entry_but_make_room_may_move_it():
+    m, clock = manager(high=0.9, low=0.5, min_residency_s=5.0)
+    m.admitted(key(0), "low", B)
+    touch(m, clock, [key(0)])
+    apply(m, m.plan())
+    assert m.tier_of(key(0)) == "top"
+    for i in range(1, 10):
+        m.admitted(key(i), "top", B)
+    touch(m, clock, [key(i) for i in range(1, 10)], times=5)  # key 0 is now the coldest, but just arrived
+    assert m.plan() == []  # the watermark waits rather than send hotter entries down instead
+    room = m.make_room("top", B)  # a put is waiting: residency does not hold it up
+    assert [o.key for o in room] == [key(0)]
+    clock.now += 5.0
+    assert key(0) in {o.key for o in m.plan()}
+
+
+def test_hysteresis_cuts_moves_on_an_oscillating_pattern():
+    def moves(hysteresis: bool) -> tuple[int, float]:
+        m, clock = manager(top_blocks=30, low_blocks=200, high=0.9, low=0.75, hysteresis=hysteresis)
+        sets = [[key(i) for i in range(20)], [key(i) for i in range(100, 120)]]
+        for k in sets[0] + sets[1]:
+            m.admitted(k, "low", B)
+        hits = total = 0
+        for phase in range(40):  # two sets of 20 (2/3 of the top tier each) take turns every 2 s
+            for step in range(200):
+                clock.now += 0.01
+                k = sets[phase % 2][(step * 7 + phase) % 20]
+                hits += m.tier_of(k) == "top"
+                total += 1
+                m.accessed([k])
+                if step % 25 == 0:
+                    apply(m, m.plan())
+        c = m.counters()
+        return c["promoted"] + c["demoted"], hits / total
+
+    (on, hit_on), (off, _) = moves(True), moves(False)
+    assert on <= 0.2 * off, (on, off)
+    assert hit_on >= 0.6  # a stable mix: one set and a third of the other stay in the top tier
+
+
+def test_pinned_entries_never_leave_even_for_make_room():
+    m, clock = manager(high=0.9, low=0.5)
+    for i in range(10):
+        m.admitted(key(i), "top", B)
+    touch(m, clock, [key(i) for i in range(5, 10)], times=3)
+    for i in range(3):
+        assert m.pin(key(i))  # the three coldest
+    assert m.is_pinned(key(0)) and m.explain(key(0))["pinned"]
+    apply(m, m.plan())
+    assert all(m.tier_of(key(i)) == "top" for i in range(3))
+    assert m.usage()["top"] <= 0.5 * 10 * B
+    room = m.make_room("top", 8 * B)  # asks for more than the unpinned entries hold
+    assert not {o.key for o in room} & {key(0), key(1), key(2)}
+    apply(m, room)
+    assert all(m.tier_of(key(i)) == "top" for i in range(3))
+    assert m.unpin(key(0)) and not m.is_pinned(key(0))
+    assert key(0) in {o.key for o in m.make_room("top", 8 * B)}
+
+
+def test_pin_with_ttl_expires():
+    m, clock = manager(single=True, high=1.0, low=1.0)
+    m.admitted(key(0), "top", 10 * B)
+    assert m.pin(key(0), ttl_s=2.0)
+    assert m.make_room("top", B) == []
+    clock.now += 2.5
+    assert not m.is_pinned(key(0))
+    assert [o.key for o in m.make_room("top", B)] == [key(0)]
+    with pytest.raises(InvalidInput):
+        m.pin(key(0), ttl_s=0)
+    assert not m.pin(b"unknown")
+
+
+def test_leased_entries_do_not_move_either_way():
+    m, clock = manager(high=0.9, low=0.5, min_residency_s=0)
+    for i in range(10):
+        m.admitted(key(i), "top", B)
+    touch(m, clock, [key(i) for i in range(5, 10)], times=3)
+    m.admitted(key(99), "low", B)
+    assert m.lease(key(0)) and m.lease(key(99))
+    touch(m, clock, [key(99)], times=10)
+    orders = m.plan()
+    assert key(0) not in {o.key for o in orders} and key(99) not in {o.key for o in orders}
+    assert key(0) not in {o.key for o in m.make_room("top", 10 * B)}
+    m.release(key(0))
+    m.release(key(99))
+    touch(m, clock, [key(99)])
+    assert {key(0), key(99)} <= {o.key for o in m.plan()}
+
+
+def test_make_room_frees_enough_and_the_last_tier_evicts():
+    m, clock = manager(single=True, high=1.0, low=1.0)
+    for i in range(10):
+        clock.now += 1
+        m.admitted(key(i), "top", B)
+    touch(m, clock, [key(i) for i in range(3, 10)], times=2)
+    orders = m.make_room("top", 3 * B)
+    assert sum(o.size for o in orders) >= 3 * B
+    assert {o.key for o in orders} == {key(0), key(1), key(2)}  # the coldest
+    assert all(o.dst is None and o.reason.startswith("evicted") for o in orders)
+    apply(m, orders)
+    assert m.tier_of(key(0)) is None and m.explain(key(0)) is None
+    assert m.counters()["evicted"] == 3 and m.counters()["entries"] == 7
+    assert m.usage()["top"] == 7 * B
+    assert m.make_room("top", 3 * B) == []  # room enough now
+    assert m.log(2)[-1].dst is None
+
+
+def test_make_room_cascades_through_tiers():
+    m, clock = manager(top_blocks=2, low_blocks=2)
+    for i in range(2):
+        m.admitted(key(i), "top", B)
+        m.admitted(key(10 + i), "low", B)
+    orders = m.make_room("top", B)
+    assert len(orders) == 1 and orders[0].dst == "low"
+    assert apply(m, orders) == 2  # the low tier had to evict first
+    assert m.counters()["evicted"] == 1 and m.usage() == {"top": B, "low": 2 * B}
+
+
+def test_explain_keeps_a_bounded_move_history():
+    m, clock = manager(entry_log=3, min_residency_s=0)
+    m.admitted(key(0), "low", B)
+    for n in range(5):
+        apply(m, [MoveOrder(key(0), "low", "top", B, f"promoted: test {n}")])
+        apply(m, [MoveOrder(key(0), "top", "low", B, f"demoted: test {n}")])
+    moves = m.explain(key(0))["moves"]
+    assert [mv["reason"] for mv in moves] == ["demoted: test 3", "promoted: test 4", "demoted: test 4"]
+    assert len(m.log(100)) == 10
+
+
+def test_events_for_unknown_keys_are_ignored():
+    m, _ = manager()
+    m.accessed([b"nope"])
+    m.removed(b"nope")
+    m.moved(MoveOrder(b"nope", "low", "top", B, "promoted: x"))
+    m.release(b"nope")
+    assert m.counters()["entries"] == 0 and m.tier_of(b"nope") is None
+
+
+def test_lru_scorer_without_hysteresis_promotes_every_lower_hit():
+    clock = Clock()
+    m = PlacementManager([TierPolicy("top", 3 * B, 1.0, 1.0), TierPolicy("low", 10 * B)], scorer=LRU(),
+                         config=PlacementConfig(hysteresis=False), clock=clock)
+    for i in range(3):
+        clock.now += 1
+        m.admitted(key(i), "top", B)
+    m.admitted(key(9), "low", B)
+    clock.now += 1
+    m.accessed([key(9)])
+    orders = m.plan()
+    assert [(o.key, o.dst) for o in orders] == [(key(0), "low"), (key(9), "top")]  # least recent goes
+
+
+def test_decayed_rate_saturates_so_a_cooled_hot_entry_yields():
+    s = DecayedRate(half_life_s=10.0, max_count=4.0)
+    old, new = Heat(), Heat()
+    for t in range(100):
+        s.touch(old, t * 0.1)  # 100 accesses in 10 s
+    assert 2.0 ** (old.score - 9.9 / 10.0) == pytest.approx(4.0)
+    for t in range(30):  # then its traffic moves on: one access a second elsewhere
+        s.touch(new, 10.0 + t)
+    assert s.beats(new.score, old.score)  # well within a few half-lives
+    with pytest.raises(InvalidInput):
+        DecayedRate(max_count=0.5)
