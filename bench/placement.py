@@ -329,8 +329,9 @@ class _Simulator:
         """One get (or, for a new block, a put). Returns whether it hit the top tier."""
         tier = self.manager.tier_of(key)
         if tier is None:
-            self.apply(self.manager.make_room(self.top, BLOCK_BYTES))
-            self.manager.admitted(key, self.top, BLOCK_BYTES)
+            target = self.manager.place_new(BLOCK_BYTES)
+            self.apply(self.manager.make_room(target, BLOCK_BYTES))
+            self.manager.admitted(key, target, BLOCK_BYTES)
             return False
         self.manager.accessed([key])
         return tier == self.top

@@ -52,9 +52,9 @@ class TierPolicy:
 
     name: str
     capacity_bytes: int
-    high_watermark_frac: float = 0.90
+    high_watermark_frac: float = 0.95
     """Above this share of capacity, the coldest entries go down."""
-    low_watermark_frac: float = 0.75
+    low_watermark_frac: float = 0.90
     """... until the tier is back under this share."""
     cold: bool = False
     """Frames demoted into a cold tier are re-encoded int8 (nvme and redis by default)."""
@@ -74,6 +74,8 @@ class PlacementConfig:
     half_life_s: float = 60.0
     """Heat halves after this long without access (DecayedRate)."""
     heat_max_count: float = 4.0
+    admission: bool = True
+    """New blocks enter the top tier only past a colder resident (``place_new``); else one tier down."""
     """Decayed accesses at which heat saturates (DecayedRate), so a cooled-off hot set yields soon."""
     margin_frac: float = 0.2
     """A promotion needs this much more heat than the resident it displaces."""
@@ -297,6 +299,30 @@ class PlacementManager:
                     orders += self._demote(i, projected[i] - target, now, projected, ordered, reason,
                                            respect_residency=True)
             return orders
+
+    def place_new(self, nbytes: int) -> str:
+        """The tier a new block should be written to.
+
+        The top tier while it has room under its high watermark; past that, only
+        when a block read once just now would beat the coldest resident there by
+        the margin. Otherwise the block starts one tier down and earns its way up
+        with a second read (admission filtering: one-off blocks such as a scan
+        do not push out what is being reused).
+        """
+        if not self.config.admission or len(self.tiers) == 1:
+            return self.tiers[0].name
+        now = self.clock()
+        with self._lock:
+            top = self.tiers[0]
+            if self._used[0] + nbytes <= top.high_watermark_frac * top.capacity_bytes:
+                return top.name
+            probe = Heat()
+            self.scorer.touch(probe, now)
+            coldest = min((r.heat.score for r in self._members[0].values() if not self._held(r, now)),
+                          default=None)
+            if coldest is None or self._beats(probe.score, coldest):
+                return top.name
+            return self.tiers[1].name
 
     def make_room(self, tier: str, nbytes: int) -> list[MoveOrder]:
         """Orders that free ``nbytes`` in ``tier`` now, for a put that found it full.

@@ -215,12 +215,12 @@ class KVStore:
                         held.append(key)
                     continue
                 block = kv[:, :, :, i * bt : (i + 1) * bt]
-                self._make_room(block)  # outside any claim: it moves other keys, which claims them
+                first = self._make_room(block)  # outside any claim: it moves other keys, which claims them
                 with self._index.claim(key):
                     if _is_current(self._index.get(key), namespace, spec_fp):  # written while we waited
                         self._count(blocks_deduped=1)
                         continue
-                    entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt)
+                    entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt, first=first)
                     self._index.add(entry)
                     self.placement.admitted(key, entry.tier, entry.size)
                     if self._shared is not None:
@@ -416,13 +416,18 @@ class KVStore:
             keys.append(key)
         return keys
 
-    def _make_room(self, block: torch.Tensor) -> None:
-        """If the top tier cannot take ``block``, demote its coldest entries first."""
+    def _make_room(self, block: torch.Tensor) -> int:
+        """Pick the tier a new block goes to (placement's admission rule) and make room there.
+
+        Returns:
+            The index of that tier; the write falls through to slower tiers if it is still full.
+        """
         top = self._tiers[0]
-        codec = self._codecs[top.name]
-        size = codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=_META_BUDGET)
-        for order in self.placement.make_room(top.name, size):
+        size = codec_mod.frame_size(block.shape, block.dtype, self._codecs[top.name], meta_len=_META_BUDGET)
+        target = self.placement.place_new(size)
+        for order in self.placement.make_room(target, size):
             self._mover.execute(order)
+        return next(i for i, t in enumerate(self._tiers) if t.name == target)
 
     def _moved(self, order: MoveOrder, new_size: int) -> None:
         self._count(**{f"blocks_{order.reason.split(':', 1)[0]}": 1})
@@ -465,12 +470,15 @@ class KVStore:
 
     def _write(
         self, key: BlockHash, block: torch.Tensor, namespace: str, spec_fp: str, depth: int,
-        now: float, *, stored_tokens: int,
+        now: float, *, stored_tokens: int, first: int = 0,
     ) -> IndexEntry:
-        """Encode ``block`` straight into the first tier with room. Runs under ``claim(key)``."""
+        """Encode ``block`` straight into the first tier with room, from tier ``first`` down.
+
+        Runs under ``claim(key)``.
+        """
         meta = _frame_meta(namespace, spec_fp, depth)
         failure: TierError | None = None
-        for tier in self._tiers:
+        for tier in self._tiers[first:]:
             codec = self._codecs[tier.name]
             size = codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=len(meta))
             headers: list[codec_mod.FrameHeader] = []

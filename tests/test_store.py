@@ -3,6 +3,8 @@ import threading
 import pytest
 import torch
 
+from kvstore.placement import PlacementConfig
+
 from kvstore import EmbeddedStore, KVStore, Settings
 from kvstore.codec import Codec, read_header
 from kvstore.errors import InvalidInput, InvalidKV, InvalidSpec, InvalidTokens, StoreClosed, TierFull, TierUnavailable
@@ -146,7 +148,9 @@ def test_per_tier_codec():
 def test_a_later_put_demotes_the_coldest_and_recodes_them():
     hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
     spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB blocks: 15 fit in hot
-    with KVStore([hot, cold], tier_codecs={"cold": "int8"}, background=False) as store:
+    # Admission off: every new block enters the top tier, so the older chain has to make room.
+    config = PlacementConfig(admission=False)
+    with KVStore([hot, cold], tier_codecs={"cold": "int8"}, background=False, placement=config) as store:
         first, second = list(range(10 * 16)), list(range(10_000, 10_000 + 10 * 16))
         kv1, kv2 = make_kv(spec, len(first), seed=1), make_kv(spec, len(second), seed=2)
         store.put_kv(spec, first, kv1)
