@@ -62,7 +62,7 @@ class Mover:
             self._placement.removed(order.key)
             return False
         if entry.tier != order.src:  # placement's record is behind: resync it
-            self._placement.admitted(order.key, entry.tier, entry.size, access=False)
+            self._placement.admitted(order.key, entry.tier, entry.size, access=False, depth=entry.depth)
             return False
         if order.dst is None:
             with index.claim(order.key):

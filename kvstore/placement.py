@@ -133,6 +133,8 @@ class _Resident:
     pinned_until: float = 0.0
     leases: int = 0
     moves: deque = field(default_factory=deque)
+    depth: int = 0
+    """Position in its chain: breaks ties between equally hot blocks, deepest first."""
 
 
 class PlacementManager:
@@ -168,9 +170,18 @@ class PlacementManager:
 
     # -- events from the store ------------------------------------------------------
 
-    def admitted(self, key: bytes, tier: str, size: int, *, access: bool = True) -> None:
-        """``key`` was written (or found at start) in ``tier``; a write counts as an access."""
-        now = self.clock()
+    def admitted(self, key: bytes, tier: str, size: int, *, access: bool = True, depth: int = 0,
+                 now: float | None = None) -> None:
+        """``key`` was written (or found at start) in ``tier``; a write counts as an access.
+
+        Args:
+            depth: the block's position in its chain. Among equally hot blocks the
+                deepest goes first: a chain without its head is unreachable, one
+                without its tail still serves a prefix.
+            now: the clock reading to record; one put passes the same for all its
+                blocks, so they tie and ``depth`` decides.
+        """
+        now = self.clock() if now is None else now
         with self._lock:
             r = self._res.get(key)
             if r is None:
@@ -178,6 +189,7 @@ class PlacementManager:
             else:
                 self._leave(key, r)
                 r.tier, r.size, r.since_s, r.came = self._pos[tier], size, now, 0
+            r.depth = depth
             self._members[r.tier][key] = r
             self._used[r.tier] += size
             if access:
@@ -353,10 +365,10 @@ class PlacementManager:
 
     def _coldest(self, i: int, ordered: set[bytes]):
         """Residents of tier ``i`` not yet ordered, coldest first (a heap popped lazily: O(n + k log n))."""
-        heap = [(r.heat.score, key) for key, r in self._members[i].items() if key not in ordered]
+        heap = [(r.heat.score, -r.depth, key) for key, r in self._members[i].items() if key not in ordered]
         heapq.heapify(heap)
         while heap:
-            score, key = heapq.heappop(heap)
+            score, _, key = heapq.heappop(heap)
             yield score, key, self._members[i][key]
 
     def _demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],

@@ -87,7 +87,7 @@ def recover(store: "KVStore") -> RecoveryReport:
                 report.unreadable += 1
                 continue
             store._index.add(entry)
-            store.placement.admitted(key, tier.name, entry.size, access=False)
+            store.placement.admitted(key, tier.name, entry.size, access=False, depth=entry.depth)
             report.entries += 1
     if report.entries or report.duplicates_removed or report.unreadable:
         log.info("recovery: %s", report)

@@ -192,7 +192,7 @@ class SharedTier:
             if current is not None:
                 return current, None
             store._index.add(entry)
-            store.placement.admitted(key, self.name, entry.size)
+            store.placement.admitted(key, self.name, entry.size, depth=entry.depth)
         self.remember(key, Replica(entry.size, entry.codec, entry.checksum))
         with self._lock:
             self.blocks_adopted += 1

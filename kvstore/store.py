@@ -205,6 +205,7 @@ class KVStore:
         if any(c is not Codec.RAW for c in self._codecs.values()):
             _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])  # refuse before storing anything
         bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), time.time()
+        heat_now = self.placement.clock()  # one reading for the whole chain: its blocks tie, depth decides
         held: list[BlockHash] = []  # this call's blocks: making room must not push out the chain being written
         try:
             for i, key in enumerate(keys):
@@ -222,7 +223,7 @@ class KVStore:
                         continue
                     entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt, first=first)
                     self._index.add(entry)
-                    self.placement.admitted(key, entry.tier, entry.size)
+                    self.placement.admitted(key, entry.tier, entry.size, depth=i, now=heat_now)
                     if self._shared is not None:
                         self._shared.after_put(entry, block, _frame_meta(namespace, spec_fp, i))
                     if self.placement.lease(key):

@@ -152,3 +152,13 @@ def test_new_blocks_start_below_a_top_tier_full_of_hotter_ones():
             store.get_kv(SPEC, chain(1))
         store.run_placement()  # read often enough, the new chain earns its way up
         assert any(store.entry(k).tier == "hot" for k in _keys(store, 1))
+
+
+def test_eviction_takes_the_tail_of_a_chain_not_its_head():
+    # 15 blocks fit; the second chain's put evicts one block of the first: its deepest,
+    # so the first chain still serves a 7-block prefix instead of nothing.
+    with KVStore([MemoryTier(1 * MiB, name="only")], placement=QUICK, background=False) as store:
+        store.put_kv(SPEC, chain(0), make_kv(SPEC, 128, seed=0))
+        store.put_kv(SPEC, chain(1), make_kv(SPEC, 128, seed=1))
+        assert store.lookup(SPEC, chain(1)) == 128
+        assert store.lookup(SPEC, chain(0)) == 112
