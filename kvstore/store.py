@@ -18,7 +18,8 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -371,6 +372,18 @@ class KVStore:
     def unpin_keys(self, keys: Sequence[BlockHash]) -> int:
         self._check_open()
         return sum(self.placement.unpin(check_key(k)) for k in list(keys))
+
+    @contextmanager
+    def lease(self, keys: Sequence[BlockHash]) -> Iterator[list[BlockHash]]:
+        """Hold blocks where they are (placement neither moves nor evicts them) while a
+        zero-copy reader uses them; yields the keys that were stored and are now held."""
+        self._check_open()
+        held = [k for k in (check_key(k) for k in list(keys)) if self.placement.lease(k)]
+        try:
+            yield held
+        finally:
+            for key in held:
+                self.placement.release(key)
 
     def explain(self, key: BlockHash) -> dict[str, Any] | None:
         """Where a block is, what it is, how hot, its pins and its last moves; None if absent."""

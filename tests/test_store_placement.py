@@ -162,3 +162,16 @@ def test_eviction_takes_the_tail_of_a_chain_not_its_head():
         store.put_kv(SPEC, chain(1), make_kv(SPEC, 128, seed=1))
         assert store.lookup(SPEC, chain(1)) == 128
         assert store.lookup(SPEC, chain(0)) == 112
+
+
+def test_leased_blocks_stay_put_until_released():
+    hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    config = PlacementConfig(min_residency_s=0.0, admission=False)
+    with KVStore([hot, cold], placement=config, background=False) as store:
+        store.put_kv(SPEC, chain(0), make_kv(SPEC, 128, seed=0))
+        with store.lease(_keys(store, 0)) as held:
+            assert len(held) == 8
+            store.put_kv(SPEC, chain(1, 12), make_kv(SPEC, 16 * 12, seed=1))  # wants chain 0's room
+            assert {store.entry(k).tier for k in _keys(store, 0)} == {"hot"}
+        store.put_kv(SPEC, chain(2, 4), make_kv(SPEC, 64, seed=2))
+        assert "cold" in {store.entry(k).tier for k in _keys(store, 0)}  # released: now it may go
