@@ -8,18 +8,16 @@ Frames are encoded into and decoded from reused buffers, as the store does.
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
+from bench.report import header, publish
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 
@@ -135,27 +133,10 @@ def run(*, quick: bool = False, real: bool = True, repeats: int | None = None, o
     repeats = repeats or (3 if quick else 15)
     cases, notes = _cases(quick, real)
     rows = [_measure(case, repeats) for case in cases]
-    result = {
-        "bench": "codec",
-        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-        },
-        "repeats": repeats,
-        "unit": "GB/s of raw KV bytes (1e9 B/s), median over repeats",
-        "rows": rows,
-        "notes": notes,
-    }
-    print(format_table(result))
-    target = Path(out_dir or "bench/results")
-    target.mkdir(parents=True, exist_ok=True)
-    path = target / f"codec-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {path}")
-    result["path"] = str(path)
+    result = header("codec", repeats=repeats, unit="GB/s of raw KV bytes (1e9 B/s), median over repeats",
+                    rows=rows, notes=notes)
+    result["machine"].update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    publish(result, format_table, out_dir)
     return result
 
 

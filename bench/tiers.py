@@ -23,9 +23,7 @@ does. Redis runs as a private ``redis-server`` on a free port unless
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -33,12 +31,12 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
+from bench.report import header, publish
 from kvstore.tier import Tier
 
 __all__ = ["run", "SIZES", "format_table"]
@@ -251,23 +249,10 @@ def run(*, tiers: tuple[str, ...] = ALL_TIERS, quick: bool = False, repeats: int
                 except (ImportError, RuntimeError, OSError) as exc:
                     notes.append(f"{kind} {size_name} skipped: {type(exc).__name__}: {exc}")
                     break
-    result = {
-        "bench": "tiers",
-        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count()},
-        "repeats": repeats,
-        "unit": "GB/s (1e9 B/s), median over samples; ratio = tier / same-run raw baseline",
-        "rows": rows,
-        "notes": notes,
-    }
-    print(format_table(result))
-    target = Path(out_dir or "bench/results")
-    target.mkdir(parents=True, exist_ok=True)
-    path = target / f"tiers-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {path}")
-    result["path"] = str(path)
+    result = header("tiers", repeats=repeats, rows=rows, notes=notes,
+                    unit="GB/s (1e9 B/s), median over samples; ratio = tier / same-run raw baseline")
+    result["machine"]["cpus"] = os.cpu_count()
+    publish(result, format_table, out_dir)
     return result
 
 

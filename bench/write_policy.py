@@ -14,12 +14,11 @@ tokens that B served from what A left in Redis.
 
 from __future__ import annotations
 
-import json
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
+from bench.report import header, publish
 from bench.tiers import private_redis
 from kvstore import KVSpec, KVStore
 from kvstore.placement import PlacementConfig
@@ -97,15 +96,8 @@ def run(*, quick: bool = False, out_dir: str | Path | None = None, seed: int = 0
     """Measure every write policy; print a table; write JSON; return the result."""
     with private_redis() as url:
         rows = [_measure(url, policy, quick, seed) for policy in POLICIES]
-    result = {"bench": "write-policy", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "quick": quick, "rows": rows}
-    print(format_table(result))
-    target = Path(out_dir or "bench/results")
-    target.mkdir(parents=True, exist_ok=True)
-    path = target / f"write-policy-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {path}")
-    result["path"] = str(path)
+    result = header("write-policy", quick=quick, rows=rows)
+    publish(result, format_table, out_dir)
     return result
 
 
