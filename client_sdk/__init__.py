@@ -1,6 +1,33 @@
-"""The Python SDK (``KVClient``, ``AsyncKVClient``); it arrives with the server issue (#5).
+"""The Python SDK: ``KVClient`` and ``AsyncKVClient``.
 
-It may import ``kvstore.spec``, ``kvstore.keys`` and ``kvstore.codec`` only.
+    from client_sdk import KVClient
+    client = KVClient("http://127.0.0.1:8470", token=None, namespace="default")
+    n = client.put_kv(spec, tokens, kv)
+    kv2, n2 = client.get_kv(spec, tokens)
+
+Both pick shared memory when the server runs on this host and HTTP otherwise
+(``colocated=False`` forces HTTP). Errors are ``kvstore.errors`` classes plus
+the service ones in ``client_sdk.protocol`` (``Unauthorized``, ``Forbidden``,
+``QuotaExceeded``, ``PayloadTooLarge``, ``MalformedRequest``, ``ConnectionFailed``...).
+It imports ``kvstore.spec``, ``keys``, ``codec``, ``errors`` and ``shmview`` (the
+arena reader for the co-located path), never the tiers or the store.
 """
 
-__all__: list[str] = []
+from client_sdk.aio import AsyncKVClient
+from client_sdk.client import KVClient
+from client_sdk.protocol import (ConnectionFailed, Forbidden, MalformedRequest, PayloadTooLarge, QuotaExceeded,
+                                 RequestTimeout, RouteNotFound, ServiceError, Unauthorized)
+
+__all__ = [
+    "KVClient",
+    "AsyncKVClient",
+    "ServiceError",
+    "Unauthorized",
+    "Forbidden",
+    "MalformedRequest",
+    "PayloadTooLarge",
+    "QuotaExceeded",
+    "RouteNotFound",
+    "ConnectionFailed",
+    "RequestTimeout",
+]

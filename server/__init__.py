@@ -1,7 +1,11 @@
-"""The HTTP service (FastAPI app factory, routes, auth, error mapping).
+"""The HTTP service: ``create_app(store, settings)`` and ``serve(...)`` behind ``kvstore serve``.
 
-It arrives with the server issue (#5); the package exists so the layout fixed
-in DESIGN.md holds from the first commit. Nothing imports ``server``.
+Routes: ``/v1`` data (KV and blocks), ``/admin`` operators, ``/healthz``,
+``/readyz``, ``/metrics``. Nothing imports ``server``.
 """
 
-__all__: list[str] = []
+from server.app import create_app
+from server.config import ServerSettings, TenantGrant
+from server.serve import serve
+
+__all__ = ["create_app", "serve", "ServerSettings", "TenantGrant"]

@@ -1,0 +1,295 @@
+"""What ``KVClient`` and ``AsyncKVClient`` share: request bodies, answers, the shm arena side.
+
+No I/O to the server happens here; the two clients drive it, one blocking,
+one on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from client_sdk.protocol import (H_NAMESPACE, ServiceError, encode_batch_head, encode_kv_head, pad64,
+                                 parse_batch_head)
+from kvstore import codec as codec_mod
+from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreError
+from kvstore.keys import check_key, normalize_tokens
+from kvstore.shmview import SHM_DIR, ShmReader, SlotHandle
+from kvstore.spec import KVSpec
+
+__all__ = ["ClientStats", "TensorPool", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena",
+           "fill_from_batch", "batch_parts", "frames_of",
+           "headers_for", "SHM_DIR"]
+
+
+@dataclass(slots=True)
+class ClientStats:
+    """Which medium carried what, as this client saw it."""
+
+    shm_gets: int = 0
+    http_gets: int = 0
+    shm_puts: int = 0
+    http_puts: int = 0
+    shm_blocks_fetched_over_http: int = 0
+    """Blocks of a co-located get that were not in the arena (or went stale) and came over HTTP."""
+    retries: int = 0
+    last_medium: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+def headers_for(token: str | None, namespace: str, content_type: str | None = None) -> dict[str, str]:
+    headers = {H_NAMESPACE: namespace}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if content_type:
+        headers["Content-Type"] = content_type
+    return headers
+
+
+def check_spec(spec: Any) -> KVSpec:
+    if not isinstance(spec, KVSpec):
+        raise InvalidSpec(f"spec must be a KVSpec, got {type(spec).__name__}")
+    return spec
+
+
+def kv_bytes(kv: torch.Tensor) -> memoryview:
+    """The bytes of a CPU, C-contiguous ``kv`` (a copy only when it is not already so)."""
+    kv = kv.detach()
+    if kv.device.type != "cpu":
+        kv = kv.cpu()
+    kv = kv.contiguous()
+    return memoryview(kv.view(-1).view(torch.uint8).numpy())
+
+
+def kv_parts(spec: KVSpec, tokens: np.ndarray, kv: torch.Tensor | None, *, with_kv: bool = True) -> list[Any]:
+    """A KV body as buffers to send one after another (``client_sdk.protocol``)."""
+    kv_tokens = 0 if kv is None else int(kv.shape[3])
+    head, tok_region = encode_kv_head(spec.to_dict(), len(tokens), kv_tokens)
+    tok = memoryview(tokens).cast("B")
+    parts: list[Any] = [head, tok]
+    if tok_region > len(tok):
+        parts.append(bytes(tok_region - len(tok)))
+    if kv is not None and with_kv:
+        parts.append(kv_bytes(kv))
+    return parts
+
+
+def tokens_of(tokens: Any) -> np.ndarray:
+    return normalize_tokens(tokens)
+
+
+def validate_put(spec: KVSpec, tokens: np.ndarray, kv: Any) -> torch.Tensor:
+    """The same checks ``KVStore.put_kv`` makes, before anything is sent."""
+    return spec.validate_kv(kv, min_tokens=spec.full_blocks(len(tokens)) * spec.block_tokens)
+
+
+class TensorPool:
+    """Result memory that is reused once the caller lets go of a result.
+
+    A fresh 32 MiB tensor costs page faults on first touch: here the fault-in
+    ran slower than the network (``../shared/BASELINES.md``: 2-7.5 GB/s, and
+    under 1 GB/s on a busy VM). A result is a view of a pooled numpy buffer; a
+    finalizer on that view fires only when torch frees the storage (every
+    tensor sharing it is gone), and gives the buffer back for the next get.
+
+    Args:
+        keep_bytes: idle buffer bytes kept for reuse (0: allocate every time).
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.keep_bytes <= 0 or nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        base = None
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.nbytes <= 2 * nbytes + 4096]
+            if fits:  # by index: list.remove would compare arrays element by element
+                base = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        if base is None:
+            base = np.empty(-(-nbytes // 4096) * 4096, np.uint8)
+        view = base[:nbytes]
+        weakref.finalize(view, self._release, base)
+        return torch.from_numpy(view).view(dtype).view(shape)
+
+    def _release(self, base: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(base)
+            while sum(b.nbytes for b in self._free) > self.keep_bytes:  # keep the big ones: they fault most
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].nbytes))
+
+
+def result_tensor(spec: KVSpec, n_tokens: int, out: Any = None, pool: TensorPool | None = None) -> torch.Tensor:
+    """Where a get's KV lands: a pooled (or fresh) tensor, or a view over the first bytes of ``out``.
+
+    Raises:
+        InvalidInput: ``out`` is not a writable contiguous buffer or is too small.
+    """
+    shape = spec.kv_shape(n_tokens)
+    if out is None:
+        return pool.tensor(shape, spec.torch_dtype) if pool is not None else torch.empty(shape, dtype=spec.torch_dtype)
+    if isinstance(out, torch.Tensor):
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise InvalidInput("out must be a contiguous CPU tensor or a writable buffer")
+        flat = out.view(-1).view(torch.uint8)
+    else:
+        try:
+            flat = torch.frombuffer(out, dtype=torch.uint8)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"out must be a contiguous CPU tensor or a writable buffer: {exc}") from exc
+    need = spec.bytes_per_token * n_tokens
+    if flat.numel() < need:
+        raise InvalidInput(f"out holds {flat.numel()} bytes, the KV needs {need}")
+    return flat[:need].view(spec.torch_dtype).view(shape)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def batch_parts(items: Sequence[tuple[bytes, Any]]) -> list[Any]:
+    """A batch body (``client_sdk.protocol``) of ``(key, frame)`` pairs, as buffers to send."""
+    metas, parts, at = [], [], 0
+    for key, frame in items:
+        view = memoryview(frame).cast("B")
+        metas.append({"key": check_key(key).hex(), "offset": at, "length": len(view)})
+        parts.append(view)
+        if pad64(len(view)) > len(view):
+            parts.append(bytes(pad64(len(view)) - len(view)))
+        at += pad64(len(view))
+    head, _ = encode_batch_head(metas)
+    return [head, *parts]
+
+
+def frames_of(body: bytes) -> list[bytes | None]:
+    """The frames of a batch answer, in order; None for each absent one."""
+    blocks, data_at = parse_batch_head(body)
+    view = memoryview(body)
+    return [None if b["offset"] is None else bytes(view[data_at + b["offset"]:data_at + b["offset"] + b["length"]])
+            for b in blocks]
+
+
+def fill_from_batch(body: bytes, want: dict[str, int], out: torch.Tensor, bt: int,
+                    checksums: dict[str, int]) -> set[int]:
+    """Decode the frames of a ``/v1/blocks/get`` answer into ``out``'s block slices.
+
+    Args:
+        want: key hex -> block index in ``out``.
+
+    Returns:
+        The block indexes that arrived sound.
+    """
+    blocks, data_at = parse_batch_head(body)
+    view = memoryview(body)
+    done = set()
+    for b in blocks:
+        i = want.get(b.get("key"))
+        if i is None or b.get("offset") is None:
+            continue
+        frame = view[data_at + b["offset"]:data_at + b["offset"] + b["length"]]
+        try:
+            codec_mod.decode(frame, out=out[:, :, :, i * bt:(i + 1) * bt])
+        except (FrameError, InvalidKV):
+            continue
+        done.add(i)
+    return done
+
+
+class Arena:
+    """The server's shm arena (read, through ``ShmReader``) and staging segment (write), mapped here.
+
+    Raises:
+        KVStoreError: either segment cannot be opened (not co-located after all).
+    """
+
+    def __init__(self, segment: str, staging_segment: str, shm_dir: str = SHM_DIR) -> None:
+        self.segment = segment
+        self.reader = ShmReader(segment, shm_dir)
+        self.staging_segment = staging_segment
+        try:
+            fd = os.open(os.path.join(shm_dir, staging_segment), os.O_RDWR)
+        except OSError as exc:
+            self.reader.close()
+            raise ServiceError(f"staging segment {staging_segment!r} cannot be opened: {exc}") from exc
+        try:
+            self.staging = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._idle: list[dict] = []
+        self.leases: list[dict] = []
+        """Every staging lease this client holds; each put uses one no other put is using."""
+        self._lock = threading.Lock()
+
+    def take_lease(self, nbytes: int) -> dict | None:
+        """An idle lease of at least ``nbytes`` (the smallest), or None: then lease a new one."""
+        with self._lock:
+            fits = [i for i, lease in enumerate(self._idle) if lease["length"] >= nbytes]
+            if not fits:
+                return None
+            return self._idle.pop(min(fits, key=lambda i: self._idle[i]["length"]))
+
+    def add_lease(self, lease: dict) -> None:
+        with self._lock:
+            self.leases.append(lease)
+
+    def give_back(self, lease: dict) -> None:
+        with self._lock:
+            self._idle.append(lease)
+
+    def drop_lease(self, lease: dict) -> None:
+        """Forget a lease the server no longer has (expired)."""
+        with self._lock:
+            self.leases = [x for x in self.leases if x is not lease]
+
+    def fill_from_handles(self, blocks: Sequence[dict], out: torch.Tensor, bt: int) -> list[int]:
+        """Decode each block with a handle straight out of the arena, under a read lease.
+
+        Returns:
+            Block indexes still to fetch (no handle, stale handle, or a frame that failed).
+        """
+        missing = []
+        for i, b in enumerate(blocks):
+            h = b.get("handle")
+            if h is None:
+                missing.append(i)
+                continue
+            handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
+            try:
+                with self.reader.lease(handle) as view:
+                    if view is None:  # moved or gone since the server looked: generation changed
+                        missing.append(i)
+                        continue
+                    codec_mod.decode(view, out=out[:, :, :, i * bt:(i + 1) * bt], expect_checksum=b.get("checksum"))
+            except (FrameError, InvalidKV, KVStoreError):
+                missing.append(i)
+        return missing
+
+    def write_staging(self, lease: dict, kv: torch.Tensor) -> int:
+        """Copy ``kv``'s bytes into ``lease``; returns the byte count."""
+        src = np.frombuffer(kv_bytes(kv), np.uint8)
+        # numpy, not torch's copy_: torch's threaded copy stalls when the cores are busy
+        dst = np.frombuffer(self.staging, np.uint8, len(src), lease["offset"])
+        np.copyto(dst, src)
+        del dst  # drop the export, so the mapping can close
+        return len(src)
+
+    def close(self) -> None:
+        self.reader.close()
+        with contextlib.suppress(BufferError):
+            self.staging.close()
+

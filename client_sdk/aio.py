@@ -1,0 +1,395 @@
+"""``AsyncKVClient``: ``KVClient``'s API as coroutines, for agents on an event loop.
+
+Same media and wire as ``KVClient``: shm when co-located, else raw bytes over
+a pool of plain-TCP connections driven by the loop's ``sock_*`` calls (httpx
+streams instead for ``https``). Copies in and out of the shm arena run in a
+worker thread so the loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import httpx
+import torch
+
+from client_sdk import _common as c
+from client_sdk._http import AsyncConnection, BrokenConnection, Endpoint
+from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, ConnectionFailed, Forbidden, RequestTimeout, ServiceError,
+                                 error_from, host_id)
+from kvstore.errors import KVStoreError, TierFull
+from kvstore.keys import BlockHash, check_key, validate_namespace
+from kvstore.spec import KVSpec
+
+__all__ = ["AsyncKVClient"]
+
+T = TypeVar("T")
+_THREAD_COPY_BYTES = 1 << 20  # copies larger than this leave the loop
+
+
+class AsyncKVClient:
+    """The asynchronous client. Arguments as ``KVClient``'s; ``max_connections`` bounds the socket pool."""
+
+    def __init__(self, url: str, token: str | None = None, namespace: str = "default", *,
+                 timeout_s: float | None = 60.0, connect_timeout_s: float = 5.0, retries: int = 3,
+                 backoff_s: float = 0.05, colocated: bool | None = None,
+                 buffer_pool_bytes: int = 512 << 20, max_connections: int = 8) -> None:
+        self.url = url.rstrip("/")
+        self.endpoint = Endpoint.parse(self.url)
+        self.token = token
+        self.namespace = validate_namespace(namespace)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.colocated = colocated
+        self.stats = c.ClientStats()
+        self._pool = c.TensorPool(buffer_pool_bytes)
+        self._idle: list[AsyncConnection] = []
+        self._slots = asyncio.Semaphore(max_connections)
+        self._arena: c.Arena | None = None
+        self._medium: str | None = None
+        self._medium_lock = asyncio.Lock()
+        self._http = httpx.AsyncClient(base_url=self.url,
+                                       timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                       headers=c.headers_for(token, self.namespace))
+
+    # -- data API ------------------------------------------------------------------------------
+
+    async def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor) -> int:
+        spec = c.check_spec(spec)
+        toks = c.tokens_of(tokens)
+        kv = c.validate_put(spec, toks, kv)
+        if await self._use_shm():
+            got = await self._put_shm(spec, toks, kv)
+            if got is not None:
+                return got
+        answer = await self._send("POST", "/v1/kv/put", c.kv_parts(spec, toks, kv), KV_MEDIA)
+        self.stats.http_puts += 1
+        self.stats.last_medium = "http"
+        return int(answer["stored_tokens"])
+
+    async def get_kv(self, spec: KVSpec, tokens: Any, *, out: Any = None) -> tuple[torch.Tensor, int]:
+        spec = c.check_spec(spec)
+        toks = c.tokens_of(tokens)
+        if await self._use_shm():
+            return await self._get_shm(spec, toks, out)
+        parts = c.kv_parts(spec, toks, None)
+        if self.endpoint.tls:
+            return await self._get_httpx(spec, parts, out)
+        return await self._retrying(lambda: self._get_once(spec, parts, out))
+
+    async def lookup(self, spec: KVSpec, tokens: Any) -> int:
+        return int((await self.lookup_blocks(spec, tokens))["tokens"])
+
+    async def lookup_blocks(self, spec: KVSpec, tokens: Any) -> dict:
+        spec = c.check_spec(spec)
+        return await self._send("POST", "/v1/lookup", c.kv_parts(spec, c.tokens_of(tokens), None), KV_MEDIA)
+
+    async def delete(self, spec: KVSpec, tokens: Any) -> int:
+        spec = c.check_spec(spec)
+        answer = await self._send("POST", "/v1/kv/delete", c.kv_parts(spec, c.tokens_of(tokens), None), KV_MEDIA)
+        return int(answer["deleted_blocks"])
+
+    async def get_block(self, key: BlockHash) -> bytes | None:
+        resp = await self._request_http("GET", f"/v1/blocks/{check_key(key).hex()}")
+        if resp.status_code == 404:
+            return None
+        if resp.status_code >= 400:
+            raise error_from(resp.status_code, resp.content)
+        return resp.content
+
+    async def put_block(self, key: BlockHash, frame: Any) -> None:
+        body = bytes(memoryview(frame).cast("B"))
+        await self._send("PUT", f"/v1/blocks/{check_key(key).hex()}", [body], FRAME_MEDIA)
+
+    async def delete_block(self, key: BlockHash) -> bool:
+        try:
+            return bool((await self._json("DELETE", f"/v1/blocks/{check_key(key).hex()}"))["deleted"])
+        except KeyError:  # BlockNotFound
+            return False
+
+    async def get_blocks(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        resp = await self._request_http("POST", "/v1/blocks/get", {"keys": [check_key(k).hex() for k in keys]})
+        if resp.status_code >= 400:
+            raise error_from(resp.status_code, resp.content)
+        return c.frames_of(resp.content)
+
+    async def put_blocks(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
+        parts = c.batch_parts(items)
+        return int((await self._send("POST", "/v1/blocks/put", parts, BATCH_MEDIA))["stored"])
+
+    async def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
+        body = {"keys": [check_key(k).hex() for k in keys]}
+        return int((await self._json("POST", "/v1/blocks/delete", body))["deleted"])
+
+    async def evict_mine(self, **selectors: Any) -> dict:
+        return await self._json("POST", "/v1/evict", selectors)
+
+    # -- admin helpers ----------------------------------------------------------------------------
+
+    async def evict(self, *, dry_run: bool = False, **selectors: Any) -> dict:
+        if "keys" in selectors:
+            selectors["keys"] = [k.hex() if isinstance(k, bytes) else k for k in selectors["keys"]]
+        return await self._json("POST", "/admin/evict", {**selectors, "dry_run": dry_run})
+
+    async def pin(self, keys: Sequence[Any], ttl_s: float | None = None) -> dict:
+        body: dict[str, Any] = {"keys": [k.hex() if isinstance(k, bytes) else k for k in keys]}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return await self._json("POST", "/admin/pin", body)
+
+    async def unpin(self, keys: Sequence[Any]) -> dict:
+        body = {"keys": [k.hex() if isinstance(k, bytes) else k for k in keys]}
+        return await self._json("DELETE", "/admin/pin", body)
+
+    async def migrate(self, key: Any, tier: str) -> dict:
+        return await self._json("POST", "/admin/migrate", {"key": key.hex() if isinstance(key, bytes) else key,
+                                                           "tier": tier})
+
+    async def admin_stats(self) -> dict:
+        return await self._json("GET", "/admin/stats")
+
+    async def tiers(self) -> list[dict]:
+        return (await self._json("GET", "/admin/tiers"))["tiers"]
+
+    async def explain(self, key: Any) -> dict:
+        return await self._json("GET", f"/admin/explain/{key.hex() if isinstance(key, bytes) else key}")
+
+    async def audit(self, limit: int = 100, offset: int = 0) -> dict:
+        return await self._json("GET", "/admin/audit", params={"limit": limit, "offset": offset})
+
+    async def entries(self, sort: str = "heat", order: str = "desc", limit: int = 100, offset: int = 0,
+                      namespace: str | None = None, tier: str | None = None) -> dict:
+        params = {"sort": sort, "order": order, "limit": limit, "offset": offset}
+        params.update({k: v for k, v in (("namespace", namespace), ("tier", tier)) if v is not None})
+        return await self._json("GET", "/admin/entries", params=params)
+
+    async def info(self) -> dict:
+        return await self._json("GET", "/v1/info")
+
+    async def health(self) -> dict:
+        return await self._json("GET", "/healthz")
+
+    async def metrics(self) -> str:
+        return (await self._request_http("GET", "/metrics")).text
+
+    async def ready(self) -> dict:
+        return await self._json("GET", "/readyz")
+
+    async def aclose(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+        if self._arena is not None:
+            for lease in self._arena.leases:
+                try:
+                    await self._json("DELETE", f"/v1/staging/lease/{lease['lease']}")
+                except KVStoreError:
+                    pass
+            self._arena.close()
+            self._arena = None
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncKVClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- co-located path --------------------------------------------------------------------------
+
+    async def _use_shm(self) -> bool:
+        if self.colocated is False:
+            return False
+        async with self._medium_lock:
+            if self._medium is None:
+                self._medium = await self._pick_medium()
+        return self._medium == "shm"
+
+    async def _pick_medium(self) -> str:
+        offer = (await self.info()).get("colocated")
+        reason = None
+        if not offer:
+            reason = "the server offers no shm path"
+        elif offer.get("host_id") != host_id():
+            reason = "the server runs on another host"
+        else:
+            try:
+                self._arena = c.Arena(offer["segment"], offer["staging_segment"])
+                return "shm"
+            except KVStoreError as exc:
+                reason = f"its shm segments cannot be opened here ({exc})"
+        if self.colocated:
+            raise ServiceError(f"colocated=True but {reason}")
+        return "http"
+
+    async def _off_loop(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        if nbytes > _THREAD_COPY_BYTES:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    async def _get_shm(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
+        answer = await self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
+        blocks, bt = answer["blocks"], spec.block_tokens
+        kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
+        nbytes = spec.bytes_per_token * len(blocks) * bt
+        arena = self._arena
+        assert arena is not None
+        missing = await self._off_loop(nbytes, arena.fill_from_handles, blocks, kv, bt)
+        good = len(blocks)
+        if missing:
+            want = {blocks[i]["key"]: i for i in missing}
+            resp = await self._request_http("POST", "/v1/blocks/get", {"keys": list(want)})
+            if resp.status_code >= 400:
+                raise error_from(resp.status_code, resp.content)
+            arrived = c.fill_from_batch(resp.content, want, kv, bt, {})
+            self.stats.shm_blocks_fetched_over_http += len(arrived)
+            lost = sorted(set(missing) - arrived)
+            good = lost[0] if lost else good
+        self.stats.shm_gets += 1
+        self.stats.last_medium = "shm"
+        if good < len(blocks):
+            kv = kv[:, :, :, :good * bt].clone() if out is None else c.result_tensor(spec, good * bt, out)
+        return kv, good * bt
+
+    async def _put_shm(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
+        arena = self._arena
+        assert arena is not None
+        nbytes = spec.bytes_per_token * int(kv.shape[3])
+        if nbytes == 0:
+            return None
+        for attempt in range(2):
+            lease = arena.take_lease(nbytes)  # one per put in flight: concurrent puts never share
+            if lease is None:
+                try:
+                    lease = await self._json("POST", "/v1/staging/lease", {"nbytes": max(nbytes, 1 << 20)})
+                except TierFull as exc:
+                    if exc.tier == "staging":
+                        return None
+                    raise
+                arena.add_lease(lease)
+            try:
+                await self._off_loop(nbytes, arena.write_staging, lease, kv)
+                answer = await self._send("POST", f"/v1/kv/put-staged/{lease['lease']}",
+                                          c.kv_parts(spec, toks, kv, with_kv=False), KV_MEDIA)
+            except Forbidden:
+                arena.drop_lease(lease)
+                if attempt:
+                    raise
+                continue
+            except BaseException:
+                arena.give_back(lease)
+                raise
+            arena.give_back(lease)
+            self.stats.shm_puts += 1
+            self.stats.last_medium = "shm"
+            return int(answer["stored_tokens"])
+        return None
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        return c.headers_for(self.token, self.namespace, content_type)
+
+    async def _with_conn(self, use: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        async with self._slots:
+            conn = self._idle.pop() if self._idle else AsyncConnection(
+                self.endpoint, connect_timeout_s=self.connect_timeout_s, timeout_s=self.timeout_s)
+            try:
+                result = await use(conn)
+            except BaseException:
+                conn.close()
+                raise
+            self._idle.append(conn)
+            return result
+
+    async def _retrying(self, once: Callable[[], Awaitable[T]]) -> T:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return await once()
+            except BrokenConnection as exc:
+                last = exc
+            except TimeoutError as exc:
+                raise RequestTimeout(f"no answer from {self.url} within {self.timeout_s} s") from exc
+            if attempt < self.retries:
+                self.stats.retries += 1
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay *= 2
+        raise ConnectionFailed(f"{self.url}: {last} (after {self.retries} retries)") from last
+
+    async def _send(self, method: str, path: str, parts: Sequence[Any], content_type: str) -> Any:
+        if self.endpoint.tls:
+            body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+            resp = await self._request_http(method, path, content=body, content_type=content_type)
+            if resp.status_code >= 400:
+                raise error_from(resp.status_code, resp.content)
+            return resp.json()
+
+        async def use(conn: AsyncConnection) -> Any:
+            head = await conn.request(method, path, self._headers(content_type), parts)
+            body = await conn.read_body()
+            if head.status >= 400:
+                raise error_from(head.status, body)
+            return json.loads(body) if body else None
+        return await self._retrying(lambda: self._with_conn(use))
+
+    async def _get_once(self, spec: KVSpec, parts: list, out: Any) -> tuple[torch.Tensor, int]:
+        async def use(conn: AsyncConnection) -> tuple[torch.Tensor, int]:
+            head = await conn.request("POST", "/v1/kv/get", self._headers(KV_MEDIA), parts)
+            if head.status != 200:
+                raise error_from(head.status, await conn.read_body())
+            n = int(head.headers.get(H_TOKENS, "-1"))
+            if n < 0 or head.length != spec.bytes_per_token * n:
+                conn.close()
+                raise ServiceError(f"get_kv answer of {head.length} bytes for {n} tokens does not match the spec")
+            kv = c.result_tensor(spec, n, out, self._pool)
+            if n:
+                await conn.read_into(c.byte_view(kv))
+            else:
+                await conn.read_body()
+            return kv, n
+        kv, n = await self._with_conn(use)
+        self.stats.http_gets += 1
+        self.stats.last_medium = "http"
+        return kv, n
+
+    async def _get_httpx(self, spec: KVSpec, parts: list, out: Any) -> tuple[torch.Tensor, int]:
+        body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        resp = await self._request_http("POST", "/v1/kv/get", content=body, content_type=KV_MEDIA)
+        if resp.status_code != 200:
+            raise error_from(resp.status_code, resp.content)
+        n = int(resp.headers.get(H_TOKENS, "0"))
+        kv = c.result_tensor(spec, n, out, self._pool)
+        c.byte_view(kv)[:] = resp.content
+        self.stats.http_gets += 1
+        self.stats.last_medium = "http"
+        return kv, n
+
+    async def _request_http(self, method: str, path: str, payload: Any = None, params: Any = None, *,
+                            content: bytes | None = None, content_type: str | None = None) -> httpx.Response:
+        headers = {"Content-Type": content_type} if content_type else None
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return await self._http.request(method, path, json=payload, params=params, content=content,
+                                                headers=headers)
+            except httpx.TimeoutException as exc:
+                raise RequestTimeout(f"{method} {path}: no answer within {self.timeout_s} s") from exc
+            except httpx.TransportError as exc:
+                last = exc
+            if attempt < self.retries:
+                self.stats.retries += 1
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay *= 2
+        raise ConnectionFailed(f"{self.url}: {last} (after {self.retries} retries)") from last
+
+    async def _json(self, method: str, path: str, payload: Any = None, params: Any = None) -> Any:
+        resp = await self._request_http(method, path, payload, params)
+        if resp.status_code >= 400:
+            raise error_from(resp.status_code, resp.content)
+        return resp.json()

@@ -1,0 +1,448 @@
+"""``KVClient``: put_kv / get_kv / lookup against a kvstore server, over shm or HTTP.
+
+The medium is picked once, on first use: when the server advertises an shm
+arena, its host id equals ours and we can open its segments, KV moves through
+shared memory (get: slot handles, decoded straight out of the arena under a
+read lease; put: written into a staging range the server leased us, then one
+small commit request). Otherwise KV moves over HTTP, as raw bytes received
+straight into the returned tensor (``client_sdk._http``). Small JSON calls
+(admin, info) go through httpx.
+
+Errors come back as the server's classes (``client_sdk.protocol.ERRORS``):
+``InvalidSpec``, ``TierFull``, ``Unauthorized`` ... Connection failures are
+retried with exponential backoff (every call is idempotent: a put of stored
+blocks is a no-op); a timeout is not.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from typing import Any, Callable, Sequence, TypeVar
+
+import httpx
+import torch
+
+from client_sdk import _common as c
+from client_sdk._http import BrokenConnection, Connection, Endpoint
+from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, ConnectionFailed, Forbidden,
+                                 RequestTimeout, ServiceError, error_from, host_id)
+from kvstore.errors import KVStoreError, TierFull
+from kvstore.keys import BlockHash, check_key, validate_namespace
+from kvstore.spec import KVSpec
+
+__all__ = ["KVClient"]
+
+T = TypeVar("T")
+
+
+class KVClient:
+    """A blocking client; safe to share between threads (one socket per thread).
+
+    Args:
+        url: ``http://host:port`` of a ``kvstore serve``.
+        token: bearer token (a tenant's, or the admin token for admin helpers).
+        namespace: the namespace every data call works in.
+        timeout_s: per-request read timeout (None: wait forever).
+        connect_timeout_s: TCP connect timeout.
+        retries: extra attempts after a connection error.
+        backoff_s: first retry delay; doubles each attempt, with jitter.
+        colocated: None picks shm when it works, False never uses it (remote), True requires it.
+        buffer_pool_bytes: idle result memory kept for reuse (``_common.TensorPool``); 0 turns
+            it off. A result's memory is reused only after every tensor viewing it is gone.
+    """
+
+    def __init__(self, url: str, token: str | None = None, namespace: str = "default", *,
+                 timeout_s: float | None = 60.0, connect_timeout_s: float = 5.0, retries: int = 3,
+                 backoff_s: float = 0.05, colocated: bool | None = None,
+                 buffer_pool_bytes: int = 512 << 20) -> None:
+        self.url = url.rstrip("/")
+        self.endpoint = Endpoint.parse(self.url)
+        self.token = token
+        self.namespace = validate_namespace(namespace)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.colocated = colocated
+        self.stats = c.ClientStats()
+        self._pool = c.TensorPool(buffer_pool_bytes)
+        self._local = threading.local()
+        self._conns: list[Connection] = []
+        self._conns_lock = threading.Lock()
+        self._arena: c.Arena | None = None
+        self._medium: str | None = None
+        self._medium_lock = threading.Lock()
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                  headers=c.headers_for(token, self.namespace))
+
+    # -- the data API (EmbeddedStore's, without namespace) --------------------------------
+
+    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor) -> int:
+        """Store the KV of every full block of ``tokens``; returns tokens covered.
+
+        Raises:
+            InvalidSpec, InvalidTokens, InvalidKV: bad input (checked here first).
+            TierFull, QuotaExceeded, TierUnavailable, Unauthorized, Forbidden: from the server.
+            ConnectionFailed: the server could not be reached after the retries.
+        """
+        spec = c.check_spec(spec)
+        toks = c.tokens_of(tokens)
+        kv = c.validate_put(spec, toks, kv)
+        if self._use_shm():
+            got = self._put_shm(spec, toks, kv)
+            if got is not None:
+                return got
+        parts = c.kv_parts(spec, toks, kv)
+        answer = self._send("POST", "/v1/kv/put", parts, KV_MEDIA)
+        self.stats.http_puts += 1
+        self.stats.last_medium = "http"
+        return int(answer["stored_tokens"])
+
+    def get_kv(self, spec: KVSpec, tokens: Any, *, out: Any = None) -> tuple[torch.Tensor, int]:
+        """The KV of the longest stored prefix: ``(kv [L, 2, H, n, D], n)``.
+
+        Args:
+            out: optional contiguous CPU tensor or writable buffer to receive the KV; the
+                returned tensor is then a view of its first bytes (no allocation per call).
+        """
+        spec = c.check_spec(spec)
+        toks = c.tokens_of(tokens)
+        if self._use_shm():
+            return self._get_shm(spec, toks, out)
+        parts = c.kv_parts(spec, toks, None)
+        return self._retrying(lambda: self._get_http_once(spec, parts, out))
+
+    def lookup(self, spec: KVSpec, tokens: Any) -> int:
+        """Tokens of the longest stored prefix (index only, no KV moves)."""
+        return int(self.lookup_blocks(spec, tokens)["tokens"])
+
+    def lookup_blocks(self, spec: KVSpec, tokens: Any) -> dict:
+        """The lookup answer: ``{"tokens", "block_tokens", "blocks": [{"key", "tier"}]}``."""
+        spec = c.check_spec(spec)
+        return self._send("POST", "/v1/lookup", c.kv_parts(spec, c.tokens_of(tokens), None), KV_MEDIA)
+
+    def delete(self, spec: KVSpec, tokens: Any) -> int:
+        """Delete the stored blocks of ``tokens``; returns blocks removed."""
+        spec = c.check_spec(spec)
+        answer = self._send("POST", "/v1/kv/delete", c.kv_parts(spec, c.tokens_of(tokens), None), KV_MEDIA)
+        return int(answer["deleted_blocks"])
+
+    # -- blocks ----------------------------------------------------------------------------
+
+    def get_block(self, key: BlockHash) -> bytes | None:
+        """The stored frame of ``key`` in this namespace, or None."""
+        def once() -> bytes | None:
+            conn = self._conn()
+            head = conn.request("GET", f"/v1/blocks/{check_key(key).hex()}", self._headers())
+            body = conn.read_body()
+            if head.status == 404:
+                return None
+            if head.status != 200:
+                raise error_from(head.status, body)
+            return body
+        return self._retrying(once)
+
+    def put_block(self, key: BlockHash, frame: Any) -> None:
+        self._send("PUT", f"/v1/blocks/{check_key(key).hex()}", [frame], FRAME_MEDIA)
+
+    def delete_block(self, key: BlockHash) -> bool:
+        try:
+            return bool(self._json("DELETE", f"/v1/blocks/{check_key(key).hex()}")["deleted"])
+        except KeyError:
+            return False
+
+    def get_blocks(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        """Frames of many keys in one request; None for each absent one."""
+        return c.frames_of(self._send_raw("POST", "/v1/blocks/get", {"keys": [check_key(k).hex() for k in keys]}))
+
+    def put_blocks(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
+        """Store many frames in one request; returns how many."""
+        return int(self._send("POST", "/v1/blocks/put", c.batch_parts(items), BATCH_MEDIA)["stored"])
+
+    def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
+        return int(self._json("POST", "/v1/blocks/delete", {"keys": [check_key(k).hex() for k in keys]})["deleted"])
+
+    def evict_mine(self, **selectors: Any) -> dict:
+        """Evict blocks of this namespace (``POST /v1/evict``): the admin selectors, tenant-scoped."""
+        return self._json("POST", "/v1/evict", selectors)
+
+    # -- admin helpers (need the admin token) --------------------------------------------------
+
+    def evict(self, *, dry_run: bool = False, **selectors: Any) -> dict:
+        """``POST /admin/evict``: keys, prefix, namespace, fingerprint, tier, older_than_s, watermark."""
+        if "keys" in selectors:
+            selectors["keys"] = [k.hex() if isinstance(k, bytes) else k for k in selectors["keys"]]
+        if isinstance(selectors.get("prefix"), dict) and isinstance(selectors["prefix"].get("spec"), KVSpec):
+            p = dict(selectors["prefix"])
+            p["spec"] = p["spec"].to_dict()
+            p["tokens"] = [int(t) for t in c.tokens_of(p["tokens"])]
+            selectors["prefix"] = p
+        return self._json("POST", "/admin/evict", {**selectors, "dry_run": dry_run})
+
+    def pin(self, keys: Sequence[Any] | None = None, *, spec: KVSpec | None = None, tokens: Any = None,
+            namespace: str | None = None, ttl_s: float | None = None) -> dict:
+        return self._json("POST", "/admin/pin", self._pin_body(keys, spec, tokens, namespace, ttl_s))
+
+    def unpin(self, keys: Sequence[Any] | None = None, *, spec: KVSpec | None = None, tokens: Any = None,
+              namespace: str | None = None) -> dict:
+        return self._json("DELETE", "/admin/pin", self._pin_body(keys, spec, tokens, namespace, None))
+
+    def migrate(self, key: Any, tier: str) -> dict:
+        return self._json("POST", "/admin/migrate", {"key": key.hex() if isinstance(key, bytes) else key, "tier": tier})
+
+    def admin_stats(self) -> dict:
+        return self._json("GET", "/admin/stats")
+
+    def tiers(self) -> list[dict]:
+        return self._json("GET", "/admin/tiers")["tiers"]
+
+    def entries(self, sort: str = "heat", order: str = "desc", limit: int = 100, offset: int = 0,
+                namespace: str | None = None, tier: str | None = None) -> dict:
+        params = {"sort": sort, "order": order, "limit": limit, "offset": offset}
+        params.update({k: v for k, v in (("namespace", namespace), ("tier", tier)) if v is not None})
+        return self._json("GET", "/admin/entries", params=params)
+
+    def explain(self, key: Any) -> dict:
+        return self._json("GET", f"/admin/explain/{key.hex() if isinstance(key, bytes) else key}")
+
+    def audit(self, limit: int = 100, offset: int = 0, action: str | None = None) -> dict:
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if action:
+            params["action"] = action
+        return self._json("GET", "/admin/audit", params=params)
+
+    def info(self) -> dict:
+        return self._json("GET", "/v1/info")
+
+    def health(self) -> dict:
+        return self._json("GET", "/healthz")
+
+    def ready(self) -> dict:
+        """``/readyz``'s answer, degraded or not (a 503 raises ``ServiceError``)."""
+        return self._json("GET", "/readyz")
+
+    def metrics(self) -> str:
+        return self._request_http("GET", "/metrics").text
+
+    def close(self) -> None:
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        if self._arena is not None:
+            for lease in self._arena.leases:
+                try:
+                    self._json("DELETE", f"/v1/staging/lease/{lease['lease']}")
+                except KVStoreError:
+                    pass  # it expires on its own
+            self._arena.close()
+            self._arena = None
+        self._http.close()
+
+    def __enter__(self) -> "KVClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- co-located path -----------------------------------------------------------------------
+
+    def _use_shm(self) -> bool:
+        if self.colocated is False:
+            return False
+        if self._medium is None:
+            with self._medium_lock:
+                if self._medium is None:
+                    self._medium = self._pick_medium()
+        return self._medium == "shm"
+
+    def _pick_medium(self) -> str:
+        info = self.info()
+        offer = info.get("colocated")
+        reason = None
+        if not offer:
+            reason = "the server offers no shm path"
+        elif offer.get("host_id") != host_id():
+            reason = "the server runs on another host"
+        else:
+            try:
+                self._arena = c.Arena(offer["segment"], offer["staging_segment"])
+                return "shm"
+            except KVStoreError as exc:
+                reason = f"its shm segments cannot be opened here ({exc})"
+        if self.colocated:
+            raise ServiceError(f"colocated=True but {reason}")
+        return "http"
+
+    def _get_shm(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
+        answer = self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
+        blocks, bt = answer["blocks"], spec.block_tokens
+        kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
+        missing = self._arena.fill_from_handles(blocks, kv, bt)  # type: ignore[union-attr]
+        good = len(blocks)
+        if missing:
+            want = {blocks[i]["key"]: i for i in missing}
+            body = self._send_raw("POST", "/v1/blocks/get", {"keys": list(want)})
+            arrived = c.fill_from_batch(body, want, kv, bt, {})
+            self.stats.shm_blocks_fetched_over_http += len(arrived)
+            lost = sorted(set(missing) - arrived)
+            good = lost[0] if lost else good  # a prefix: stop at the first block that is gone
+        self.stats.shm_gets += 1
+        self.stats.last_medium = "shm"
+        if good < len(blocks):
+            kv = kv[:, :, :, :good * bt].clone() if out is None else c.result_tensor(spec, good * bt, out)
+        return kv, good * bt
+
+    def _put_shm(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
+        """A put through a staging lease; None when staging has no room (the caller uses HTTP).
+
+        Each put holds its own lease while it writes and commits, so concurrent puts
+        from one client never write into the same range.
+        """
+        arena = self._arena
+        assert arena is not None
+        nbytes = spec.bytes_per_token * int(kv.shape[3])
+        if nbytes == 0:
+            return None
+        for attempt in range(2):
+            lease = arena.take_lease(nbytes)
+            if lease is None:
+                try:
+                    lease = self._json("POST", "/v1/staging/lease", {"nbytes": max(nbytes, 1 << 20)})
+                except TierFull as exc:
+                    if exc.tier == "staging":
+                        return None  # staging full: go over HTTP
+                    raise
+                arena.add_lease(lease)
+            try:
+                arena.write_staging(lease, kv)
+                answer = self._send("POST", f"/v1/kv/put-staged/{lease['lease']}",
+                                    c.kv_parts(spec, toks, kv, with_kv=False), KV_MEDIA)
+            except Forbidden:  # the lease expired server-side: lease again once
+                arena.drop_lease(lease)
+                if attempt:
+                    raise
+                continue
+            except BaseException:
+                arena.give_back(lease)
+                raise
+            arena.give_back(lease)
+            self.stats.shm_puts += 1
+            self.stats.last_medium = "shm"
+            return int(answer["stored_tokens"])
+        return None
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        return c.headers_for(self.token, self.namespace, content_type)
+
+    def _conn(self) -> Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = Connection(self.endpoint, connect_timeout_s=self.connect_timeout_s, timeout_s=self.timeout_s)
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _retrying(self, once: Callable[[], T]) -> T:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return once()
+            except BrokenConnection as exc:
+                last = exc
+            except TimeoutError as exc:
+                raise RequestTimeout(f"no answer from {self.url} within {self.timeout_s} s") from exc
+            if attempt < self.retries:
+                self.stats.retries += 1
+                time.sleep(delay * (0.5 + random.random()))
+                delay *= 2
+        raise ConnectionFailed(f"{self.url}: {last} (after {self.retries} retries)") from last
+
+    def _send(self, method: str, path: str, parts: Sequence[Any], content_type: str) -> Any:
+        """A request with a binary body over the fast connection; the JSON answer."""
+        def once() -> Any:
+            conn = self._conn()
+            head = conn.request(method, path, self._headers(content_type), parts)
+            body = conn.read_body()
+            if head.status >= 400:
+                raise error_from(head.status, body)
+            return _json_of(body)
+        return self._retrying(once)
+
+    def _send_raw(self, method: str, path: str, payload: dict) -> bytes:
+        """A JSON request over the fast connection; the raw answer."""
+        raw = json.dumps(payload, separators=(",", ":")).encode()
+
+        def once() -> bytes:
+            conn = self._conn()
+            head = conn.request(method, path, self._headers("application/json"), [raw])
+            body = conn.read_body()
+            if head.status >= 400:
+                raise error_from(head.status, body)
+            return body
+        return self._retrying(once)
+
+    def _get_http_once(self, spec: KVSpec, parts: list, out: Any) -> tuple[torch.Tensor, int]:
+        conn = self._conn()
+        head = conn.request("POST", "/v1/kv/get", self._headers(KV_MEDIA), parts)
+        if head.status != 200:
+            raise error_from(head.status, conn.read_body())
+        n = int(head.headers.get(H_TOKENS, "-1"))
+        if n < 0 or head.length != spec.bytes_per_token * n:
+            conn.close()
+            raise ServiceError(f"get_kv answer of {head.length} bytes for {n} tokens does not match the spec")
+        try:
+            kv = c.result_tensor(spec, n, out, self._pool)
+        except KVStoreError:
+            conn.close()  # the body is still on the wire
+            raise
+        if n:
+            conn.read_into(c.byte_view(kv))
+        else:
+            conn.read_body()
+        self.stats.http_gets += 1
+        self.stats.last_medium = "http"
+        return kv, n
+
+    def _request_http(self, method: str, path: str, payload: Any = None, params: Any = None) -> httpx.Response:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return self._http.request(method, path, json=payload, params=params)
+            except httpx.TimeoutException as exc:
+                raise RequestTimeout(f"{method} {path}: no answer within {self.timeout_s} s") from exc
+            except httpx.TransportError as exc:
+                last = exc
+            if attempt < self.retries:
+                self.stats.retries += 1
+                time.sleep(delay * (0.5 + random.random()))
+                delay *= 2
+        raise ConnectionFailed(f"{self.url}: {last} (after {self.retries} retries)") from last
+
+    def _json(self, method: str, path: str, payload: Any = None, params: Any = None) -> Any:
+        resp = self._request_http(method, path, payload, params)
+        if resp.status_code >= 400:
+            raise error_from(resp.status_code, resp.content)
+        return resp.json()
+
+    def _pin_body(self, keys: Any, spec: KVSpec | None, tokens: Any, namespace: str | None,
+                  ttl_s: float | None) -> dict:
+        body: dict[str, Any] = {}
+        if keys is not None:
+            body["keys"] = [k.hex() if isinstance(k, bytes) else k for k in keys]
+        else:
+            body.update(spec=c.check_spec(spec).to_dict(), tokens=[int(t) for t in c.tokens_of(tokens)],
+                        namespace=namespace or self.namespace)
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return body
+
+
+def _json_of(body: bytes) -> Any:
+    return json.loads(body) if body else None

@@ -1,0 +1,198 @@
+"""Operator routes under ``/admin``; the admin token only.
+
+Evictions, pins and migrations write an audit record (who, what, how many,
+bytes) before they answer; the record's fsync runs in the I/O pool, like tier work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from client_sdk.protocol import MalformedRequest
+from kvstore.errors import BlockNotFound, InvalidInput
+from kvstore.evict import coldest_first, evict
+from kvstore.keys import BlockHash
+from server import engine
+from server.auth import Authenticator, Principal
+from server.blocks import _key
+from server.errors import field_error
+from server.data import eviction_answer, eviction_query, principal, svc_of
+from server.service import Service, json_body, parse_spec, parse_tokens, require
+
+__all__ = ["router"]
+
+
+async def admin(request: Request, p: Principal = Depends(principal)) -> Principal:
+    return Authenticator.require_admin(p)
+
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
+
+
+@router.post("/evict")
+async def admin_evict(request: Request, p: Principal = Depends(admin)) -> dict:
+    """Evict by keys, prefix (spec + tokens [+ namespace]), namespace, fingerprint, tier,
+    ``older_than_s`` or ``watermark: {tier, frac}``; ``dry_run`` removes nothing."""
+    svc = svc_of(request)
+    data = await json_body(request)
+    known = {"keys", "prefix", "namespace", "fingerprint", "tier", "older_than_s", "watermark", "include_pinned",
+             "limit", "dry_run"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise MalformedRequest(f"body: unknown field(s) {unknown}; known: {sorted(known)}")
+    query = eviction_query(data)
+    dry_run = require(data, "dry_run", bool, default=False)
+    result = await svc.run(evict, svc.store, query, dry_run=dry_run)
+    record = await svc.run(svc.audit.record, p.name, "evict", scope="admin", dry_run=dry_run,
+                           query=query.describe(), blocks=result.plan.blocks, bytes=result.plan.bytes,
+                           removed_blocks=result.removed_blocks, removed_bytes=result.removed_bytes,
+                           by_tier=result.plan.by_tier())
+    svc.metrics.evicted.inc(result.removed_blocks)
+    return eviction_answer(result, record["id"])
+
+
+def _pin_keys(svc: Service, data: dict[str, Any]) -> list[BlockHash]:
+    """Keys from ``{"keys": [...]}`` or ``{"spec", "tokens", "namespace"}`` (the stored prefix)."""
+    if "keys" in data:
+        return [_key(k, "keys") for k in require(data, "keys", list)]
+    if "spec" in data:
+        spec = parse_spec(require(data, "spec", dict))
+        tokens = parse_tokens(require(data, "tokens", list))
+        ns = require(data, "namespace", str, default="default")
+        return [b.key for b in engine.prefix_blocks(svc.store, spec, tokens, ns) if b.entry is not None]
+    raise MalformedRequest("body: give keys, or spec and tokens (and namespace)")
+
+
+@router.post("/pin")
+async def admin_pin(request: Request, p: Principal = Depends(admin)) -> dict:
+    """Pin blocks (``ttl_s`` seconds, or until unpinned): placement will not move them down or out."""
+    svc = svc_of(request)
+    data = await json_body(request)
+    ttl = require(data, "ttl_s", (int, float), default=None)
+    keys = await svc.run(_pin_keys, svc, data)
+    n = await svc.run(svc.store.pin_keys, keys, ttl)
+    nbytes = sum(e.size for k in keys if (e := svc.store.entry(k)) is not None)
+    await svc.run(svc.audit.record, p.name, "pin", keys=len(keys), blocks=n, ttl_s=ttl, bytes=nbytes)
+    return {"pinned": n, "requested": len(keys)}
+
+
+@router.delete("/pin")
+async def admin_unpin(request: Request, p: Principal = Depends(admin)) -> dict:
+    svc = svc_of(request)
+    data = await json_body(request)
+    keys = await svc.run(_pin_keys, svc, data)
+    n = await svc.run(svc.store.unpin_keys, keys)
+    await svc.run(svc.audit.record, p.name, "unpin", keys=len(keys), blocks=n)
+    return {"unpinned": n, "requested": len(keys)}
+
+
+@router.post("/migrate")
+async def admin_migrate(request: Request, p: Principal = Depends(admin)) -> dict:
+    """Move one block to a tier now: ``{"key": hex, "tier": name}``."""
+    svc = svc_of(request)
+    data = await json_body(request)
+    key = _key(require(data, "key", str))
+    tier = require(data, "tier", str)
+    before = svc.store.entry(key)
+    if before is None:
+        raise BlockNotFound(f"block {key.hex()} is not stored")
+    try:
+        moved = await svc.run(svc.store.migrate, key, tier)
+    except InvalidInput as exc:
+        raise field_error(exc, "tier") from exc
+    after = svc.store.entry(key)
+    await svc.run(svc.audit.record, p.name, "migrate", key=key.hex(), src=before.tier, dst=tier, moved=moved,
+                  blocks=int(moved), bytes=before.size if moved else 0)
+    return {"moved": moved, "tier": after.tier if after else None, "from": before.tier}
+
+
+@router.get("/stats")
+async def admin_stats(request: Request) -> dict:
+    svc = svc_of(request)
+    stats = await svc.run(svc.store.stats)
+    out = stats.to_dict()
+    out["service"] = {"uptime_s": time.time() - svc.started_s, "auth": svc.auth.enabled,
+                      "staging": svc.staging.stats() if svc.staging else None,
+                      "audit_records": svc.audit.list(0)[0]}
+    return out
+
+
+@router.get("/tiers")
+async def admin_tiers(request: Request) -> dict:
+    svc = svc_of(request)
+
+    def tiers() -> list[dict]:
+        usage = svc.store.placement.usage()
+        out = []
+        for t in svc.store.tiers:
+            s = t.stats().to_dict()
+            s["placement_bytes"] = usage.get(t.name)
+            s["state"] = "unavailable" if s["details"].get("connected") == "no" else "ok"
+            out.append(s)
+        return out
+
+    return {"tiers": await svc.run(tiers)}
+
+
+_SORTS = {"heat", "size", "age", "last_access"}
+
+
+@router.get("/entries")
+async def admin_entries(request: Request, sort: str = Query("heat"), order: str = Query("desc"),
+                        limit: int = Query(100, ge=1, le=10_000), offset: int = Query(0, ge=0),
+                        namespace: str | None = None, tier: str | None = None) -> dict:
+    """Index entries, sorted by ``heat``, ``size``, ``age`` or ``last_access``, and paginated."""
+    if sort not in _SORTS:
+        raise InvalidInput(f"sort: must be one of {sorted(_SORTS)}, got {sort!r}")
+    if order not in ("asc", "desc"):
+        raise InvalidInput(f"order: must be asc or desc, got {order!r}")
+    svc = svc_of(request)
+
+    def page() -> tuple[int, list[dict]]:
+        now = time.time()
+        entries = [e for e in svc.store.entries()
+                   if (namespace is None or e.namespace == namespace) and (tier is None or e.tier == tier)]
+        if sort == "heat":
+            entries = coldest_first(svc.store, entries)  # ascending heat
+        else:
+            entries.sort(key={"size": lambda e: e.size, "age": lambda e: -e.created_s,
+                              "last_access": lambda e: e.last_access_s}[sort])
+        if order == "desc":
+            entries.reverse()
+        rows = []
+        for e in entries[offset:offset + limit]:
+            info = svc.store.placement.explain(e.key) or {}
+            rows.append({"key": e.key.hex(), "tier": e.tier, "size": e.size, "raw_bytes": e.raw_bytes,
+                         "codec": e.codec.value, "namespace": e.namespace, "spec_fingerprint": e.spec_fp,
+                         "depth": e.depth, "hits": e.hits, "age_s": now - e.created_s,
+                         "last_access_age_s": now - e.last_access_s, "heat_score": info.get("heat_score"),
+                         "heat_per_s": info.get("heat_per_s"), "pinned": info.get("pinned", False)})
+        return len(entries), rows
+
+    total, rows = await svc.run(page)
+    return {"total": total, "offset": offset, "limit": limit, "sort": sort, "order": order, "entries": rows}
+
+
+@router.get("/explain/{hex_key}")
+async def admin_explain(hex_key: str, request: Request) -> dict:
+    svc = svc_of(request)
+    info = svc.store.explain(_key(hex_key))
+    if info is None:
+        raise BlockNotFound(f"block {hex_key} is not stored")
+    return info
+
+
+@router.get("/audit")
+async def admin_audit(request: Request, limit: int = Query(100, ge=1, le=10_000), offset: int = Query(0, ge=0),
+                      action: str | None = None) -> dict:
+    total, records = svc_of(request).audit.list(limit, offset, action)
+    return {"total": total, "records": records}
+
+
+@router.get("/moves")
+async def admin_moves(request: Request, limit: int = Query(100, ge=1, le=10_000)) -> dict:
+    """Placement's latest moves, newest last."""
+    return {"moves": svc_of(request).store.moves(limit)}

@@ -1,0 +1,112 @@
+"""``create_app(store, settings)``: the FastAPI app over one store.
+
+Two pure-ASGI middlewares wrap the routes: the outer one times every request
+for ``/metrics`` (by route template, so the series stay few); the inner one
+refuses a body over ``max_body_bytes`` with 413 from its Content-Length, before
+reading it. Routes count streamed bodies as they read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI
+
+from client_sdk.protocol import PayloadTooLarge, error_body
+from kvstore import __version__
+from kvstore.store import KVStore
+from server import admin, blocks, data, ops
+from server.config import ServerSettings
+from server.errors import install_error_handlers
+from server.service import Service
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("kvstore.server")
+
+
+class _Observe:
+    """Latency histogram and request counter per route template."""
+
+    def __init__(self, app: Any, svc: Service) -> None:
+        self.app, self.svc = app, svc
+        self._series: dict[tuple, tuple] = {}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_status(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            key = (getattr(route, "path", None) or "unmatched", scope["method"], status[0])
+            series = self._series.get(key)
+            if series is None:  # labels() takes a lock and builds a tuple: once per key
+                m = self.svc.metrics
+                series = self._series[key] = (m.latency.labels(key[0], key[1]),
+                                              m.requests.labels(key[0], key[1], str(key[2])))
+            series[0].observe(time.perf_counter() - start)
+            series[1].inc()
+
+
+class _BodyLimit:
+    """413 for a declared Content-Length over the limit, before any body is read."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                    exc = PayloadTooLarge(f"body of {int(value)} bytes is over the {self.limit}-byte limit")
+                    body = json.dumps(error_body(exc)).encode()
+                    await send({"type": "http.response.start", "status": 413,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode()),
+                                            (b"connection", b"close")]})
+                    await send({"type": "http.response.body", "body": body})
+                    return
+        await self.app(scope, receive, send)
+
+
+def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_store: bool = True) -> FastAPI:
+    """The service over ``store``.
+
+    Args:
+        store: the engine; the app closes it at shutdown when ``close_store``.
+        settings: service settings (``ServerSettings.from_env()`` when None).
+        close_store: close the store in the app's shutdown (after in-flight requests end).
+    """
+    settings = settings or ServerSettings.from_env()
+    svc = Service(store, settings, close_store=close_store)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        log.info("kvstore: shutting down; closing the store (flushes durable tiers, releases shm)")
+        svc.close()
+
+    app = FastAPI(title="kvstore", version=__version__, lifespan=lifespan,
+                  description="KV-cache store: /v1 data, /admin operators, /healthz, /readyz, /metrics.")
+    app.state.svc = svc
+    install_error_handlers(app)
+    app.include_router(data.router)
+    app.include_router(blocks.router)
+    app.include_router(admin.router)
+    app.include_router(ops.router)
+    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(_Observe, svc=svc)  # added last: outermost
+    return app

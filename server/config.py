@@ -1,0 +1,206 @@
+"""Service settings: what ``kvstore serve`` adds to the engine's ``Settings``.
+
+Each field has an env form ``KVSTORE_<FIELD>``; ``kvstore serve`` flags override
+them. Engine fields (tiers, sizes, data dir, Redis URL, codec) stay in
+``kvstore.config.Settings``.
+
+Tokens come from ``KVSTORE_TOKENS_FILE`` (a JSON file) and/or ``KVSTORE_TOKENS``
+(the same JSON inline)::
+
+    {"<token>": {"tenant": "acme", "namespaces": ["acme", "shared"], "quota_bytes": "10GiB"}}
+
+``quota_bytes`` is optional. The admin token (``KVSTORE_ADMIN_TOKEN``) is separate.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from kvstore.codec import Codec
+from kvstore.config import parse_size
+from kvstore.errors import InvalidInput
+from kvstore.keys import validate_namespace
+
+__all__ = ["ServerSettings", "TenantGrant", "load_tokens", "parse_tier_codecs", "is_loopback", "DEFAULT_PORT"]
+
+DEFAULT_PORT = 8470
+_MIN_TOKEN_CHARS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class TenantGrant:
+    """What one bearer token may do."""
+
+    tenant: str
+    namespaces: frozenset[str]
+    """Namespaces the tenant may read and write; another tenant's are invisible to it."""
+    quota_bytes: int | None = None
+    """Frame bytes the tenant's namespaces may hold in all; a put over it gets 507."""
+
+
+def load_tokens(data: Any, source: str) -> dict[str, TenantGrant]:
+    """Validate a tokens mapping (parsed JSON).
+
+    Raises:
+        InvalidInput: naming the source, the token's tenant and the bad field.
+    """
+    if not isinstance(data, Mapping):
+        raise InvalidInput(f"{source}: tokens must be a JSON object of token -> grant")
+    grants: dict[str, TenantGrant] = {}
+    for token, grant in data.items():
+        if not isinstance(token, str) or len(token) < _MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+            raise InvalidInput(f"{source}: a token must be a string of at least {_MIN_TOKEN_CHARS} "
+                               "characters without spaces")
+        if not isinstance(grant, Mapping):
+            raise InvalidInput(f"{source}: the grant of a token must be an object")
+        unknown = sorted(set(grant) - {"tenant", "namespaces", "quota_bytes"})
+        if unknown:
+            raise InvalidInput(f"{source}: unknown grant field(s) {unknown}")
+        tenant = grant.get("tenant")
+        if not isinstance(tenant, str) or not tenant:
+            raise InvalidInput(f"{source}: grant.tenant must be a non-empty string")
+        namespaces = grant.get("namespaces")
+        if not isinstance(namespaces, list) or not namespaces:
+            raise InvalidInput(f"{source}: tenant {tenant!r}: grant.namespaces must be a non-empty list")
+        try:
+            ns = frozenset(validate_namespace(n) for n in namespaces)
+            quota = grant.get("quota_bytes")
+            quota = None if quota is None else parse_size(quota)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{source}: tenant {tenant!r}: {exc}") from exc
+        grants[token] = TenantGrant(tenant, ns, quota)
+    return grants
+
+
+def parse_tier_codecs(text: str | None) -> dict[str, str]:
+    """``"redis=raw,nvme=int8"`` -> ``{"redis": "raw", "nvme": "int8"}``.
+
+    Raises:
+        InvalidInput: a malformed pair or an unknown codec.
+    """
+    out: dict[str, str] = {}
+    for pair in (text or "").split(","):
+        if not pair.strip():
+            continue
+        name, sep, codec = pair.partition("=")
+        if not sep or not name.strip():
+            raise InvalidInput(f"tier codecs are tier=codec pairs, got {pair!r}")
+        out[name.strip()] = Codec.parse(codec.strip()).value
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Settings of the HTTP service. ``from_env()`` reads ``KVSTORE_<FIELD>``."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    admin_token: str | None = None
+    tokens_file: str | None = None
+    tokens: str | None = None
+    """Inline tokens JSON (KVSTORE_TOKENS), merged over the file's."""
+    max_body_bytes: int = 1 << 30
+    """Largest request body, bytes; more gets 413. 1 GiB holds a 3,200-token put of a
+    70B-class model (80 layers, 8 KV heads, head dim 128, fp16: 320 KiB a token)."""
+    colocated: bool = True
+    """Offer shm handles to clients on this host (they must be able to open the arena)."""
+    staging_bytes: int = 256 << 20
+    """Shared-memory staging area that co-located puts write into, bytes."""
+    tier_codecs: str = ""
+    """Per-tier codec overrides, ``redis=raw,nvme=int8`` (KVSTORE_TIER_CODECS)."""
+    audit_log: str | None = None
+    """JSON-lines file of admin actions; default ``<data_dir>/audit.jsonl``."""
+    torch_threads: int = 1
+    """torch intra-op threads in ``kvstore serve``: KV copies are memory-bound, requests run in
+    parallel already, and torch's thread team stalled 1 MiB puts from 1.2 ms to 15 ms here
+    (two cores, a busy neighbour). 0 leaves torch's default."""
+    graceful_timeout_s: float = 30.0
+    """How long shutdown waits for in-flight requests."""
+    log_level: str = "info"
+    grants: dict[str, TenantGrant] = field(default_factory=dict, compare=False)
+    """Parsed tokens (filled from ``tokens_file`` and ``tokens``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidInput(f"port must be an int in [0, 65535], got {self.port!r}")
+        object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes))
+        object.__setattr__(self, "staging_bytes", parse_size(self.staging_bytes))
+        if self.admin_token is not None and len(self.admin_token) < _MIN_TOKEN_CHARS:
+            raise InvalidInput(f"admin_token must be at least {_MIN_TOKEN_CHARS} characters")
+        parse_tier_codecs(self.tier_codecs)
+        grants = dict(self.grants)
+        if self.tokens_file:
+            try:
+                with open(self.tokens_file, encoding="utf-8") as f:
+                    data = json.load(f)
+            except OSError as exc:
+                raise InvalidInput(f"tokens file {self.tokens_file!r} cannot be read: {exc}") from exc
+            except ValueError as exc:
+                raise InvalidInput(f"tokens file {self.tokens_file!r} is not JSON: {exc}") from exc
+            grants.update(load_tokens(data, f"tokens file {self.tokens_file!r}"))
+        if self.tokens:
+            try:
+                data = json.loads(self.tokens)
+            except ValueError as exc:
+                raise InvalidInput(f"KVSTORE_TOKENS is not JSON: {exc}") from exc
+            grants.update(load_tokens(data, "KVSTORE_TOKENS"))
+        if self.admin_token is not None and self.admin_token in grants:
+            raise InvalidInput("the admin token must differ from every tenant token")
+        object.__setattr__(self, "grants", grants)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.grants) or self.admin_token is not None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "ServerSettings":
+        """Settings from ``KVSTORE_*``; ``overrides`` (not None) win, as flags do.
+
+        Raises:
+            InvalidInput: naming the variable that holds a bad value.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "grants":
+                continue
+            raw = env.get(f"KVSTORE_{f.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            try:
+                values[f.name] = _parse(f.name, raw)
+            except (InvalidInput, ValueError) as exc:
+                raise InvalidInput(f"KVSTORE_{f.name.upper()}: {exc}") from exc
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(name: str, raw: str) -> Any:
+    if name == "port":
+        if not raw.strip().isdigit():
+            raise InvalidInput(f"a port number, got {raw!r}")
+        return int(raw)
+    if name == "colocated":
+        if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise InvalidInput(f"1/0, true/false or yes/no, got {raw!r}")
+        return raw.strip().lower() in ("1", "true", "yes")
+    if name == "graceful_timeout_s":
+        return float(raw)
+    if name == "torch_threads":
+        if not raw.strip().isdigit():
+            raise InvalidInput(f"a thread count (0: torch's default), got {raw!r}")
+        return int(raw)
+    return raw

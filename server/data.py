@@ -1,0 +1,275 @@
+"""KV-level data routes under ``/v1``: put, get, lookup, delete, tenant eviction,
+and the co-located (shared-memory) forms of put and get.
+
+Every route works in one namespace, from the ``X-KV-Namespace`` header
+(``default`` when absent), which the caller's token must grant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from client_sdk.protocol import (H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MalformedRequest,
+                                 PayloadTooLarge, RouteNotFound, parse_kv_head)
+from kvstore import __version__
+from kvstore.evict import EvictionQuery, evict
+from kvstore.errors import InvalidInput
+from kvstore.keys import from_hex
+from server import engine
+from server.auth import Principal
+from server.errors import field_error
+from server.service import Service, json_body, kv_view, parse_spec, parse_tokens, released, require
+
+__all__ = ["router", "principal", "svc_of", "eviction_query"]
+
+router = APIRouter()
+
+
+def svc_of(request: Request) -> Service:
+    return request.app.state.svc
+
+
+async def principal(request: Request) -> Principal:
+    return svc_of(request).principal(request)
+
+
+def _is_kv_body(request: Request) -> bool:
+    return request.headers.get("content-type", "").split(";")[0].strip() == KV_MEDIA
+
+
+async def _spec_and_tokens(request: Request) -> tuple[Any, np.ndarray]:
+    """Spec and tokens of a get/lookup/handles request: a KV body or JSON ``{"spec", "tokens"}``."""
+    if _is_kv_body(request):
+        raw = await request.body()
+        head = parse_kv_head(raw)
+        if head.kv_tokens or len(raw) != head.total:
+            raise MalformedRequest(f"body: {len(raw)} bytes, the header describes {head.total} "
+                                   "(kv_tokens must be 0 here)")
+        spec = parse_spec(head.spec)
+        return spec, np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
+    data = await json_body(request)
+    return parse_spec(require(data, "spec", dict)), parse_tokens(require(data, "tokens", list))
+
+
+@router.get("/v1/info")
+async def info(request: Request, p: Principal = Depends(principal)) -> dict:
+    """What a client needs to pick its medium; co-location details only when offered."""
+    svc = svc_of(request)
+    colocated = None
+    if svc.staging is not None and svc.shm is not None:
+        colocated = {"host_id": svc.host_id, "segment": svc.shm.segment, "tier": svc.shm.name,
+                     "staging_segment": svc.staging.segment}
+    return {"service": "kvstore", "version": __version__, "host_id": svc.host_id, "colocated": colocated,
+            "tiers": [t.name for t in svc.store.tiers], "auth": svc.auth.enabled, "tenant": p.name,
+            "namespaces": None if p.namespaces is None else sorted(p.namespaces),
+            "max_body_bytes": svc.settings.max_body_bytes}
+
+
+@router.post("/v1/kv/put")
+async def kv_put(request: Request) -> JSONResponse:
+    """Store the KV of every full block. Body: a KV body (``client_sdk.protocol``)."""
+    svc = svc_of(request)
+    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
+    ns = svc.namespace(request, p)
+    if not _is_kv_body(request):
+        raise MalformedRequest(f"content-type: must be {KV_MEDIA}")
+    buf, n = await svc.read_body(request)
+    with released(svc.buffers, buf):
+        head = parse_kv_head(memoryview(buf)[:n])
+        if n != head.total:
+            raise MalformedRequest(f"body: {n} bytes, the header describes {head.total}")
+        spec = parse_spec(head.spec)
+        tokens = np.frombuffer(buf, "<u4", head.n_tokens, head.tokens_at)
+        kv = kv_view(buf, head.kv_at, spec, head.kv_tokens)
+        stored = await svc.run(_put, svc, p, ns, spec, tokens, kv)
+    svc.metrics.transfer.labels("in", "http").inc(head.total - head.kv_at)
+    return JSONResponse({"stored_tokens": stored})
+
+
+def _put(svc: Service, p: Principal, ns: str, spec, tokens, kv) -> int:
+    if p.quota_bytes is not None:
+        have = svc.store.lookup(spec, tokens, ns) // spec.block_tokens
+        new_blocks = spec.full_blocks(len(tokens)) - have
+        svc.quotas.check(p, ns, new_blocks * (spec.block_nbytes + 4096))  # 4 KiB: header and metadata
+    return svc.store.put_kv(spec, tokens, kv, ns)
+
+
+@router.post("/v1/kv/get")
+async def kv_get(request: Request) -> Response:
+    """The KV of the longest stored prefix, as raw bytes ``[L, 2, H, n, D]``."""
+    svc = svc_of(request)
+    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
+    ns = svc.namespace(request, p)
+    spec, tokens = await _spec_and_tokens(request)
+    kv, n = await svc.run(svc.store.get_kv, spec, tokens, ns)
+    body = memoryview(kv.contiguous().view(-1).view(torch.uint8).numpy())
+    svc.metrics.transfer.labels("out", "http").inc(len(body))
+    return Response(body, media_type=KV_MEDIA, headers={
+        H_TOKENS: str(n), H_SHAPE: ",".join(map(str, kv.shape)), H_DTYPE: spec.dtype, H_MEDIUM: "http"})
+
+
+@router.post("/v1/lookup")
+async def lookup(request: Request) -> JSONResponse:
+    """The longest stored prefix: its token count, and each block's key and tier."""
+    svc = svc_of(request)
+    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
+    ns = svc.namespace(request, p)
+    spec, tokens = await _spec_and_tokens(request)
+    blocks = await svc.run_index(engine.prefix_blocks, svc.store, spec, tokens, ns)
+    return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
+                         "blocks": [{"key": b.key.hex(), "tier": b.tier} for b in blocks]})
+
+
+@router.post("/v1/kv/delete")
+async def kv_delete(request: Request, p: Principal = Depends(principal)) -> dict:
+    """Delete the stored blocks of a token sequence (in this namespace)."""
+    svc = svc_of(request)
+    ns = svc.namespace(request, p)
+    spec, tokens = await _spec_and_tokens(request)
+    return {"deleted_blocks": await svc.run(svc.store.delete, spec, tokens, ns)}
+
+
+def eviction_query(data: dict[str, Any], **scope: Any) -> EvictionQuery:
+    """An ``EvictionQuery`` from a JSON body; errors name the field."""
+    keys = require(data, "keys", list, default=None)
+    prefix = require(data, "prefix", dict, default=None)
+    watermark = require(data, "watermark", dict, default=None)
+    fields: dict[str, Any] = {
+        "namespace": require(data, "namespace", str, default=None),
+        "fingerprint": require(data, "fingerprint", str, default=None),
+        "tier": require(data, "tier", str, default=None),
+        "older_than_s": require(data, "older_than_s", (int, float), default=None),
+        "include_pinned": require(data, "include_pinned", bool, default=False),
+        "limit": require(data, "limit", int, default=None),
+    }
+    if keys is not None:
+        try:
+            fields["keys"] = tuple(from_hex(k) for k in keys)
+        except InvalidInput as exc:
+            raise field_error(exc, "keys") from exc
+    if prefix is not None:
+        fields["prefix_spec"] = parse_spec(require(prefix, "spec", dict), "prefix.spec")
+        fields["prefix_tokens"] = parse_tokens(require(prefix, "tokens", list), "prefix.tokens")
+        if prefix.get("namespace") is not None:
+            fields["namespace"] = require(prefix, "namespace", str)
+    if watermark is not None:
+        fields["watermark_frac"] = require(watermark, "frac", (int, float))
+        fields["tier"] = require(watermark, "tier", str, default=fields["tier"])
+    fields.update(scope)
+    return EvictionQuery(**fields)
+
+
+def eviction_answer(result: Any, audit_id: int | None, show_keys: int = 1000) -> dict:
+    plan = result.plan
+    return {"dry_run": result.dry_run, "blocks": plan.blocks, "bytes": plan.bytes,
+            "removed_blocks": result.removed_blocks, "removed_bytes": result.removed_bytes,
+            "skipped_pinned": plan.skipped_pinned, "by_tier": plan.by_tier(),
+            "keys": result.keys[:show_keys], "keys_truncated": len(result.keys) > show_keys, "audit_id": audit_id}
+
+
+@router.post("/v1/evict")
+async def tenant_evict(request: Request, p: Principal = Depends(principal)) -> dict:
+    """Evict this namespace's blocks by the admin selectors; another tenant's are out of reach."""
+    svc = svc_of(request)
+    ns = svc.namespace(request, p)
+    data = await json_body(request)
+    if data.get("namespace") not in (None, ns):
+        raise MalformedRequest("namespace: a tenant evicts in its request namespace (X-KV-Namespace) only")
+    query = eviction_query(data, namespace=ns, namespaces_allowed=frozenset({ns}), include_pinned=False)
+    dry_run = require(data, "dry_run", bool, default=False)
+    result = await svc.run(evict, svc.store, query, dry_run=dry_run)
+    record = await svc.run(svc.audit.record, p.name, "evict", scope="tenant", namespace=ns, dry_run=dry_run,
+                           query=query.describe(), blocks=result.plan.blocks, bytes=result.plan.bytes,
+                           removed_blocks=result.removed_blocks, removed_bytes=result.removed_bytes)
+    svc.metrics.evicted.inc(result.removed_blocks)
+    return eviction_answer(result, record["id"])
+
+
+# -- co-located: shared memory ---------------------------------------------------------------
+
+
+def _colocated(svc: Service) -> None:
+    if svc.staging is None or svc.shm is None:
+        raise RouteNotFound("the co-located path is off here (no shm tier, or colocated=false)", status=404)
+
+
+@router.post("/v1/kv/handles")
+async def kv_handles(request: Request) -> JSONResponse:
+    """Slot handles of the longest stored prefix, for a client that reads the shm arena itself.
+
+    Blocks outside the shm tier come with a null handle; the client fetches those
+    with ``POST /v1/blocks/get``.
+    """
+    svc = svc_of(request)
+    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
+    _colocated(svc)
+    ns = svc.namespace(request, p)
+    spec, tokens = await _spec_and_tokens(request)
+    blocks = await svc.run_index(_handles, svc, spec, tokens, ns)
+    svc.metrics.colocated.labels("get").inc()
+    return JSONResponse({"n_tokens": len(blocks) * spec.block_tokens, "segment": svc.shm.segment, "blocks": blocks})
+
+
+def _handles(svc: Service, spec, tokens, ns: str) -> list[dict]:
+    blocks = engine.prefix_blocks(svc.store, spec, tokens, ns)
+    out = []
+    for b in blocks:
+        handle = svc.shm.handle(b.key) if b.tier == svc.shm.name else None
+        out.append({"key": b.key.hex(), "tier": b.tier, "checksum": b.entry.checksum if b.entry else None,
+                    "handle": None if handle is None else
+                    {"index": handle.index, "offset": handle.offset, "length": handle.length, "gen": handle.gen}})
+    engine.record_hits(svc.store, [b.key for b in blocks if b.entry is not None])
+    bt = spec.block_tokens
+    engine.record_get(svc.store, spec.full_blocks(len(tokens)) * bt, len(blocks) * bt)
+    return out
+
+
+@router.post("/v1/staging/lease")
+async def staging_lease(request: Request, p: Principal = Depends(principal)) -> dict:
+    """Lease a range of the staging arena for co-located puts: ``{"nbytes": N}``."""
+    svc = svc_of(request)
+    _colocated(svc)
+    data = await json_body(request)
+    nbytes = require(data, "nbytes", int)
+    if nbytes > svc.settings.max_body_bytes:
+        raise PayloadTooLarge(f"nbytes: {nbytes} is over the {svc.settings.max_body_bytes}-byte limit")
+    lease = svc.staging.lease(nbytes, p.name)
+    return lease.to_dict(svc.staging.segment)
+
+
+@router.delete("/v1/staging/lease/{lease_id}")
+async def staging_release(lease_id: str, request: Request, p: Principal = Depends(principal)) -> dict:
+    svc = svc_of(request)
+    _colocated(svc)
+    return {"released": svc.staging.release(lease_id, p.name)}
+
+
+@router.post("/v1/kv/put-staged/{lease_id}")
+async def kv_put_staged(lease_id: str, request: Request) -> JSONResponse:
+    """A put whose KV bytes the client wrote into its staging lease.
+
+    Body: a KV body without the KV bytes (it ends at the KV offset).
+    """
+    svc = svc_of(request)
+    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
+    _colocated(svc)
+    ns = svc.namespace(request, p)
+    raw = await request.body()
+    head = parse_kv_head(raw)
+    if len(raw) != head.kv_at:
+        raise MalformedRequest(f"body: {len(raw)} bytes; a staged put's body ends at the KV offset {head.kv_at}")
+    spec = parse_spec(head.spec)
+    tokens = np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
+    nbytes = head.total - head.kv_at
+    with svc.staging.use(lease_id, p.name, nbytes) as view:
+        kv = kv_view(view, 0, spec, head.kv_tokens)  # type: ignore[arg-type]
+        stored = await svc.run(_put, svc, p, ns, spec, tokens, kv)
+        del kv
+    svc.metrics.colocated.labels("put").inc()
+    svc.metrics.transfer.labels("in", "shm").inc(nbytes)
+    return JSONResponse({"stored_tokens": stored, "medium": "shm"})

@@ -1,0 +1,96 @@
+"""Prometheus metrics: request latencies measured here, store and tier figures read at scrape.
+
+Each app has its own registry, so several apps in one process (tests) never
+share series. Store figures come from one ``store.stats()`` per scrape, taken
+by a custom collector; ``/metrics`` runs it off the event loop because a
+Redis tier's stats are a network round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["Metrics"]
+
+log = logging.getLogger("kvstore.server")
+
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _StoreCollector:
+    """Turns one ``store.stats()`` snapshot into metric families."""
+
+    def __init__(self, stats: Callable[[], Any], extra: Callable[[], dict[str, float]]) -> None:
+        self._stats = stats
+        self._extra = extra
+
+    def describe(self) -> list[Metric]:
+        return []  # collected at scrape time only
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self._stats()
+        except Exception as exc:  # a closed store: report nothing rather than fail the scrape
+            log.warning("metrics: store stats failed: %s", exc)
+            return
+        g = {name: GaugeMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "kind"]) for name, doc in (
+            ("bytes", "Frame bytes held by the tier."),
+            ("capacity_bytes", "Capacity of the tier, bytes."),
+            ("entries", "Frames held by the tier."),
+            ("up", "1 when the tier's backing answers, 0 when it is unavailable."),
+        )}
+        c = {name: CounterMetricFamily(f"kvstore_tier_{name}", f"Tier {name} since start.", labels=["tier", "kind"])
+             for name in ("hits", "misses", "puts", "gets", "errors", "deletes")}
+        for t in s.tiers:
+            labels = [t.name, t.kind]
+            g["bytes"].add_metric(labels, t.used_bytes)
+            g["capacity_bytes"].add_metric(labels, t.capacity_bytes)
+            g["entries"].add_metric(labels, t.entries)
+            g["up"].add_metric(labels, 0 if t.details.get("connected") == "no" else 1)
+            for name, family in c.items():
+                family.add_metric(labels, getattr(t.counters, name))
+        yield from g.values()
+        yield from c.values()
+        moves = CounterMetricFamily("kvstore_moves", "Placement moves by reason.", labels=["reason"])
+        for reason, n in s.moves.items():
+            if reason not in ("bytes_moved", "entries"):
+                moves.add_metric([reason], n)
+        yield moves
+        yield CounterMetricFamily("kvstore_moved_bytes", "Bytes moved by placement.",
+                                  value=s.moves.get("bytes_moved", 0))
+        yield GaugeMetricFamily("kvstore_codec_bytes_saved", "Raw KV bytes minus frame bytes held.",
+                                value=s.codec_bytes_saved)
+        yield GaugeMetricFamily("kvstore_blocks", "Blocks indexed.", value=s.blocks)
+        yield GaugeMetricFamily("kvstore_frame_bytes", "Frame bytes held across tiers.", value=s.frame_bytes)
+        yield GaugeMetricFamily("kvstore_raw_bytes", "Decoded KV bytes of the blocks held.", value=s.raw_bytes)
+        ops = CounterMetricFamily("kvstore_store_ops", "Store counters since start.", labels=["counter"])
+        for name in ("put_calls", "get_calls", "lookup_calls", "blocks_written", "blocks_deduped", "blocks_deleted",
+                     "tokens_requested", "tokens_hit", "corrupt_blocks", "stale_blocks", "tier_errors"):
+            ops.add_metric([name], getattr(s.counters, name))
+        yield ops
+        for name, value in self._extra().items():
+            yield GaugeMetricFamily(f"kvstore_{name}", f"Service figure {name}.", value=value)
+
+
+class Metrics:
+    """The series the server records itself, plus the store collector."""
+
+    def __init__(self, stats: Callable[[], Any], extra: Callable[[], dict[str, float]] = dict) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.latency = Histogram("kvstore_request_duration_seconds", "Request latency by route.",
+                                 ["route", "method"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.requests = Counter("kvstore_requests", "Requests by route and status.",
+                                ["route", "method", "status"], registry=self.registry)
+        self.transfer = Counter("kvstore_transfer_bytes", "KV bytes carried, by direction and medium.",
+                                ["direction", "medium"], registry=self.registry)
+        self.colocated = Counter("kvstore_colocated_ops", "Requests served through shared memory.",
+                                 ["op"], registry=self.registry)
+        self.auth_failures = Counter("kvstore_auth_failures", "Requests refused with 401 or 403.",
+                                     ["status"], registry=self.registry)
+        self.evicted = Counter("kvstore_admin_evicted_blocks", "Blocks removed by eviction requests.",
+                               registry=self.registry)
+        self.registry.register(_StoreCollector(stats, extra))  # type: ignore[arg-type]
