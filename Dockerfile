@@ -1,5 +1,4 @@
-# kvstore server image. The HTTP service itself lands with the server issue (#5);
-# until then the image runs `kvstore serve`, which says so and exits.
+# kvstore server image: `kvstore serve` on port 8470 (see docker-compose.yml).
 FROM python:3.11-slim
 
 WORKDIR /app
@@ -15,4 +14,6 @@ RUN pip install --no-cache-dir .
 
 ENV KVSTORE_DATA_DIR=/data
 EXPOSE 8470
+# SIGTERM (docker stop) drains in-flight requests, flushes the durable tiers and unlinks shm.
+STOPSIGNAL SIGTERM
 CMD ["kvstore", "serve"]

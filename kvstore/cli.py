@@ -1,20 +1,35 @@
 """The ``kvstore`` command.
 
     kvstore --version
+    kvstore serve [--host H] [--port P] [--data-dir D] [--redis-url URL] [--tokens-file F] [--admin-token T]
+                  [--tiers shm,cxl,nvme] [--codec raw] [--shm-bytes 1GiB] ... (each flag also KVSTORE_<NAME>)
+    kvstore stats   [--url URL] [--token T] [--json]            a running server's stats
+    kvstore evict   [--url URL] [--token T] selectors... [--dry-run]
+    kvstore pin     [--url URL] [--token T] KEY... [--ttl S] [--unpin]
+    kvstore demo    [--url URL] [--token T] [--namespace NS]      a scripted put/get with timings
     kvstore bench codec [--quick] [--no-real] [--repeats N] [--out DIR]
     kvstore bench tiers [--quick] [--tiers shm,cxl,...] [--repeats N] [--redis-url URL] [--dir DIR] [--out DIR]
-    kvstore serve        (the HTTP service lands with the server issue)
+    kvstore bench service [--quick] [--repeats N] [--torch-threads N] [--out DIR]
+
+The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
+``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
+commands, ``KVSTORE_TOKEN`` for ``demo``). The service and SDK are imported
+only by the commands that use them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from kvstore._version import __version__
 
 __all__ = ["main"]
+
+_DEFAULT_URL = "http://127.0.0.1:8470"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,30 +54,98 @@ def _parser() -> argparse.ArgumentParser:
     tiers.add_argument("--dir", default=None, help="where the nvme rows write (default: a temp dir here)")
     tiers.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
 
-    sub.add_parser("serve", help="run the HTTP service (not built yet)")
+    service = which.add_parser("service", help="SDK put/get GB/s over shm and HTTP, lookup req/s, vs baselines")
+    service.add_argument("--quick", action="store_true", help="1 MiB only, few repeats (a smoke run)")
+    service.add_argument("--repeats", type=int, default=None, help="timed samples per row (default 9)")
+    service.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
+    service.add_argument("--torch-threads", type=int, default=1,
+                         help="torch intra-op threads in the client process (default 1; 0: torch's default)")
+
+    _serve_parser(sub)
+    _client_parsers(sub)
     return parser
+
+
+def _serve_parser(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the HTTP service (embedded default: shm + cxl + nvme, no Redis)")
+    flag = serve.add_argument
+    flag("--host", default=None, help="bind address (KVSTORE_HOST, default 127.0.0.1; loopback only without tokens)")
+    flag("--port", type=int, default=None, help="port (KVSTORE_PORT, default 8470)")
+    flag("--data-dir", default=None,
+         help="nvme tier and audit log directory (KVSTORE_DATA_DIR, default ./kvstore-data)")
+    flag("--redis-url", default=None, help="shared Redis tier, redis:// or redis+cluster:// (KVSTORE_REDIS_URL)")
+    flag("--tokens-file", default=None, help='JSON {"<token>": {"tenant", "namespaces"}} (KVSTORE_TOKENS_FILE)')
+    flag("--admin-token", default=None, help="token for /admin (KVSTORE_ADMIN_TOKEN)")
+    flag("--tiers", default=None, help="tiers fastest first (KVSTORE_TIERS, default shm,cxl,nvme)")
+    flag("--codec", default=None, help="codec of new frames: raw, int8, int8+lz4 (KVSTORE_CODEC)")
+    flag("--tier-codecs", default=None, help="per-tier codecs, e.g. redis=raw (KVSTORE_TIER_CODECS)")
+    for name in ("memory", "device", "shm", "cxl", "nvme", "redis"):
+        flag(f"--{name}-bytes", default=None, help=f"{name} tier capacity, e.g. 1GiB (KVSTORE_{name.upper()}_BYTES)")
+    flag("--max-body-bytes", default=None, help="request body limit; more gets 413 (KVSTORE_MAX_BODY_BYTES)")
+    flag("--no-colocated", action="store_true", help="do not offer the shared-memory path (KVSTORE_COLOCATED=0)")
+    flag("--log-level", default=None, help="debug, info, warning (KVSTORE_LOG_LEVEL)")
+
+
+def _client_parsers(sub: Any) -> None:
+    def client(name: str, help: str, token_env: str = "KVSTORE_ADMIN_TOKEN") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--url", default=os.environ.get("KVSTORE_URL", _DEFAULT_URL), help="server URL (KVSTORE_URL)")
+        p.add_argument("--token", default=os.environ.get(token_env), help=f"bearer token ({token_env})")
+        return p
+
+    stats = client("stats", "a running server's store and tier stats")
+    stats.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    evict = client("evict", "evict blocks from a running server (admin)")
+    evict.add_argument("--keys", nargs="+", default=None, metavar="HEX", help="block keys")
+    evict.add_argument("--namespace", default=None)
+    evict.add_argument("--fingerprint", default=None, help="spec fingerprint (64 hex digits)")
+    evict.add_argument("--tier", default=None)
+    evict.add_argument("--older-than", type=float, default=None, metavar="SECONDS", help="last access older than")
+    evict.add_argument("--watermark", default=None, metavar="TIER=FRAC", help="coldest first until TIER is under FRAC")
+    evict.add_argument("--limit", type=int, default=None)
+    evict.add_argument("--include-pinned", action="store_true")
+    evict.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+
+    pin = client("pin", "pin (or --unpin) blocks on a running server (admin)")
+    pin.add_argument("keys", nargs="+", metavar="HEX")
+    pin.add_argument("--ttl", type=float, default=None, metavar="SECONDS")
+    pin.add_argument("--unpin", action="store_true")
+
+    demo = client("demo", "a short scripted put/get against a running server", token_env="KVSTORE_TOKEN")
+    demo.add_argument("--namespace", default="default")
+    demo.add_argument("--tokens", type=int, default=1024, help="sequence length (default 1024)")
+    demo.add_argument("--remote", action="store_true", help="force HTTP even on the server's host")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "bench":
-        if args.repeats is not None and args.repeats < 1:
-            print("kvstore bench: --repeats must be at least 1", file=sys.stderr)
-            return 2
-        if args.bench == "tiers":
-            return _bench_tiers(args)
-        from bench.codec import run
-
-        run(quick=args.quick, real=not args.no_real, repeats=args.repeats, out_dir=args.out)
-        return 0
-    if args.command == "serve":
-        print(
-            "kvstore serve: not yet - the HTTP service lands with the server issue (#5).\n"
-            "Meanwhile use the engine in-process: from kvstore import EmbeddedStore",
-            file=sys.stderr,
-        )
-        return 2
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "bench": _bench, "serve": _serve, "stats": _stats, "evict": _evict, "pin": _pin, "demo": _demo,
+    }
+    if args.command in commands:
+        return commands[args.command](args)
     _parser().print_help()
+    return 0
+
+
+# -- bench -----------------------------------------------------------------------------
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.repeats is not None and args.repeats < 1:
+        print("kvstore bench: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    benches: dict[str, Callable[[argparse.Namespace], int]] = {
+        "codec": _bench_codec, "tiers": _bench_tiers, "service": _bench_service,
+    }
+    return benches[args.bench](args)
+
+
+def _bench_codec(args: argparse.Namespace) -> int:
+    from bench.codec import run
+
+    run(quick=args.quick, real=not args.no_real, repeats=args.repeats, out_dir=args.out)
     return 0
 
 
@@ -78,6 +161,164 @@ def _bench_tiers(args: argparse.Namespace) -> int:
     run(tiers=names, quick=args.quick, repeats=args.repeats, redis_url=args.redis_url,
         directory=args.dir, out_dir=args.out)
     return 0
+
+
+def _bench_service(args: argparse.Namespace) -> int:
+    from bench.service import run
+
+    run(quick=args.quick, repeats=args.repeats, out_dir=args.out, torch_threads=args.torch_threads)
+    return 0
+
+
+# -- serve -----------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kvstore.config import Settings
+    from kvstore.errors import KVStoreError
+
+    try:
+        engine = Settings.from_env()
+        changes = {k: v for k, v in {
+            "data_dir": args.data_dir, "redis_url": args.redis_url, "tiers": args.tiers, "codec": args.codec,
+            **{f"{n}_bytes": getattr(args, f"{n}_bytes") for n in ("memory", "device", "shm", "cxl", "nvme", "redis")},
+        }.items() if v is not None}
+        engine = dataclasses.replace(engine, **changes)
+        from server.config import ServerSettings
+
+        settings = ServerSettings.from_env(
+            host=args.host, port=args.port, tokens_file=args.tokens_file, admin_token=args.admin_token,
+            tier_codecs=args.tier_codecs, max_body_bytes=args.max_body_bytes, log_level=args.log_level,
+            colocated=False if args.no_colocated else None)
+    except KVStoreError as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 2
+    from server.serve import serve
+
+    try:
+        return serve(settings, engine)
+    except KVStoreError as exc:
+        print(f"kvstore serve: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+# -- client commands --------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace, **kwargs: Any) -> Any:
+    from client_sdk import KVClient
+
+    return KVClient(args.url, token=args.token, retries=1, **kwargs)
+
+
+def _run_client(args: argparse.Namespace, what: str, call: Callable[[Any], int]) -> int:
+    from kvstore.errors import KVStoreError
+
+    try:
+        with _client(args, **({"namespace": args.namespace, "colocated": False if args.remote else None}
+                              if what == "demo" else {})) as client:
+            return call(client)
+    except KVStoreError as exc:
+        print(f"kvstore {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _stats(args: argparse.Namespace) -> int:
+    def call(client: Any) -> int:
+        stats = client.admin_stats()
+        if args.json:
+            print(json.dumps(stats, indent=2, default=str))
+            return 0
+        c = stats["counters"]
+        print(f"blocks {stats['blocks']}  frame bytes {stats['frame_bytes']}  raw bytes {stats['raw_bytes']}  "
+              f"codec saved {stats['codec_bytes_saved']}")
+        print(f"puts {c['put_calls']}  gets {c['get_calls']}  lookups {c['lookup_calls']}  "
+              f"tokens hit {c['tokens_hit']}/{c['tokens_requested']}")
+        print(f"{'tier':<10}{'kind':<8}{'entries':>9}{'used':>14}{'capacity':>16}{'hits':>8}{'misses':>8}")
+        for t in stats["tiers"]:
+            k = t["counters"]
+            print(f"{t['name']:<10}{t['kind']:<8}{t['entries']:>9}{t['used_bytes']:>14}{t['capacity_bytes']:>16}"
+                  f"{k['hits']:>8}{k['misses']:>8}")
+        return 0
+    return _run_client(args, "stats", call)
+
+
+def _evict(args: argparse.Namespace) -> int:
+    selectors: dict[str, Any] = {k: v for k, v in {
+        "keys": args.keys, "namespace": args.namespace, "fingerprint": args.fingerprint, "tier": args.tier,
+        "older_than_s": args.older_than, "limit": args.limit}.items() if v is not None}
+    if args.include_pinned:
+        selectors["include_pinned"] = True
+    if args.watermark:
+        tier, sep, frac = args.watermark.partition("=")
+        try:
+            selectors["watermark"] = {"tier": tier, "frac": float(frac)}
+        except ValueError:
+            sep = ""
+        if not sep or not tier:
+            print(f"kvstore evict: --watermark is TIER=FRAC, got {args.watermark!r}", file=sys.stderr)
+            return 2
+
+    def call(client: Any) -> int:
+        answer = client.evict(dry_run=args.dry_run, **selectors)
+        verb = "would evict" if answer["dry_run"] else "evicted"
+        n = answer["blocks"] if answer["dry_run"] else answer["removed_blocks"]
+        b = answer["bytes"] if answer["dry_run"] else answer["removed_bytes"]
+        print(f"{verb} {n} blocks, {b} bytes (skipped {answer['skipped_pinned']} pinned; audit #{answer['audit_id']})")
+        for tier, t in sorted(answer["by_tier"].items()):
+            print(f"  {tier}: {t['blocks']} blocks, {t['bytes']} bytes")
+        return 0
+    return _run_client(args, "evict", call)
+
+
+def _pin(args: argparse.Namespace) -> int:
+    def call(client: Any) -> int:
+        if args.unpin:
+            answer = client.unpin(args.keys)
+            print(f"unpinned {answer['unpinned']} of {answer['requested']} blocks")
+        else:
+            answer = client.pin(args.keys, ttl_s=args.ttl)
+            print(f"pinned {answer['pinned']} of {answer['requested']} blocks"
+                  + (f" for {args.ttl} s" if args.ttl else ""))
+        return 0
+    return _run_client(args, "pin", call)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    def call(client: Any) -> int:
+        import time
+
+        import torch
+
+        from kvstore.spec import KVSpec
+
+        spec = KVSpec("kvstore-demo", num_layers=8, num_kv_heads=2, head_dim=64, dtype="float16",
+                      block_tokens=16, fingerprint="demo-rev-1")
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 32000, (args.tokens,), generator=gen).tolist()
+        kv = torch.randn(spec.kv_shape(len(tokens)), generator=gen).to(torch.float16)
+        t0 = time.perf_counter()
+        stored = client.put_kv(spec, tokens, kv)
+        t1 = time.perf_counter()
+        hit = client.lookup(spec, tokens + [1, 2, 3])
+        t2 = time.perf_counter()
+        got, n = client.get_kv(spec, tokens)
+        t3 = time.perf_counter()
+        blocks = client.lookup_blocks(spec, tokens)["blocks"]
+        tiers: dict[str, int] = {}
+        for b in blocks:
+            tiers[b["tier"]] = tiers.get(b["tier"], 0) + 1
+        same = bool(torch.equal(got, kv[:, :, :, :n]))
+        mib = kv[:, :, :, :stored].numel() * 2 / 2**20
+        print(f"server {args.url}  namespace {args.namespace}  medium {client.stats.last_medium}")
+        print(f"put_kv  {stored} tokens ({mib:.1f} MiB) in {1e3 * (t1 - t0):.1f} ms")
+        print(f"lookup  {hit} tokens hit in {1e3 * (t2 - t1):.2f} ms")
+        print(f"get_kv  {n} tokens in {1e3 * (t3 - t2):.1f} ms, bit-identical: {same}")
+        print("tiers   " + ", ".join(f"{k}: {v} blocks" for k, v in sorted(tiers.items())))
+        return 0 if same and n == stored else 1
+    return _run_client(args, "demo", call)
 
 
 if __name__ == "__main__":  # pragma: no cover
