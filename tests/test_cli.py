@@ -43,9 +43,30 @@ def test_bench_rejects_bad_repeats(tmp_path):
     assert res.returncode == 2 and "--repeats" in res.stderr
 
 
-def test_serve_says_not_yet():
-    res = run("serve")
-    assert res.returncode == 2 and "not yet" in res.stderr
+def test_serve_starts_on_the_embedded_default_and_stops_on_sigterm(tmp_path):
+    import os
+    import signal
+
+    from tests.server.live import ServeProcess, small_env
+
+    before = set(os.listdir("/dev/shm"))
+    proc = ServeProcess(small_env(tmp_path / "data")).start()
+    try:
+        import httpx
+
+        ready = httpx.get(f"{proc.url}/readyz", timeout=10).json()
+        assert ready["status"] == "ok"
+        assert [t["name"] for t in ready["tiers"]] == ["shm", "cxl", "nvme"]  # no Redis, no GPU
+        ours = set(os.listdir("/dev/shm")) - before
+        assert any(".shm." in name for name in ours), ours
+        proc.signal(signal.SIGTERM)
+        code = proc.wait(30)
+    finally:
+        proc.kill()
+    assert code in (0, -signal.SIGTERM), proc.log()
+    assert "auth is off, serving loopback only" in proc.log()
+    assert not (set(os.listdir("/dev/shm")) - before) & ours, "shared memory outlived the server"
+    assert (tmp_path / "data" / "nvme").is_dir()
 
 
 def test_bench_tiers_quick_measures_every_tier(tmp_path):
@@ -64,3 +85,71 @@ def test_bench_tiers_quick_measures_every_tier(tmp_path):
 def test_bench_tiers_rejects_unknown_tier(tmp_path):
     res = run("bench", "tiers", "--tiers", "shm,tape", "--out", str(tmp_path))
     assert res.returncode == 2 and "tape" in res.stderr
+
+
+# -- commands that talk to a running server ------------------------------------------------
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def live_server(tmp_path):
+    from server import ServerSettings, create_app
+    from tests.server.conftest import make_store
+    from tests.server.live import ThreadServer
+
+    srv = ThreadServer(create_app(make_store(), ServerSettings(admin_token="cli-admin-token-1",
+                                                               audit_log=str(tmp_path / "audit.jsonl")))).start()
+    yield srv
+    srv.stop()
+
+
+def _cli(srv, *args, token="cli-admin-token-1"):
+    return run(args[0], "--url", srv.url, *(("--token", token) if token else ()), *args[1:])
+
+
+def test_demo_stats_evict_and_pin_against_a_running_server(live_server):
+    demo = _cli(live_server, "demo", "--namespace", "demo", "--tokens", "256")
+    assert demo.returncode == 0, demo.stderr
+    assert "put_kv  256 tokens" in demo.stdout and "bit-identical: True" in demo.stdout
+    assert "medium shm" in demo.stdout and "tiers   shm: 16 blocks" in demo.stdout
+    remote = _cli(live_server, "demo", "--namespace", "demo", "--tokens", "256", "--remote")
+    assert remote.returncode == 0 and "medium http" in remote.stdout
+    stats = _cli(live_server, "stats")
+    assert stats.returncode == 0 and "blocks 16" in stats.stdout and "shm" in stats.stdout
+    raw = json.loads(_cli(live_server, "stats", "--json").stdout)
+    assert raw["blocks"] == 16 and raw["counters"]["put_calls"] == 2
+    key = live_server.store.entries()[0].key.hex()
+    pin = _cli(live_server, "pin", key, "--ttl", "60")
+    assert pin.returncode == 0 and "pinned 1 of 1 blocks for 60.0 s" in pin.stdout
+    dry = _cli(live_server, "evict", "--namespace", "demo", "--dry-run")
+    assert dry.returncode == 0 and "would evict 15 blocks" in dry.stdout and "skipped 1 pinned" in dry.stdout
+    assert len(live_server.store.entries()) == 16
+    done = _cli(live_server, "evict", "--tier", "shm", "--limit", "4")
+    assert done.returncode == 0 and "evicted 4 blocks" in done.stdout and "shm: 4 blocks" in done.stdout
+    assert len(live_server.store.entries()) == 12
+    unpin = _cli(live_server, "pin", key, "--unpin")
+    assert unpin.returncode == 0 and "unpinned 1 of 1" in unpin.stdout
+
+
+def test_client_commands_report_errors(live_server):
+    denied = _cli(live_server, "stats", token="wrong-token-123")
+    assert denied.returncode == 1 and "Unauthorized" in denied.stderr
+    bad = _cli(live_server, "evict", "--watermark", "shm")
+    assert bad.returncode == 2 and "TIER=FRAC" in bad.stderr
+    none = run("stats", "--url", "http://127.0.0.1:9", "--token", "x" * 10)
+    assert none.returncode == 1 and "ConnectionFailed" in none.stderr
+
+
+def test_bench_service_quick_measures_every_row(tmp_path):
+    res = run("bench", "service", "--quick", "--repeats", "1", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    (path,) = tmp_path.glob("service-*.json")
+    result = json.loads(path.read_text())
+    (row,) = result["rows"]
+    assert row["size"] == "1MiB" and set(row["gbps"]) >= {"shm put", "shm get", "http put", "http get",
+                                                            "memcpy put", "curl get"}
+    assert all(r["median"] > 0 for r in row["gbps"].values())
+    assert result["lookup"]["rps"]["lookup"]["median"] > 0 and result["lookup"]["ratio"] > 0
+    assert "lookup (256 tokens)" in res.stdout

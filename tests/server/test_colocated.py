@@ -1,0 +1,180 @@
+"""The co-located path: slot handles read straight from the shm arena, puts through staging."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+import torch
+
+from client_sdk import Forbidden, KVClient, ServiceError
+from client_sdk._common import Arena
+from kvstore.keys import block_hashes
+from tests.conftest import make_kv, make_spec
+from tests.server.conftest import ACME, TOKENS, make_store
+from tests.server.test_ops import _metric
+
+
+def test_the_shm_path_is_used_on_the_same_host(server, spec):
+    tokens = list(range(100))
+    kv = make_kv(spec, 100)
+    with KVClient(server.url) as c:
+        assert c.put_kv(spec, tokens, kv) == 96
+        got, n = c.get_kv(spec, tokens)
+        assert n == 96 and torch.equal(got, kv[:, :, :, :96])
+        assert c.stats.shm_puts == 1 and c.stats.shm_gets == 1 and c.stats.http_gets == 0
+        assert c.stats.last_medium == "shm" and c.stats.shm_blocks_fetched_over_http == 0
+        text = c.metrics()
+    assert _metric(text, "kvstore_colocated_ops_total", op="get") == 1
+    assert _metric(text, "kvstore_colocated_ops_total", op="put") == 1
+    assert _metric(text, "kvstore_transfer_bytes_total", direction="in", medium="shm") == kv.numel() * 2
+    stats = server.store.stats()
+    assert stats.counters.get_calls == 1 and stats.counters.tokens_hit == 96  # counted like get_kv
+    assert server.store.entry(block_hashes(spec, tokens)[0]).hits == 1
+
+
+def test_the_http_path_when_told_the_server_is_remote(server, spec):
+    tokens = list(range(64))
+    with KVClient(server.url, colocated=False) as c:
+        c.put_kv(spec, tokens, make_kv(spec, 64))
+        c.get_kv(spec, tokens)
+        assert c.stats.http_puts == 1 and c.stats.http_gets == 1 and c.stats.shm_gets == c.stats.shm_puts == 0
+        text = c.metrics()
+    with pytest.raises(AssertionError):
+        _metric(text, "kvstore_colocated_ops_total", op="get")
+
+
+def test_blocks_outside_the_arena_come_over_http(server, spec):
+    tokens = list(range(64))
+    kv = make_kv(spec, 64)
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, kv)
+        keys = block_hashes(spec, tokens)
+        assert server.store.migrate(keys[1], "memory")
+        got, n = c.get_kv(spec, tokens)
+        assert n == 64 and torch.equal(got, kv)
+        assert c.stats.shm_gets == 1 and c.stats.shm_blocks_fetched_over_http == 1
+
+
+def test_a_slot_recycled_under_the_reader_is_caught_by_its_generation(server, spec, monkeypatch):
+    tokens = list(range(48))
+    kv = make_kv(spec, 48)
+    keys = block_hashes(spec, tokens)
+    real = Arena.fill_from_handles
+
+    def move_first(self, blocks, out, bt):  # fault: placement moves a block after the handle went out
+        server.store.migrate(keys[0], "memory")
+        server.store.migrate(keys[0], "shm")
+        return real(self, blocks, out, bt)
+
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, kv)
+        monkeypatch.setattr(Arena, "fill_from_handles", move_first)
+        got, n = c.get_kv(spec, tokens)
+    assert n == 48 and torch.equal(got, kv)
+    assert c.stats.shm_blocks_fetched_over_http == 1
+
+
+def test_a_block_deleted_under_the_reader_shortens_the_prefix(server, spec, monkeypatch):
+    tokens = list(range(48))
+    keys = block_hashes(spec, tokens)
+    real = Arena.fill_from_handles
+
+    def delete_middle(self, blocks, out, bt):
+        server.store.delete_blocks([keys[1]])
+        return real(self, blocks, out, bt)
+
+    kv = make_kv(spec, 48)
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, kv)
+        monkeypatch.setattr(Arena, "fill_from_handles", delete_middle)
+        got, n = c.get_kv(spec, tokens)
+    assert n == 16 and torch.equal(got, kv[:, :, :, :16])
+
+
+def test_an_expired_staging_lease_is_renewed(server, spec):
+    with KVClient(server.url) as c:
+        c.put_kv(spec, list(range(32)), make_kv(spec, 32))
+        (lease,) = c._arena.leases
+        assert server.svc.staging.release(lease["lease"], "anonymous")  # fault: it expired server-side
+        kv = make_kv(spec, 32, seed=3)
+        assert c.put_kv(spec, list(range(100, 132)), kv) == 32
+        (renewed,) = c._arena.leases
+        assert renewed["lease"] != lease["lease"] and c.stats.shm_puts == 2
+        assert torch.equal(c.get_kv(spec, list(range(100, 132)))[0], kv)
+
+
+def test_a_full_staging_area_falls_back_to_http(serve_app):
+    srv = serve_app(staging_bytes="1MiB")
+    spec = make_spec(num_layers=32, head_dim=128)  # 512 KiB a block
+    with KVClient(srv.url) as c:
+        kv = make_kv(spec, 48)
+        assert c.put_kv(spec, list(range(48)), kv) == 48
+        assert c.stats.http_puts == 1 and c.stats.shm_puts == 0
+        assert torch.equal(c.get_kv(spec, list(range(48)))[0], kv)
+        assert c.stats.shm_gets == 1
+
+
+def test_colocated_true_without_an_offer_is_an_error(serve_app, spec):
+    srv = serve_app(make_store(), colocated=False)
+    info = httpx.get(f"{srv.url}/v1/info").json()
+    assert info["colocated"] is None
+    with KVClient(srv.url, colocated=True) as c, pytest.raises(ServiceError, match="offers no shm path"):
+        c.get_kv(spec, list(range(16)))
+    with KVClient(srv.url) as c:  # auto: HTTP
+        c.put_kv(spec, list(range(16)), make_kv(spec, 16))
+        assert c.stats.http_puts == 1
+    resp = httpx.post(f"{srv.url}/v1/kv/handles", json={"spec": spec.to_dict(), "tokens": [1]})
+    assert resp.status_code == 404
+
+
+def test_handles_respect_tenants(serve_app, spec):
+    srv = serve_app(tokens=json.dumps(TOKENS))
+    with KVClient(srv.url, token=ACME, namespace="acme") as acme:
+        acme.put_kv(spec, list(range(32)), make_kv(spec, 32))
+        assert acme.stats.shm_puts == 1
+    with KVClient(srv.url, token=ACME, namespace="beta") as wrong, pytest.raises(Forbidden):
+        wrong.get_kv(spec, list(range(32)))
+    resp = httpx.post(f"{srv.url}/v1/kv/handles", json={"spec": spec.to_dict(), "tokens": list(range(32))},
+                      headers={"authorization": "Bearer nope-nope-nope"})
+    assert resp.status_code == 401
+
+
+def test_segments_are_unlinked_at_shutdown(serve_app):
+    srv = serve_app()
+    svc = srv.svc
+    paths = [os.path.join("/dev/shm", svc.shm.segment), svc.staging.path]
+    assert all(os.path.exists(p) for p in paths)
+    srv.stop()
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def test_concurrent_puts_from_one_client_never_share_a_staging_range(server):
+    import asyncio
+    import threading
+
+    from client_sdk import AsyncKVClient
+
+    spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB a block
+    seqs = [list(range(i * 1000, i * 1000 + 64)) for i in range(8)]
+    kvs = [make_kv(spec, 64, seed=i) for i in range(8)]
+    with KVClient(server.url, namespace="threads") as c:
+        threads = [threading.Thread(target=c.put_kv, args=(spec, s, k)) for s, k in zip(seqs, kvs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert c.stats.shm_puts == 8 and len(c._arena.leases) >= 1
+        for s, k in zip(seqs, kvs):
+            assert torch.equal(c.get_kv(spec, s)[0], k)
+
+    async def main() -> None:
+        async with AsyncKVClient(server.url, namespace="tasks") as a:
+            await asyncio.gather(*(a.put_kv(spec, s, k) for s, k in zip(seqs, kvs)))
+            assert a.stats.shm_puts == 8 and len(a._arena.leases) > 1  # each put in flight had its own
+            for s, k in zip(seqs, kvs):
+                assert torch.equal((await a.get_kv(spec, s))[0], k)
+
+    asyncio.run(main())
