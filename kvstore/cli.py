@@ -61,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     service.add_argument("--torch-threads", type=int, default=1,
                          help="torch intra-op threads in the client process (default 1; 0: torch's default)")
 
+    for name, what in (("placement", "placement policies replayed over traces, against LRU, LFU and Belady"),
+                       ("write-policy", "Redis bytes and cross-node hit ratio per shared-tier write policy")):
+        p = which.add_parser(name, help=what)
+        p.add_argument("--quick", action="store_true", help="small traces (a smoke run)")
+        p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+        p.add_argument("--out", default="bench/results", help="directory for the results (default bench/results)")
+        p.set_defaults(repeats=None)
+
     _serve_parser(sub)
     _client_parsers(sub)
     return parser
@@ -138,6 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     benches: dict[str, Callable[[argparse.Namespace], int]] = {
         "codec": _bench_codec, "tiers": _bench_tiers, "service": _bench_service,
+        "placement": _bench_traces, "write-policy": _bench_traces,
     }
     return benches[args.bench](args)
 
@@ -160,6 +169,15 @@ def _bench_tiers(args: argparse.Namespace) -> int:
         return 2
     run(tiers=names, quick=args.quick, repeats=args.repeats, redis_url=args.redis_url,
         directory=args.dir, out_dir=args.out)
+    return 0
+
+
+def _bench_traces(args: argparse.Namespace) -> int:
+    if args.bench == "placement":
+        from bench.placement import run
+    else:
+        from bench.write_policy import run
+    run(quick=args.quick, out_dir=args.out, seed=args.seed)
     return 0
 
 

@@ -153,3 +153,11 @@ def test_bench_service_quick_measures_every_row(tmp_path):
     assert all(r["median"] > 0 for r in row["gbps"].values())
     assert result["lookup"]["rps"]["lookup"]["median"] > 0 and result["lookup"]["ratio"] > 0
     assert "lookup (256 tokens)" in res.stdout
+
+
+def test_bench_placement_and_write_policy_commands_run(tmp_path):
+    for bench, pattern in (("placement", "placement-*.json"), ("write-policy", "write-policy-*.json")):
+        res = run("bench", bench, "--quick", "--out", str(tmp_path))
+        assert res.returncode == 0, res.stderr
+        assert list(tmp_path.glob(pattern)), bench
+    assert list(tmp_path.glob("placement-*.png"))
