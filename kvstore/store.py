@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -354,6 +354,76 @@ class KVStore:
     def entries(self) -> list[IndexEntry]:
         """Copies of every index entry."""
         return self._index.snapshot()
+
+    # -- for services that read and write frames themselves ---------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        """Count reads that bypassed ``get_kv`` (a co-located client, a block route) as accesses."""
+        keys = list(keys)
+        self._index.touch(keys, time.time())
+        self.placement.accessed(keys)
+
+    def count_lookup(self) -> None:
+        """Count a lookup a service answered from its own index walk."""
+        self._count(lookup_calls=1)
+
+    def count_get(self, tokens_requested: int, tokens_hit: int) -> None:
+        """Count a get a service served without ``get_kv`` (e.g. through shm handles)."""
+        self._count(get_calls=1, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
+
+    def put_frame(self, key: BlockHash, frame: Any, namespace: str) -> IndexEntry:
+        """Store an already encoded frame under ``key``, in the first tier with room.
+
+        The frame must verify and carry kvstore metadata for ``namespace``: a
+        tenant cannot plant a block in another's namespace. The same frame again,
+        or a key another namespace holds, is a no-op that returns the current entry.
+
+        Raises:
+            FrameError: the frame does not verify or has no kvstore metadata.
+            InvalidInput: its namespace is not ``namespace``.
+            TierFull: no tier has room. TierError: every tier with room failed.
+        """
+        from kvstore.recovery import entry_from_frame
+
+        self._check_open()
+        key = check_key(key)
+        probe = entry_from_frame(key, "", frame, time.time())
+        if probe.namespace != namespace:
+            raise InvalidInput(f"frame metadata namespace {probe.namespace!r} is not the request's {namespace!r}")
+        with self._index.claim(key):
+            old = self._index.get(key)
+            if old is not None and (old.namespace != namespace or old.checksum == probe.checksum):
+                return old
+            failure: TierError | None = None
+            for tier in self._tiers:
+                try:
+                    tier.put(key, frame)
+                except TierFull as exc:
+                    failure = failure or exc
+                    continue
+                except TierError as exc:
+                    self._count(tier_errors=1)
+                    log.warning("tier %s failed a frame put (%s); trying the next", tier.name, exc)
+                    failure = exc
+                    continue
+                entry = replace(probe, tier=tier.name)
+                self._index.add(entry)
+                if old is not None and old.tier != tier.name:
+                    self._delete_frame(old)
+                self.placement.admitted(key, tier.name, entry.size, depth=entry.depth)
+                if self._shared is not None and self._shared.policy.mode == "write_through" \
+                        and tier.name != self._shared.name:
+                    self._shared.after_put(entry, codec_mod.decode(frame), codec_mod.frame_meta(frame))
+                self._count(blocks_written=1)
+                return entry
+        if isinstance(failure, TierError) and not isinstance(failure, TierFull):
+            raise failure
+        raise TierFull(f"no tier has room for a {len(memoryview(frame).cast('B'))}-byte frame",
+                       stored_tokens=0) from failure
 
     # -- placement ------------------------------------------------------------------
 

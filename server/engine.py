@@ -1,29 +1,18 @@
-"""The server's calls into the engine that ``KVStore``'s public API does not cover yet.
+"""The server's calls into the engine beyond ``put_kv``/``get_kv``/``lookup``.
 
-Everything the routes need beyond ``put_kv``/``get_kv``/``lookup``/``delete``/
-``entry``/``entries``/``stats``/pins/``migrate``/``explain`` goes through this
-module, so the gaps sit in one place. Each function prefers a public store
-method of the same purpose when the store has one and otherwise falls back to
-the store's internals, as ``kvstore.recovery`` does; the fallbacks go away when
-the engine grows these methods:
-
-- ``KVStore.touch(keys)``: count reads that bypassed ``get_kv`` (``_index.touch``
-  and ``placement.accessed`` today);
-- ``KVStore.count_get(requested, hit)`` and ``count_lookup()``: the store
-  counters for co-located gets and index-walk lookups (``_count`` today);
-- ``KVStore.put_frame(key, frame, namespace)``: store an encoded frame by key
-  (``_index.claim/get/add`` today);
-- ``KVStore.closed``: ``_closed`` today.
+Prefix walks over the index, reads of single frames (with the shared tier as a
+fallback), and the bookkeeping for reads that bypass ``get_kv`` live here, so
+the routes stay thin. Everything goes through ``KVStore``'s public methods.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvstore.errors import FrameError, InvalidInput, TierError, TierFull
+from kvstore.errors import FrameError, TierError
 from kvstore.index import IndexEntry
 from kvstore.keys import BlockHash, block_hashes, normalize_tokens
 from kvstore.recovery import entry_from_frame
@@ -39,8 +28,7 @@ log = logging.getLogger("kvstore.server")
 
 
 def is_closed(store: KVStore) -> bool:
-    closed = getattr(store, "closed", None)  # until KVStore.closed exists
-    return bool(store._closed if closed is None else closed)
+    return store.closed
 
 
 def tier_named(store: KVStore, name: str) -> Tier | None:
@@ -116,32 +104,18 @@ def shared_tier(store: KVStore) -> Tier | None:
 
 def record_lookup(store: KVStore) -> None:
     """Count a lookup answered from the index walk, as ``store.lookup`` counts its own."""
-    count = getattr(store, "count_lookup", None)
-    if callable(count):
-        count()
-        return
-    store._count(lookup_calls=1)  # until KVStore.count_lookup exists
+    store.count_lookup()
 
 
 def record_hits(store: KVStore, keys: Sequence[BlockHash]) -> None:
     """Count reads that bypassed ``get_kv`` (shm handles, block gets) as accesses."""
-    if not keys:
-        return
-    touch = getattr(store, "touch", None)
-    if callable(touch):
-        touch(keys)
-        return
-    store._index.touch(keys, time.time())  # until KVStore.touch(keys) exists
-    store.placement.accessed(keys)
+    if keys:
+        store.touch(keys)
 
 
 def record_get(store: KVStore, tokens_requested: int, tokens_hit: int) -> None:
     """Count a co-located get in the store's counters, as ``get_kv`` counts its own."""
-    count = getattr(store, "count_get", None)
-    if callable(count):
-        count(tokens_requested, tokens_hit)
-        return
-    store._count(get_calls=1, tokens_requested=tokens_requested, tokens_hit=tokens_hit)  # until count_get exists
+    store.count_get(tokens_requested, tokens_hit)
 
 
 def read_frame(store: KVStore, key: BlockHash, namespaces: frozenset[str] | None) -> tuple[Any, IndexEntry] | None:
@@ -195,52 +169,5 @@ def _shared_frame(store: KVStore, key: BlockHash, namespaces: frozenset[str] | N
 
 
 def put_frame(store: KVStore, key: BlockHash, frame: Any, namespace: str) -> IndexEntry:
-    """Store an already encoded frame under ``key`` in the first tier with room.
-
-    The frame must verify and carry kvstore metadata whose namespace is
-    ``namespace`` (the caller's): a tenant cannot plant a block in another
-    tenant's namespace. The same frame stored again is a no-op, and so is a
-    key that another namespace holds.
-
-    Raises:
-        FrameError: the frame does not verify or has no kvstore metadata.
-        InvalidInput: its namespace is not ``namespace``.
-        TierFull: no tier has room.
-    """
-    put = getattr(store, "put_frame", None)
-    if callable(put):
-        return put(key, frame, namespace=namespace)
-    now = time.time()
-    probe = entry_from_frame(key, "", frame, now)  # raises FrameError on a bad frame
-    if probe.namespace != namespace:
-        raise InvalidInput(f"frame metadata namespace {probe.namespace!r} is not the request's {namespace!r}")
-    index = store._index  # until KVStore.put_frame(key, frame, namespace) exists
-    with index.claim(key):
-        old = index.get(key)
-        if old is not None and (old.namespace != namespace or old.checksum == probe.checksum):
-            # Another namespace's block is neither replaced nor revealed: the caller sees what
-            # it sees for a duplicate. Computing that key took that namespace's tokens anyway.
-            return old
-        failure: Exception | None = None
-        for tier in store.tiers:
-            try:
-                tier.put(key, frame)
-            except TierFull as exc:
-                failure = failure or exc
-                continue
-            except TierError as exc:
-                log.warning("tier %s failed a frame put (%s); trying the next", tier.name, exc)
-                failure = exc
-                continue
-            entry = replace(probe, tier=tier.name)
-            index.add(entry)
-            if old is not None and old.tier != tier.name:
-                try:
-                    tier_named(store, old.tier).delete(key)
-                except TierError as exc:
-                    log.warning("tier %s failed to drop a replaced frame: %s", old.tier, exc)
-            store.placement.admitted(key, tier.name, entry.size)
-            return entry
-    if isinstance(failure, TierError) and not isinstance(failure, TierFull):
-        raise failure
-    raise TierFull(f"no tier has room for a {len(memoryview(frame).cast('B'))}-byte frame", stored_tokens=0)
+    """Store an already encoded frame under ``key`` (see ``KVStore.put_frame``)."""
+    return store.put_frame(key, frame, namespace=namespace)

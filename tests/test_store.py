@@ -448,3 +448,29 @@ def test_full_top_tier_is_skipped_without_encoding(spec):
         store.put_kv(spec, TOKENS, make_kv(spec, 100))
         assert top.stats().counters.errors == 6 and top.stats().entries == 0
         assert {e.tier for e in store.entries()} == {"next"}
+
+
+def test_put_frame_stores_a_verified_frame_and_refuses_another_namespace(spec):
+    from kvstore import codec as codec_mod
+    from kvstore.errors import CorruptFrame
+    from kvstore.keys import block_hashes
+    from kvstore.store import _frame_meta
+
+    kv = make_kv(spec, 16)
+    key = block_hashes(spec, TOKENS[:16], "acme")[0]
+    frame = codec_mod.encode(kv, "raw", meta=_frame_meta("acme", spec.fingerprint(), 0))
+    with KVStore([MemoryTier(16 * MiB)], background=False) as store:
+        with pytest.raises(InvalidInput, match="namespace"):
+            store.put_frame(key, frame, namespace="other")
+        with pytest.raises(CorruptFrame):
+            store.put_frame(key, bytes(frame[:-1]), namespace="acme")
+        entry = store.put_frame(key, frame, namespace="acme")
+        assert entry.namespace == "acme" and store.put_frame(key, frame, namespace="acme") == entry
+        got, n = store.get_kv(spec, TOKENS[:16], namespace="acme")
+        assert n == 16 and torch.equal(got, kv)
+        store.touch([key])
+        store.count_get(16, 16)
+        store.count_lookup()
+        counters = store.stats().counters
+        assert counters.get_calls == 2 and counters.lookup_calls == 1 and store.entry(key).hits == 2
+    assert store.closed
