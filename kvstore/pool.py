@@ -53,6 +53,7 @@ def _bin(size: int) -> int:
     return ((top - _SUB_BITS + 1) << _SUB_BITS) + sub
 
 
+@functools.lru_cache(maxsize=8192)
 def _bin_floor(index: int) -> int:
     """The smallest size that lands in bin ``index``."""
     if index < (1 << _SUB_BITS):
@@ -99,7 +100,7 @@ class SlabAllocator:
 
     def rounded(self, n: int) -> int:
         """What an ``n``-byte request costs; zero-byte requests still take one unit."""
-        return max(self.align, -(-n // self.align) * self.align)
+        return -(-n // self.align) * self.align or self.align
 
     def allocations(self) -> dict[int, int]:
         """A copy of ``offset -> rounded size`` for every live allocation."""
@@ -225,10 +226,11 @@ class SlabAllocator:
     def _remove_free(self, start: int, length: int) -> None:
         del self._free_start[start]
         del self._free_end[start + length]
-        members = self._bins[_bin(length)]
+        b = _bin(length)
+        members = self._bins[b]
         members.discard(start)
         if not members:
-            del self._bins[_bin(length)]
+            del self._bins[b]
 
     def _take_fit(self, need: int) -> int | None:
         own = _bin(need)
