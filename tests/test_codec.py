@@ -365,3 +365,13 @@ def test_expect_checksum_refuses_a_sound_but_different_frame():
     assert torch.equal(decode(a, expect_checksum=read_header(a).body_checksum), kv(seed=1))
     with pytest.raises(CorruptFrame, match="not the one recorded"):
         decode(b, expect_checksum=read_header(a).body_checksum)
+
+
+def test_large_raw_frame_is_hashed_while_copied_and_still_refused_when_damaged():
+    kv = torch.randn(8, 2, 8, 64, 128).to(torch.bfloat16)  # 2 MiB+: the chunked path
+    frame = codec.encode(kv, "raw")
+    out = torch.empty(8, 2, 8, 96, 128, dtype=torch.bfloat16)[:, :, :, :64]  # strided destination
+    assert torch.equal(codec.decode(frame, out=out), kv)
+    frame[-3] ^= 0x40  # one bit in the last layer
+    with pytest.raises(CorruptFrame, match="checksum"):
+        codec.decode(frame, out=out)
