@@ -2,18 +2,18 @@
 
 A move never leaves a window in which the index names a frame that is gone:
 
-1. read the frame from the source tier (a stable copy);
-2. re-encode it when the destination wants another codec (int8 in cold tiers,
-   raw again on the way up);
-3. write it to the destination (making room there first if it is full);
-4. under the key's claim, switch the index entry to the destination, but only
-   if the entry is still the one we copied (a concurrent put or delete wins);
-5. delete the source frame.
+1. read the frame from the source tier (a stable copy) and re-encode it when the
+   destination wants another codec (int8 in cold tiers, raw again on the way
+   up), outside any claim;
+2. make room in the destination (moves of *other* keys; still no claim held);
+3. under the key's claim, and only if the index entry is still the one read:
+   write the destination, switch the entry, delete the source, tell placement.
+   A concurrent put, delete or move of the same key either wins before the
+   claim (the move gives up) or waits for it (and finds the move complete).
 
-A crash between 3 and 5 leaves two copies and loses nothing: a durable tier's
+A crash inside step 3 leaves two copies and loses nothing: a durable tier's
 copy is re-indexed at the next start (``kvstore/recovery.py``). A reader that
-looked the entry up before step 4 reads the source, which is still there; one
-that reads after step 5 finds the new entry when it looks again
+looked the entry up before step 3 may find the source gone; it looks again
 (``KVStore.get_kv`` re-reads the index once on a miss).
 
 The background thread plans every ``interval_s`` and spends at most
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
-from kvstore.errors import FrameError, InvalidKV, TierError, TierFull
+from kvstore.errors import FrameError, InvalidKV, TierError
 from kvstore.placement import MoveOrder
 from kvstore.shared import Replica
 
@@ -55,7 +55,14 @@ class Mover:
     # -- one move ----------------------------------------------------------------
 
     def execute(self, order: MoveOrder, *, depth: int = 0) -> bool:
-        """Carry out ``order``; False when it no longer applies or the destination refused it."""
+        """Carry out ``order``; False when it no longer applies or the destination refused it.
+
+        Reading and re-encoding happen outside the key's claim; writing the
+        destination, switching the index, deleting the source and telling
+        placement all happen inside it, after checking the entry is still the
+        one we read. So a concurrent put, delete or move of the same key either
+        wins outright or finds the move complete; it never sees a half.
+        """
         store, index = self._store, self._store._index
         entry = index.get(order.key)
         if entry is None:
@@ -69,15 +76,13 @@ class Mover:
                 if index.remove(order.key, expected=entry) is None:
                     return False
                 store._delete_frame(entry)
-            self._done(order, 0)
+                self._done(order, 0)
             return True
         src, dst = store._by_name[order.src], store._by_name[order.dst]
         shared = store._shared
-        if shared is not None and dst.name == shared.name:
-            replica = shared.replica(order.key)
-            if replica is not None:  # already there (write-through): switch to it, copy nothing
-                return self._switch(entry, order, dst, replica.size, replica.codec, replica.checksum,
-                                    delete_src=True)
+        to_shared = shared is not None and dst.name == shared.name
+        if to_shared and shared.replica(order.key) is not None:
+            return self._commit(entry, order, None)  # already there (write-through): switch, copy nothing
         try:
             frame = src.get(order.key)
         except TierError as exc:
@@ -92,52 +97,47 @@ class Mover:
             log.warning("move of %s: frame in %s is damaged (%s); dropped", order.key.hex(), src.name, exc)
             store._drop(entry, corrupt=True)
             return False
-        if not self._write(dst, order.key, frame, depth):
-            return False
-        # Other nodes read the shared tier: leaving it is a copy, never a delete.
-        leaving_shared = shared is not None and src.name == shared.name
-        if leaving_shared:
-            shared.remember(order.key, Replica(entry.size, entry.codec, entry.checksum))
-        if shared is not None and dst.name == shared.name:
-            shared.remember(order.key, Replica(len(frame), codec, checksum))
-            shared.demoted(len(frame))
-        return self._switch(entry, order, dst, len(frame), codec, checksum, delete_src=not leaving_shared)
+        self._make_room(dst, len(frame), depth)  # outside the claim: it moves other keys
+        return self._commit(entry, order, (frame, codec, checksum))
 
-    def _switch(self, entry, order: MoveOrder, dst, size: int, codec: Codec, checksum: int, *,
-                delete_src: bool) -> bool:
-        """Point the index at ``dst`` if ``entry`` is still current; then drop the source."""
-        index = self._store._index
+    def _commit(self, entry, order: MoveOrder, copy: tuple | None) -> bool:
+        """Under the key's claim: write ``copy`` to the destination (None: use the shared
+        replica), switch the index, drop the source, record the move."""
+        store, index, shared = self._store, self._store._index, self._store._shared
+        src, dst = store._by_name[order.src], store._by_name[order.dst]
+        leaving_shared = shared is not None and src.name == shared.name
         with index.claim(order.key):
-            current = index.get(order.key)
-            if current is not entry:  # rewritten or deleted while we copied
-                if (current is None or current.tier != dst.name) and self._owns(dst, order.key):
-                    self._delete_quietly(dst, order.key)
+            if index.get(order.key) is not entry:  # rewritten, moved or deleted meanwhile: it wins
                 return False
+            if copy is None:
+                replica = shared.replica(order.key)
+                if replica is None:  # deleted meanwhile
+                    return False
+                size, codec, checksum = replica.size, replica.codec, replica.checksum
+            else:
+                frame, codec, checksum = copy
+                size = len(frame)
+                try:
+                    dst.put(order.key, frame)
+                except TierError as exc:  # full after all, or failing: the entry stays where it is
+                    log.info("move of %s to %s refused: %s", order.key.hex(), dst.name, exc)
+                    return False
+                if shared is not None and dst.name == shared.name:
+                    shared.remember(order.key, Replica(size, codec, checksum))
+                    shared.demoted(size)
+            # Other nodes read the shared tier: leaving it is a copy, never a delete.
+            if leaving_shared:
+                shared.remember(order.key, Replica(entry.size, entry.codec, entry.checksum))
             index.add(replace(entry, tier=dst.name, size=size, codec=codec, checksum=checksum))
-        if delete_src:
-            self._delete_quietly(self._store._by_name[order.src], order.key)
-        self._done(order, size)
+            if not leaving_shared:
+                self._delete_quietly(src, order.key)
+            self._done(order, size)
         return True
 
-    def _owns(self, tier, key: bytes) -> bool:
-        """Whether a copy we just made in ``tier`` is ours to remove (not another node's)."""
-        shared = self._store._shared
-        return shared is None or tier.name != shared.name or shared.replica(key) is None
-
-    def _write(self, dst, key: bytes, frame, depth: int) -> bool:
-        for attempt in range(2):
-            try:
-                dst.put(key, frame)
-                return True
-            except TierFull:
-                if attempt or depth >= len(self._store._tiers):
-                    return False
-                for sub in self._placement.make_room(dst.name, len(frame)):
-                    self.execute(sub, depth=depth + 1)
-            except TierError as exc:
-                log.warning("move of %s: tier %s failed a put (%s)", key.hex(), dst.name, exc)
-                return False
-        return False
+    def _make_room(self, dst, nbytes: int, depth: int) -> None:
+        if depth < len(self._store._tiers):
+            for sub in self._placement.make_room(dst.name, nbytes):
+                self.execute(sub, depth=depth + 1)
 
     @staticmethod
     def _recode(frame, have: Codec, want: Codec) -> tuple[object, Codec, int]:

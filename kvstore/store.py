@@ -637,6 +637,8 @@ class KVStore:
         return 1
 
     def _delete_frame(self, entry: IndexEntry) -> None:
+        if self._shared is not None and entry.tier == self._shared.name:
+            self._shared.forget(entry.key)  # the copy other nodes read is going: forget we had one
         try:
             self._by_name[entry.tier].delete(entry.key)
         except TierError as exc:  # unreachable now; the index no longer serves it
