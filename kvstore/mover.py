@@ -73,7 +73,7 @@ class Mover:
             return False
         if order.dst is None:
             with index.claim(order.key):
-                if index.remove(order.key, expected=entry) is None:
+                if self._placement.is_held(order.key) or index.remove(order.key, expected=entry) is None:
                     return False
                 store._delete_frame(entry)
                 self._done(order, 0)
@@ -109,6 +109,8 @@ class Mover:
         with index.claim(order.key):
             if index.get(order.key) is not entry:  # rewritten, moved or deleted meanwhile: it wins
                 return False
+            if self._downward(order) and self._placement.is_held(order.key):
+                return False  # pinned or leased since the order was planned
             if copy is None:
                 replica = shared.replica(order.key)
                 if replica is None:  # deleted meanwhile
@@ -133,6 +135,11 @@ class Mover:
                 self._delete_quietly(src, order.key)
             self._done(order, size)
         return True
+
+    def _downward(self, order: MoveOrder) -> bool:
+        """A placement demotion (an operator's migrate may move held blocks; pins stop placement only)."""
+        names = [t.name for t in self._store._tiers]
+        return not order.reason.startswith("migrated") and names.index(order.dst) > names.index(order.src)
 
     def _make_room(self, dst, nbytes: int, depth: int) -> None:
         if depth < len(self._store._tiers):

@@ -284,6 +284,12 @@ class PlacementManager:
             if r is not None and r.leases:
                 r.leases -= 1
 
+    def is_held(self, key: bytes) -> bool:
+        """Pinned or leased right now: placement must not move it down or out."""
+        with self._lock:
+            r = self._res.get(key)
+            return r is not None and self._held(r, self.clock())
+
     def is_pinned(self, key: bytes) -> bool:
         with self._lock:
             r = self._res.get(key)
