@@ -235,19 +235,31 @@ class KVStore:
                 self.placement.release(key)
         return n_blocks * bt
 
-    def get_kv(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> tuple[torch.Tensor, int]:
+    def get_kv(self, spec: KVSpec, tokens: Any, namespace: str = "default", *,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """The KV of the longest stored prefix of ``tokens``.
 
+        Args:
+            out: optional CPU tensor ``[L, 2, H, >= full-block tokens, D]`` in
+                ``spec.dtype`` to decode into; a server or an engine reusing one
+                buffer skips the page faults of a fresh allocation per call.
+
         Returns:
-            ``(kv, n_tokens)``: ``kv`` is ``[L, 2, H, n_tokens, D]`` in ``spec.dtype``;
-            with nothing stored, ``n_tokens == 0`` and ``kv`` is empty in that dimension.
+            ``(kv, n_tokens)``: ``kv`` is ``[L, 2, H, n_tokens, D]`` in ``spec.dtype``
+            (a view of ``out`` when given); with nothing stored, ``n_tokens == 0`` and
+            ``kv`` is empty in that dimension.
 
         Raises:
-            InvalidSpec, InvalidTokens: bad input.
+            InvalidSpec, InvalidTokens: bad input. InvalidKV: ``out`` does not fit.
         """
         self._check_open()
         spec = _check_spec(spec)
         toks = normalize_tokens(tokens)
+        if out is not None:
+            out = spec.validate_kv(out, min_tokens=spec.full_blocks(len(toks)) * spec.block_tokens)
+            if out.device.type != "cpu" or out.requires_grad:
+                # checked here: a decode refusing ``out`` must not look like a damaged frame
+                raise InvalidKV(f"out must be a CPU tensor without grad, got {out.device} grad={out.requires_grad}")
         self._count(get_calls=1, tokens_requested=spec.full_blocks(len(toks)) * spec.block_tokens)
         spec_fp = spec.fingerprint()
         found: list[tuple[BlockHash, IndexEntry]] = []
@@ -264,7 +276,8 @@ class KVStore:
                     self._count(blocks_adopted=1)
             found.append((key, entry))
         bt = spec.block_tokens
-        out = spec.empty_kv(len(found) * bt)
+        given = out is not None
+        out = out[:, :, :, : len(found) * bt] if given else spec.empty_kv(len(found) * bt)
         # One reused frame buffer per thread: a fresh buffer per block would page-fault
         # at a fraction of copy speed (see kvstore.pool).
         scratch = _FRAMES.get(max((e.size for _, e in found), default=0))
@@ -300,7 +313,7 @@ class KVStore:
                 self._shared.replicate(entry)
         self._count(tokens_hit=good * bt)
         if good * bt < out.shape[3]:
-            out = out[:, :, :, : good * bt].clone()
+            out = out[:, :, :, : good * bt] if given else out[:, :, :, : good * bt].clone()
         return out, good * bt
 
     def lookup(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:

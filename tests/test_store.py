@@ -474,3 +474,19 @@ def test_put_frame_stores_a_verified_frame_and_refuses_another_namespace(spec):
         counters = store.stats().counters
         assert counters.get_calls == 2 and counters.lookup_calls == 1 and store.entry(key).hits == 2
     assert store.closed
+
+
+def test_get_kv_into_a_reused_buffer(spec):
+    with KVStore([MemoryTier(64 * MiB)], background=False) as store:
+        kv = make_kv(spec, 64, seed=5)
+        store.put_kv(spec, TOKENS[:64], kv)
+        buf = torch.full(spec.kv_shape(96), 7.0, dtype=spec.torch_dtype)
+        got, n = store.get_kv(spec, TOKENS[:96], out=buf)
+        assert n == 64 and got.data_ptr() == buf.data_ptr() and torch.equal(got, kv)
+        assert torch.all(buf[:, :, :, 64:] == 7)  # past the hit, untouched
+        with pytest.raises(InvalidKV, match="kv shape"):
+            store.get_kv(spec, TOKENS[:96], out=torch.empty(spec.kv_shape(32), dtype=spec.torch_dtype))
+        with pytest.raises(InvalidKV, match="grad"):
+            store.get_kv(spec, TOKENS[:64], out=torch.zeros(spec.kv_shape(64), dtype=torch.float32,
+                                                            requires_grad=True).to(spec.torch_dtype))
+        assert store.stats().counters.corrupt_blocks == 0 and store.lookup(spec, TOKENS[:64]) == 64
