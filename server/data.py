@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.background import BackgroundTask
 
 from client_sdk.protocol import (H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MalformedRequest,
                                  PayloadTooLarge, RouteNotFound, parse_kv_head)
@@ -106,10 +107,29 @@ async def kv_get(request: Request) -> Response:
     p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
     ns = svc.namespace(request, p)
     spec, tokens = await _spec_and_tokens(request)
-    kv, n = await svc.run(svc.store.get_kv, spec, tokens, ns)
-    body = memoryview(kv.contiguous().view(-1).view(torch.uint8).numpy())
+    # Decode into a pooled buffer that goes back to the pool once the response is sent:
+    # a fresh 32 MiB tensor per get spent most of the request faulting its pages in.
+    want = spec.full_blocks(len(tokens)) * spec.block_tokens
+    nbytes = want * spec.bytes_per_token
+    buf = svc.buffers.acquire(nbytes) if nbytes else None
+    try:
+        out = None if buf is None else \
+            torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(spec.torch_dtype).view(spec.kv_shape(want))
+        kv, n = await svc.run(svc.store.get_kv, spec, tokens, ns, out=out)
+    except BaseException:
+        if buf is not None:
+            svc.buffers.release(buf)
+        raise
+    if buf is not None and n == want:  # the whole buffer is the answer, already contiguous
+        body = memoryview(buf)[:nbytes]
+        done = BackgroundTask(svc.buffers.release, buf)
+    else:  # a shorter prefix is a strided view of the buffer: copy it out and give the buffer back
+        body = memoryview(kv.contiguous().view(-1).view(torch.uint8).numpy())
+        done = None
+        if buf is not None:
+            svc.buffers.release(buf)
     svc.metrics.transfer.labels("out", "http").inc(len(body))
-    return Response(body, media_type=KV_MEDIA, headers={
+    return Response(body, media_type=KV_MEDIA, background=done, headers={
         H_TOKENS: str(n), H_SHAPE: ",".join(map(str, kv.shape)), H_DTYPE: spec.dtype, H_MEDIUM: "http"})
 
 
