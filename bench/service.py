@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -37,13 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from fastapi import Request
+
+from bench.report import header, publish
 
 __all__ = ["run", "bare_app", "bare_fastapi"]
 
@@ -321,25 +321,11 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
             lookup = _measure_lookup(url, fastapi_port, 0.5 if quick else 2.0)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    result = {
-        "bench": "service",
-        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count()},
-        "repeats": repeats,
-        "client_torch_threads": torch.get_num_threads(),
-        "unit": "GB/s (1e9 B/s) of KV bytes, median over samples; lookup in requests/s, one client",
-        "targets": TARGETS,
-        "rows": rows,
-        "lookup": lookup,
-    }
-    print(format_table(result))
-    target = Path(out_dir or "bench/results")
-    target.mkdir(parents=True, exist_ok=True)
-    path = target / f"service-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {path}")
-    result["path"] = str(path)
+    result = header("service", repeats=repeats, client_torch_threads=torch.get_num_threads(),
+                    unit="GB/s (1e9 B/s) of KV bytes, median over samples; lookup in requests/s, one client",
+                    targets=TARGETS, rows=rows, lookup=lookup)
+    result["machine"]["cpus"] = os.cpu_count()
+    publish(result, format_table, out_dir)
     return result
 
 
