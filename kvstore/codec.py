@@ -462,8 +462,12 @@ def _raise_bad_scales(kv: torch.Tensor, exact: bool) -> None:
 # -- decode ---------------------------------------------------------------------
 
 
-def read_header(frame: Any) -> FrameHeader:
+def read_header(frame: Any, *, prefix: bool = False) -> FrameHeader:
     """Parse and check a frame's header without hashing its body.
+
+    Args:
+        prefix: ``frame`` holds only the frame's first bytes (at least the
+            header); its length is then not checked against the header.
 
     Raises:
         CorruptFrame: bad magic, truncated, trailing bytes, inconsistent lengths
@@ -520,7 +524,7 @@ def read_header(frame: Any) -> FrameHeader:
         meta_len=meta_len, scales_len=scales_len, payload_len=payload_len, raw_payload_len=raw_len,
         body_checksum=body_sum, header_len=header_len,
     )
-    if header.frame_len != len(mv):
+    if header.frame_len != len(mv) and not (prefix and header.frame_len >= len(mv)):
         raise CorruptFrame(f"frame is {len(mv)} bytes but its header says {header.frame_len}")
     return header
 

@@ -2,7 +2,8 @@
 
 Every frame carries its namespace, spec fingerprint and depth in its metadata
 (``store._frame_meta``), so a durable tier alone is enough to serve a block
-again after a crash or restart. Only tiers that are durable and private to this
+again after a crash or restart. Only each frame's first 4 KiB is read
+(``Tier.head``): the header and metadata; the body is verified on first read. Only tiers that are durable and private to this
 store are scanned: a shared tier (Redis) is consulted on a miss instead, since
 scanning a store-wide keyspace at every start would not scale.
 
@@ -25,7 +26,7 @@ from kvstore.index import IndexEntry
 if TYPE_CHECKING:
     from kvstore.store import KVStore
 
-__all__ = ["recover", "entry_from_frame", "RecoveryReport"]
+__all__ = ["recover", "entry_from_frame", "entry_from_head", "RecoveryReport"]
 
 log = logging.getLogger("kvstore.recovery")
 
@@ -57,6 +58,33 @@ def entry_from_frame(key: bytes, tier: str, frame, now_s: float) -> IndexEntry:
                       spec_fp=spec_fp, depth=depth, created_s=now_s, last_access_s=now_s)
 
 
+_HEAD_BYTES = 4096  # a frame's header and metadata fit well inside this
+
+
+def entry_from_head(key: bytes, tier: str, head, length: int, now_s: float) -> IndexEntry:
+    """An index entry from a frame's first bytes (header checked, metadata read, body trusted
+    until its first real read verifies it).
+
+    Raises:
+        FrameError: the header is damaged, or the metadata is missing or cut off.
+    """
+    header = codec_mod.read_header(head, prefix=True)
+    if header.frame_len != length:
+        raise FrameError(f"frame of {key.hex()} is {length} bytes, its header says {header.frame_len}")
+    start, end = header.meta_offset, header.meta_offset + header.meta_len
+    view = memoryview(head).cast("B")
+    if end > len(view):
+        raise FrameError(f"metadata of {key.hex()} lies beyond the first {len(view)} bytes")
+    try:
+        meta = json.loads(bytes(view[start:end]))
+        ns, spec_fp, depth = meta["ns"], meta["spec"], int(meta["depth"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FrameError(f"frame of {key.hex()} carries no kvstore metadata: {exc}") from exc
+    return IndexEntry(key=key, tier=tier, size=length, codec=header.codec, checksum=header.body_checksum,
+                      raw_bytes=header.raw_nbytes, namespace=ns, spec_fp=spec_fp, depth=depth,
+                      created_s=now_s, last_access_s=now_s)
+
+
 def recover(store: "KVStore") -> RecoveryReport:
     """Index every frame in ``store``'s durable, private tiers (fastest first)."""
     report = RecoveryReport()
@@ -78,10 +106,12 @@ def recover(store: "KVStore") -> RecoveryReport:
                     pass
                 continue
             try:
-                frame = tier.get(key)
-                if frame is None:
+                # Header and metadata only: a start must not read a whole nvme tier. The body
+                # is checked when first read, and a damaged one is then a miss.
+                head = tier.head(key, _HEAD_BYTES)
+                if head is None:
                     continue
-                entry = entry_from_frame(key, tier.name, frame, now)
+                entry = entry_from_head(key, tier.name, head[0], head[1], now)
             except (FrameError, TierError) as exc:
                 log.warning("recovery: %s in %s is unreadable (%s); left alone", key.hex(), tier.name, exc)
                 report.unreadable += 1

@@ -174,6 +174,19 @@ class Tier(ABC):
         dst[: len(src)] = src
         return len(src)
 
+    def head(self, key: BlockHash, nbytes: int) -> tuple[Buffer, int] | None:
+        """The first ``nbytes`` of ``key``'s frame and the frame's full length; None when absent.
+
+        For reading a frame's header and metadata (re-indexing at start) without
+        the whole frame. Not checksummed: a damaged body shows on the first real
+        read. Tiers that can read a prefix (nvme) override this.
+        """
+        frame = self.get(key)
+        if frame is None:
+            return None
+        view = memoryview(frame).cast("B")
+        return view[:nbytes], len(view)
+
     def put_many(self, items: Iterable[tuple[BlockHash, Buffer]]) -> None:
         for key, frame in items:
             self.put(key, frame)

@@ -59,6 +59,7 @@ from tiers.nvme_file import (
     file_header,
     fsync_dir,
     load,
+    read_prefix,
     unlink_quietly,
     write_all,
     write_direct,
@@ -197,6 +198,24 @@ class NVMeTier(Tier):
             StoreClosed: the tier is closed.
         """
         return self._read(check_key(key), None)
+
+    def head(self, key: BlockHash, nbytes: int) -> tuple[Buffer, int] | None:
+        """The frame's first ``nbytes`` and its length, reading only those (no checksum: see ``Tier.head``)."""
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            if key not in self._index:
+                return None
+        path = self._path(key.hex())
+        try:
+            return read_prefix(path, key.hex(), nbytes)
+        except FileNotFoundError:
+            return None
+        except Corrupt as bad:
+            self._miss(key, path, bad)
+            return None
+        except OSError as exc:
+            raise TierIOError(f"tier {self.name!r}: reading {path} failed: {exc}", tier=self.name) from exc
 
     def get_into(self, key: BlockHash, out: Buffer) -> int | None:
         """Read the frame straight into ``out`` (verified there); its length, or None when absent."""

@@ -24,7 +24,7 @@ from kvstore.errors import InvalidInput
 from kvstore.tier import Buffer
 
 __all__ = [
-    "FORMAT", "DATA_OFFSET", "NO_SPACE", "Corrupt", "FileHeader", "StagingPool", "file_header", "load",
+    "FORMAT", "DATA_OFFSET", "NO_SPACE", "Corrupt", "FileHeader", "StagingPool", "file_header", "load", "read_prefix",
     "write_direct", "write_all", "byte_view", "fsync_dir", "unlink_quietly",
 ]
 
@@ -152,6 +152,21 @@ def parse_header(fd: int, key_hex: str) -> FileHeader:
     if st.st_size != U64.size + hlen + n:
         raise Corrupt(f"file is {st.st_size} bytes, its header promises {U64.size + hlen + n}", ident)
     return FileHeader(frame_len=n, checksum=checksum, data_offset=U64.size + hlen, ident=ident)
+
+
+def read_prefix(path: str, key_hex: str, nbytes: int) -> tuple[bytes, int]:
+    """The first ``nbytes`` of the frame in ``path`` (header checked, body not hashed) and its length.
+
+    Raises:
+        Corrupt: not a file of ours for this key, or the wrong length.
+        OSError: as the OS reports it.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = parse_header(fd, key_hex)
+        return os.pread(fd, min(nbytes, header.frame_len), header.data_offset), header.frame_len
+    finally:
+        os.close(fd)
 
 
 def read_body(fd: int, header: FileHeader, out: memoryview | None = None) -> Buffer:

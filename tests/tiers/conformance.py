@@ -152,6 +152,12 @@ class TierContract:
         with pytest.raises(InvalidInput):
             tier.get_into(key(1), np.zeros((2, 8192), np.uint8)[:, ::2])  # not contiguous
 
+    def test_head_gives_a_prefix_and_the_length(self, tier):
+        tier.put(key(1), payload(5000, 1))
+        head, length = tier.head(key(1), 100)
+        assert bytes(head) == payload(5000, 1)[:100] and length == 5000
+        assert tier.head(key(2), 100) is None
+
     def test_threads(self, tier):
         errors: list[BaseException] = []
 
