@@ -82,6 +82,26 @@ def _request_head(ep: Endpoint, method: str, path: str, headers: Mapping[str, st
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+def _take_head(conn, buf: bytearray) -> tuple["Head | None", bytearray]:
+    """The answer head at the front of ``buf`` (skipping ``100 Continue``), leaving the rest in
+    ``conn._buf``; ``(None, buf)`` while more bytes are needed.
+
+    Raises:
+        BrokenConnection: the head runs over 64 KiB.
+    """
+    while True:
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > _HEAD_LIMIT:
+                raise BrokenConnection("answer head over 64 KiB")
+            return None, buf
+        conn._buf = buf[end + 4:]
+        head = _parse_head(bytes(buf[:end]))
+        if head.status != 100:
+            return head, buf
+        buf = conn._buf
+
+
 def _parse_head(raw: bytes) -> Head:
     lines = raw.decode("latin-1").split("\r\n")
     try:
@@ -166,16 +186,9 @@ class Connection:
     def _read_head(self) -> Head:
         buf = bytearray()
         while True:
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                self._buf = buf[end + 4:]
-                head = _parse_head(bytes(buf[:end]))
-                if head.status == 100:
-                    buf = self._buf
-                    continue
+            head, buf = _take_head(self, buf)
+            if head is not None:
                 return head
-            if len(buf) > _HEAD_LIMIT:
-                raise BrokenConnection("answer head over 64 KiB")
             chunk = self._sock.recv(_RECV)  # type: ignore[union-attr]
             if not chunk:
                 raise BrokenConnection("connection closed before an answer")
@@ -318,16 +331,9 @@ class AsyncConnection:
         loop = asyncio.get_running_loop()
         buf = bytearray()
         while True:
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                self._buf = buf[end + 4:]
-                head = _parse_head(bytes(buf[:end]))
-                if head.status == 100:
-                    buf = self._buf
-                    continue
+            head, buf = _take_head(self, buf)
+            if head is not None:
                 return head
-            if len(buf) > _HEAD_LIMIT:
-                raise BrokenConnection("answer head over 64 KiB")
             chunk = await loop.sock_recv(self._sock, _RECV)  # type: ignore[arg-type]
             if not chunk:
                 raise BrokenConnection("connection closed before an answer")

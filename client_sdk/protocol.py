@@ -242,21 +242,7 @@ def parse_kv_head(data: bytes | memoryview) -> KVHeader:
     Raises:
         MalformedRequest: naming what is wrong (magic, header length, JSON, a field).
     """
-    data = memoryview(data).cast("B")
-    if len(data) < _PREFIX.size:
-        raise MalformedRequest(f"body: a KV body starts with {_PREFIX.size} bytes (magic, header length); "
-                               f"got {len(data)}")
-    magic, hlen = _PREFIX.unpack(data[:_PREFIX.size])
-    if magic != _KV_MAGIC:
-        raise MalformedRequest(f"body: magic must be {_KV_MAGIC!r}, got {bytes(magic)!r}")
-    if hlen > MAX_HEADER_BYTES or len(data) < _PREFIX.size + hlen:
-        raise MalformedRequest(f"body: header length {hlen} runs past the body ({len(data)} bytes) or over 1 MiB")
-    try:
-        head = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + hlen]))
-    except ValueError as exc:
-        raise MalformedRequest(f"header: not JSON: {exc}") from exc
-    if not isinstance(head, dict):
-        raise MalformedRequest("header: must be a JSON object")
+    head, hlen = _json_head(data, _KV_MAGIC, "KV")
     spec, n_tokens, kv_tokens = head.get("spec"), head.get("n_tokens"), head.get("kv_tokens", 0)
     if not isinstance(spec, dict):
         raise MalformedRequest("header.spec: required, a JSON object")
@@ -270,6 +256,30 @@ def parse_kv_head(data: bytes | memoryview) -> KVHeader:
     except (KeyError, TypeError, ValueError) as exc:
         raise MalformedRequest(f"header.spec: cannot size the KV from it: {exc!r}") from exc
     return KVHeader(spec, n_tokens, kv_tokens, tokens_at, kv_at, total)
+
+
+def _json_head(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict, int]:
+    """The JSON object after a body's 8-byte prefix (magic, header length), and that length.
+
+    Raises:
+        MalformedRequest: naming what is wrong (magic, header length, JSON).
+    """
+    data = memoryview(data).cast("B")
+    if len(data) < _PREFIX.size:
+        raise MalformedRequest(f"body: a {what} body starts with {_PREFIX.size} bytes (magic, header length); "
+                               f"got {len(data)}")
+    got, hlen = _PREFIX.unpack(data[:_PREFIX.size])
+    if got != magic:
+        raise MalformedRequest(f"body: magic must be {magic!r}, got {bytes(got)!r}")
+    if hlen > MAX_HEADER_BYTES or len(data) < _PREFIX.size + hlen:
+        raise MalformedRequest(f"body: header length {hlen} runs past the body ({len(data)} bytes) or over 1 MiB")
+    try:
+        head = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + hlen]))
+    except ValueError as exc:
+        raise MalformedRequest(f"header: not JSON: {exc}") from exc
+    if not isinstance(head, dict):
+        raise MalformedRequest("header: must be a JSON object")
+    return head, hlen
 
 
 # -- batch bodies -------------------------------------------------------------------------
@@ -288,19 +298,8 @@ def parse_batch_head(data: bytes | memoryview) -> tuple[list[dict], int]:
     Raises:
         MalformedRequest: naming what is wrong.
     """
-    data = memoryview(data).cast("B")
-    if len(data) < _PREFIX.size:
-        raise MalformedRequest("body: a batch body starts with 8 bytes (magic, header length)")
-    magic, hlen = _PREFIX.unpack(data[:_PREFIX.size])
-    if magic != _BATCH_MAGIC:
-        raise MalformedRequest(f"body: magic must be {_BATCH_MAGIC!r}, got {bytes(magic)!r}")
-    if hlen > MAX_HEADER_BYTES or len(data) < _PREFIX.size + hlen:
-        raise MalformedRequest(f"body: header length {hlen} runs past the body or over 1 MiB")
-    try:
-        head = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + hlen]))
-    except ValueError as exc:
-        raise MalformedRequest(f"header: not JSON: {exc}") from exc
-    blocks = head.get("blocks") if isinstance(head, dict) else None
+    head, hlen = _json_head(data, _BATCH_MAGIC, "batch")
+    blocks = head.get("blocks")
     if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
         raise MalformedRequest("header.blocks: required, a list of objects")
     return blocks, pad64(_PREFIX.size + hlen)
