@@ -136,20 +136,30 @@ class SharedTier:
 
     def _copy(self, key: bytes, block: "torch.Tensor", meta: bytes) -> bool:
         codec = self.store._codecs[self.name]
+        headers: list[codec_mod.FrameHeader] = []
+
+        def writer(view: memoryview, codec: Codec) -> int:
+            n = codec_mod.encode_into(block, view, codec, meta=meta)
+            headers.append(codec_mod.read_header(view[:n]))
+            return n
+
+        def put(codec: Codec) -> int:
+            # put_with: the encoder writes into the tier's reused buffer, no frame allocated per put
+            size = codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=len(meta))
+            return self.tier.put_with(key, size, lambda view: writer(view, codec))
+
         try:
-            frame = codec_mod.encode(block, codec, meta=meta)
-        except InvalidKV:
-            frame = codec_mod.encode(block, Codec.RAW, meta=meta)
-        header = codec_mod.read_header(frame)
-        try:
-            self.tier.put(key, frame)
+            try:
+                n = put(codec)
+            except InvalidKV:  # int8 cannot hold this block: share it raw
+                n = put(Codec.RAW)
         except TierError as exc:  # the shared tier is a copy: losing it degrades, never fails, a put
             self.store._count(tier_errors=1)
             log.warning("write-through of %s to %s failed: %s", key.hex(), self.name, exc)
             return False
-        self.remember(key, Replica(len(frame), header.codec, header.body_checksum))
+        self.remember(key, Replica(n, headers[-1].codec, headers[-1].body_checksum))
         with self._lock:
-            self.bytes_written += len(frame)
+            self.bytes_written += n
         return True
 
     # -- adoption ----------------------------------------------------------------------
