@@ -41,7 +41,7 @@ oscillation     2,600 cold blocks written once, then two hot sets of 200
                 blocks (2/3 of ``top`` each) take turns every 3 s, uniform
 ==============  ==========================================================
 
-Policies: ``heat`` (the manager's defaults: ``DecayedRate`` with
+Policies: ``heat`` (the manager's defaults: ``AdaptiveRate`` with
 hysteresis), ``lru`` (``LRU`` with hysteresis off: promote on every lower-tier
 hit), ``lfu`` (``LFU``), and ``belady``: the offline optimum of a demand cache
 of ``top``'s size in blocks, computed from the trace (its "moves" are its

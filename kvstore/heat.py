@@ -6,7 +6,9 @@ placement can sort residents once and reuse the order; each scorer below keeps
 that property. ``beats(a, b)`` says whether ``a`` is hotter than ``b`` by the
 scorer's margin: the first line of defence against ping-pong.
 
-- ``DecayedRate``: an exponentially decayed access count that saturates (kvstore's default).
+- ``DecayedRate``: an exponentially decayed access count that saturates.
+- ``AdaptiveRate``: two ``DecayedRate`` memories, a short and a long one; it
+  sorts by whichever would have served more hits lately (kvstore's default).
 - ``LRU``: the last access time; what LMCache and Mooncake approximate.
 - ``LFU``: the access count, never decayed.
 """
@@ -14,12 +16,15 @@ scorer's margin: the first line of defence against ping-pong.
 from __future__ import annotations
 
 import math
+import heapq
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Iterable
 
 from kvstore.errors import InvalidInput
 
-__all__ = ["Heat", "Scorer", "DecayedRate", "LRU", "LFU", "scorer_by_name"]
+__all__ = ["Heat", "Scorer", "DecayedRate", "AdaptiveRate", "LRU", "LFU", "scorer_by_name"]
 
 
 @dataclass(slots=True)
@@ -32,6 +37,8 @@ class Heat:
     """Accesses seen (puts count as one)."""
     last_s: float = 0.0
     """Clock time of the last access."""
+    parts: tuple[float, ...] = ()
+    """Per-memory scores, for scorers that keep more than one (``AdaptiveRate``)."""
 
 
 class Scorer(ABC):
@@ -51,6 +58,14 @@ class Scorer(ABC):
         """Accesses per second, for people reading ``explain``."""
         age = max(now_s - heat.last_s, 1e-9)
         return heat.count / age if heat.count else 0.0
+
+    def calibrate(self, heats: Iterable[Heat], size: int, total: int, now_s: float) -> None:
+        """Hook run by placement's planner with every entry's heat (``total`` of them)
+        and the number of entries the top tier holds (``size``). Fixed scorers ignore it."""
+
+    def describe(self) -> dict:
+        """The scorer's state, for ``stats`` and ``explain``."""
+        return {"name": self.name}
 
 
 class DecayedRate(Scorer):
@@ -80,11 +95,15 @@ class DecayedRate(Scorer):
         self._margin_log = math.log2(1.0 + margin_frac)
 
     def touch(self, heat: Heat, now_s: float) -> None:
-        shift = now_s / self.half_life_s
-        current = 2.0 ** (heat.score - shift) if heat.count else 0.0
-        heat.score = math.log2(min(current + 1.0, self.max_count)) + shift
+        heat.score = self.bumped(heat.score, heat.count, now_s)
         heat.count += 1
         heat.last_s = now_s
+
+    def bumped(self, score: float, count: int, now_s: float) -> float:
+        """``score`` after one more access at ``now_s`` (``count`` accesses so far)."""
+        shift = now_s / self.half_life_s
+        current = 2.0 ** (score - shift) if count else 0.0
+        return math.log2(min(current + 1.0, self.max_count)) + shift
 
     def beats(self, a: float, b: float) -> bool:
         return a - b > self._margin_log if self._margin_log else a > b
@@ -95,6 +114,118 @@ class DecayedRate(Scorer):
         if not heat.count:
             return 0.0
         return 2.0 ** (heat.score - now_s / self.half_life_s) * math.log(2) / self.half_life_s
+
+
+class AdaptiveRate(Scorer):
+    """Two decayed counts per entry, a short memory and a long one; entries sort by
+    whichever has lately been the better predictor of reuse.
+
+    A long memory estimates a steady popularity better: on Zipf traffic the
+    entries at the edge of the fast tier get a few reads per minute, and one
+    minute of history cannot rank them. A short memory follows a hot set that
+    moves. Neither wins both (``bench/placement.py``: half-life 300 s reaches
+    0.907x Belady on Zipf 1.0 but gets half LRU's hit ratio when the hot set
+    shifts; 60 s keeps up with the shift but reaches 0.894x), so this scorer
+    keeps both and lets the traffic choose, the way ARC lets ghost hits size
+    its lists.
+
+    The choice is a shadow race. ``calibrate`` (from the planner, at most every
+    ``interval_s``) finds, for each memory, the score of the ``size``-th hottest
+    entry, from a sample of at most ``sample`` entries: the bar an entry clears
+    to be in a fast tier of that size under that memory. Every read of a known
+    entry whose memories disagree (one clears its bar, the other not) then
+    scores a *shadow hit* for the one that clears it; reads both would serve,
+    or neither, say nothing about which is better. Shadow hits decay with
+    ``window_s``; the active memory changes only when the other leads by
+    ``switch_margin_frac`` and at least ``min_lead`` hits, and the last change
+    is ``min_switch_s`` old, so the choice does not flap. A change rewrites
+    every entry's ``score`` (O(n), rare); the get path stays O(1): two bumps and
+    two comparisons.
+    """
+
+    name = "adaptive-rate"
+
+    def __init__(self, short: DecayedRate | None = None, long: DecayedRate | None = None, *,
+                 window_s: float = 30.0, switch_margin_frac: float = 0.2, min_lead: float = 20.0,
+                 min_switch_s: float = 10.0, interval_s: float = 1.0, sample: int = 4096) -> None:
+        self.memories = (short or DecayedRate(60.0, 0.2, 4.0), long or DecayedRate(300.0, 0.2, 16.0))
+        if not window_s > 0 or not switch_margin_frac >= 0 or not min_switch_s >= 0 or sample < 16:
+            raise InvalidInput(f"need window_s > 0, switch_margin_frac >= 0, min_switch_s >= 0 and sample >= 16, "
+                               f"got {window_s}, {switch_margin_frac}, {min_switch_s}, {sample}")
+        self.window_s = float(window_s)
+        self.switch_margin_frac = float(switch_margin_frac)
+        self.min_lead = float(min_lead)
+        self.min_switch_s = float(min_switch_s)
+        self.interval_s = float(interval_s)
+        self.sample = int(sample)
+        self.active = 0
+        """Index into ``memories`` of the one ``score`` follows."""
+        self.bars = [math.inf, math.inf]
+        self.shadow_hits = [0.0, 0.0]
+        self.switches = 0
+        self._fresh = [0, 0]
+        self._last_calibrate_s: float | None = None
+        self._last_switch_s = -math.inf
+
+    @property
+    def margin_frac(self) -> float:
+        return self.memories[self.active].margin_frac
+
+    def touch(self, heat: Heat, now_s: float) -> None:
+        short, long = self.memories
+        count = heat.count
+        if count:
+            was_short, was_long = heat.parts
+            if (was_short >= self.bars[0]) != (was_long >= self.bars[1]):
+                self._fresh[was_long >= self.bars[1]] += 1
+            parts = (short.bumped(was_short, count, now_s), long.bumped(was_long, count, now_s))
+        else:
+            parts = (short.bumped(0.0, 0, now_s), long.bumped(0.0, 0, now_s))
+        heat.parts = parts
+        heat.score = parts[self.active]
+        heat.count = count + 1
+        heat.last_s = now_s
+
+    def beats(self, a: float, b: float) -> bool:
+        return self.memories[self.active].beats(a, b)
+
+    def rate(self, heat: Heat, now_s: float) -> float:
+        return self.memories[self.active].rate(heat, now_s)
+
+    def calibrate(self, heats: Iterable[Heat], size: int, total: int, now_s: float) -> None:
+        if self._last_calibrate_s is not None and now_s - self._last_calibrate_s < self.interval_s:
+            return
+        if self._last_calibrate_s is not None:
+            keep = 0.5 ** ((now_s - self._last_calibrate_s) / self.window_s)
+            self.shadow_hits = [h * keep + f for h, f in zip(self.shadow_hits, self._fresh)]
+        self._fresh = [0, 0]
+        self._last_calibrate_s = now_s
+        other = 1 - self.active
+        lead = self.shadow_hits[other] - self.shadow_hits[self.active]
+        if (lead > self.shadow_hits[self.active] * self.switch_margin_frac and lead >= self.min_lead
+                and now_s - self._last_switch_s >= self.min_switch_s):
+            self.active, self._last_switch_s = other, now_s
+            self.switches += 1
+            for heat in heats:
+                if heat.parts:
+                    heat.score = heat.parts[other]
+        self._set_bars(heats, size, total)
+
+    def _set_bars(self, heats: Iterable[Heat], size: int, total: int) -> None:
+        if size <= 0 or total <= 0:
+            self.bars = [math.inf, math.inf]
+            return
+        step = max(1, total // self.sample)
+        picked = [h.parts for h in itertools.islice(heats, 0, None, step) if h.parts]
+        if not picked:
+            return
+        k = min(len(picked), max(1, round(size * len(picked) / total)))
+        self.bars = [heapq.nlargest(k, (p[i] for p in picked))[-1] for i in (0, 1)]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "active_half_life_s": self.memories[self.active].half_life_s,
+                "half_lives_s": [m.half_life_s for m in self.memories], "shadow_hits": list(self.shadow_hits),
+                "switches": self.switches}
 
 
 class LRU(Scorer):
@@ -133,12 +264,12 @@ class LFU(Scorer):
 
 
 def scorer_by_name(name: str, **kwargs: float) -> Scorer:
-    """``decayed-rate``, ``lru`` or ``lfu``.
+    """``adaptive-rate``, ``decayed-rate``, ``lru`` or ``lfu``.
 
     Raises:
         InvalidInput: another name.
     """
-    table = {"decayed-rate": DecayedRate, "lru": LRU, "lfu": LFU}
+    table = {"adaptive-rate": AdaptiveRate, "decayed-rate": DecayedRate, "lru": LRU, "lfu": LFU}
     if name not in table:
         raise InvalidInput(f"heat scorer must be one of {', '.join(table)}, got {name!r}")
     return table[name](**kwargs)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 import threading
 import time
 from collections import deque
@@ -41,9 +42,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from kvstore.errors import InvalidInput
-from kvstore.heat import DecayedRate, Heat, Scorer
+from kvstore.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
-__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager"]
+__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager", "default_scorer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +73,15 @@ class PlacementConfig:
     """Placement knobs, with units in their names."""
 
     half_life_s: float = 60.0
-    """Heat halves after this long without access (DecayedRate)."""
+    """Heat's short memory halves after this long without access."""
     heat_max_count: float = 4.0
+    """Decayed accesses at which the short memory saturates, so a cooled-off hot set yields soon."""
+    long_half_life_s: float | None = 300.0
+    """Heat's long memory (``AdaptiveRate``); None keeps only the short one (``DecayedRate``)."""
+    long_max_count: float = 16.0
+    """Decayed accesses at which the long memory saturates."""
     admission: bool = True
     """New blocks enter the top tier only past a colder resident (``place_new``); else one tier down."""
-    """Decayed accesses at which heat saturates (DecayedRate), so a cooled-off hot set yields soon."""
     margin_frac: float = 0.2
     """A promotion needs this much more heat than the resident it displaces."""
     min_residency_s: float = 5.0
@@ -137,12 +142,33 @@ class _Resident:
     """Position in its chain: breaks ties between equally hot blocks, deepest first."""
 
 
+def default_scorer(config: PlacementConfig) -> Scorer:
+    """``AdaptiveRate`` over the config's short and long memories, or ``DecayedRate``
+    over the short one when ``long_half_life_s`` is None."""
+    short = DecayedRate(config.half_life_s, config.margin_frac, config.heat_max_count)
+    if config.long_half_life_s is None:
+        return short
+    return AdaptiveRate(short, DecayedRate(config.long_half_life_s, config.margin_frac, config.long_max_count))
+
+
+class _Heats:
+    """Every entry's heat, iterable more than once (for ``Scorer.calibrate``)."""
+
+    __slots__ = ("_res",)
+
+    def __init__(self, res: dict[bytes, _Resident]) -> None:
+        self._res = res
+
+    def __iter__(self):
+        return map(operator.attrgetter("heat"), self._res.values())
+
+
 class PlacementManager:
     """Decides moves across ``tiers`` (fastest first). Thread-safe; every event is O(1).
 
     Args:
         tiers: one policy per tier, fastest first.
-        scorer: heat strategy (default ``DecayedRate`` from the config).
+        scorer: heat strategy (default: ``default_scorer(config)``).
         config: knobs (``PlacementConfig()`` by default).
         clock: seconds; the simulator passes a simulated one.
     """
@@ -153,8 +179,7 @@ class PlacementManager:
             raise InvalidInput("placement needs at least one tier")
         self.tiers = list(tiers)
         self.config = config or PlacementConfig()
-        self.scorer = scorer or DecayedRate(self.config.half_life_s, self.config.margin_frac,
-                                                self.config.heat_max_count)
+        self.scorer = scorer or default_scorer(self.config)
         self.clock = clock
         self._pos = {t.name: i for i, t in enumerate(self.tiers)}
         if len(self._pos) != len(self.tiers):
@@ -302,6 +327,7 @@ class PlacementManager:
         for every tier above its high watermark. A mover carries them out in order."""
         now = self.clock()
         with self._lock:
+            self.scorer.calibrate(_Heats(self._res), len(self._members[0]), len(self._res), now)
             projected = list(self._used)
             orders: list[MoveOrder] = []
             ordered: set[bytes] = set()
@@ -486,6 +512,7 @@ class PlacementManager:
                 else r.pinned_until - now,
                 "leases": r.leases,
                 "scorer": self.scorer.name,
+                "heat_memories": list(r.heat.parts),
                 "moves": [m.to_dict() for m in r.moves],
             }
 
@@ -503,6 +530,10 @@ class PlacementManager:
         with self._lock:
             r = self._res.get(key)
             return None if r is None else self.tiers[r.tier].name
+
+    def scorer_state(self) -> dict:
+        with self._lock:
+            return self.scorer.describe()
 
     def counters(self) -> dict[str, int]:
         with self._lock:

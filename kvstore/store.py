@@ -91,6 +91,8 @@ class StoreStats:
     """Placement moves by kind (promoted, demoted, evicted, migrated) and bytes moved."""
     shared: dict[str, Any] = field(default_factory=dict)
     """The shared tier's write policy, bytes written and blocks adopted from other nodes."""
+    heat: dict[str, Any] = field(default_factory=dict)
+    """The heat scorer; for ``adaptive-rate``, the memory it follows and its shadow hits."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -541,6 +543,7 @@ class KVStore:
             counters=counters,
             tiers=[t.stats() for t in self._tiers],
             moves=self.placement.counters(),
+            heat=self.placement.scorer_state(),
             shared=self._shared.stats() if self._shared is not None else {},
         )
 

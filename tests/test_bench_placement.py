@@ -35,6 +35,14 @@ def test_quick_run_writes_every_row_the_json_and_the_plot(tmp_path):
     assert all(t in table for t in TRACES) and "checks:" in table and "heat-nohyst" in table
 
 
+def test_full_run_meets_the_placement_targets(tmp_path):
+    """The acceptance targets on the full traces (seed 0). A simulation on a simulated
+    clock: deterministic, so this guards the policy, not the machine's speed."""
+    result = bp.run(out_dir=tmp_path)
+    failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
+    assert not failed, failed
+
+
 def test_belady_on_the_textbook_reference_string():
     # Silberschatz's example: 3 frames, optimal replacement takes 9 faults in 20 references.
     refs = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]

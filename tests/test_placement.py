@@ -7,11 +7,12 @@ or the bench's simulator would.
 
 import math
 
+import numpy as np
 import pytest
 
 from kvstore.errors import InvalidInput
-from kvstore.heat import LRU, DecayedRate, Heat
-from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
+from kvstore.heat import LRU, AdaptiveRate, DecayedRate, Heat
+from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy, default_scorer
 
 B = 100  # bytes per entry
 
@@ -284,3 +285,78 @@ def test_decayed_rate_saturates_so_a_cooled_hot_entry_yields():
     assert s.beats(new.score, old.score)  # well within a few half-lives
     with pytest.raises(InvalidInput):
         DecayedRate(max_count=0.5)
+
+
+def _drive(m: PlacementManager, clock: Clock, draw, seconds: float, rate: int = 100) -> None:
+    """``rate`` reads per second of keys from ``draw()``, with ``plan`` every 0.25 s (as the mover)."""
+    next_plan = clock.now + 0.25
+    for _ in range(int(seconds * rate)):
+        clock.now += 1.0 / rate
+        if clock.now >= next_plan:
+            apply(m, m.plan())
+            next_plan += 0.25
+        m.accessed([key(draw())])
+
+
+def _skewed_manager(n: int = 400, top: int = 40):
+    m, clock = manager(top_blocks=top, low_blocks=2 * n, high=0.95, low=0.9)
+    for i in range(n):
+        clock.now += 0.001
+        m.admitted(key(i), "low", B)
+    return m, clock
+
+
+def test_adaptive_rate_follows_the_long_memory_on_steady_skew_and_the_short_one_after_a_shift():
+    rng = np.random.default_rng(7)
+    m, clock = _skewed_manager()
+    scorer = m.scorer
+    assert isinstance(scorer, AdaptiveRate) and scorer.active == 0  # starts on the short memory
+    p = 1.0 / np.arange(1, 401)
+    p /= p.sum()
+    zipf = iter(rng.choice(400, size=60_000, p=p).tolist())
+    _drive(m, clock, lambda: next(zipf), 200)
+    assert scorer.active == 1, scorer.describe()  # a steady popularity: the long memory ranks the edge better
+    assert scorer.switches == 1  # and it stayed there
+    state = m.scorer_state()
+    assert state["active_half_life_s"] == 300.0 and state["shadow_hits"][1] > state["shadow_hits"][0]
+    for i in range(400):  # every score was rewritten to the long memory's
+        parts = m.explain(key(i))["heat_memories"]
+        assert m._res[key(i)].heat.score == parts[1]
+
+    # The hot set moves to keys that were cold; what the long memory remembers is now wrong.
+    hot = rng.choice(np.arange(200, 400), size=30, replace=False).tolist()
+    _drive(m, clock, lambda: int(hot[rng.integers(30)]) if rng.random() < 0.9 else int(rng.integers(400)), 60)
+    assert scorer.active == 0, scorer.describe()
+    assert sum(m.tier_of(key(k)) == "top" for k in hot) >= 25  # and the new hot set is in the fast tier
+
+
+def test_adaptive_rate_does_not_switch_while_the_memories_agree():
+    m, clock = _skewed_manager()
+    hot = list(range(20))
+    rng = np.random.default_rng(3)
+    _drive(m, clock, lambda: hot[rng.integers(20)], 120)  # a small fixed hot set: both memories see the same
+    assert m.scorer.switches == 0, m.scorer.describe()
+
+
+def test_adaptive_rate_switches_at_most_every_min_switch_s():
+    s = AdaptiveRate(min_switch_s=50.0, min_lead=1.0, switch_margin_frac=0.0, interval_s=0.0)
+    heats = [Heat() for _ in range(10)]
+    for h in heats:
+        s.touch(h, 0.0)
+    s.calibrate(heats, 5, 10, 0.0)
+    s._fresh = [0, 10]  # the long memory leads
+    s.calibrate(heats, 5, 10, 1.0)
+    assert s.active == 1 and all(h.score == h.parts[1] for h in heats)
+    s._fresh = [30, 0]  # now the short one, by far, but too soon
+    s.calibrate(heats, 5, 10, 2.0)
+    assert s.active == 1
+    s.calibrate(heats, 5, 10, 51.0)
+    assert s.active == 0 and s.switches == 2
+    with pytest.raises(InvalidInput):
+        AdaptiveRate(window_s=0)
+
+
+def test_default_scorer_follows_the_config():
+    assert isinstance(default_scorer(PlacementConfig()), AdaptiveRate)
+    single = default_scorer(PlacementConfig(long_half_life_s=None, half_life_s=7.0))
+    assert isinstance(single, DecayedRate) and single.half_life_s == 7.0
