@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from kvstore.codec import Codec
 from kvstore.keys import BlockHash
@@ -61,6 +61,11 @@ class Index:
     def get(self, key: BlockHash) -> IndexEntry | None:
         with self._cond:
             return self._entries.get(key)
+
+    def get_many(self, keys: Sequence[BlockHash]) -> list[IndexEntry | None]:
+        """``get`` for each key, under one acquisition of the lock (a prefix walk's keys)."""
+        with self._cond:
+            return list(map(self._entries.get, keys))
 
     def totals(self) -> tuple[int, int, int]:
         """(entries, frame bytes, raw KV bytes)."""

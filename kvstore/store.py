@@ -366,6 +366,10 @@ class KVStore:
         """The index entry of ``key`` (a live object: read, do not change)."""
         return self._index.get(check_key(key))
 
+    def entries_of(self, keys: Sequence[BlockHash]) -> list[IndexEntry | None]:
+        """``entry`` for each key, read in one pass over the index."""
+        return self._index.get_many([check_key(key) for key in keys])
+
     def entries(self) -> list[IndexEntry]:
         """Copies of every index entry."""
         return self._index.snapshot()

@@ -89,9 +89,8 @@ def _current(entry: IndexEntry | None, namespace: str, fp: str) -> IndexEntry | 
 
 def _walk(store: KVStore, keys: Sequence[BlockHash], namespace: str, fp: str) -> list[IndexEntry]:
     found = []
-    for key in keys:
-        entry = _current(store.entry(key), namespace, fp)
-        if entry is None:
+    for entry in store.entries_of(keys):
+        if entry is None or entry.namespace != namespace or entry.spec_fp != fp:
             break
         found.append(entry)
     return found

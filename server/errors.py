@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from client_sdk.protocol import RouteNotFound, Unauthorized, error_body, status_for
 from kvstore.errors import InvalidInput, KVStoreError
 
-__all__ = ["install_error_handlers", "field_error", "error_response"]
+__all__ = ["install_error_handlers", "field_error", "error_response", "store_error", "unexpected_error"]
 
 log = logging.getLogger("kvstore.server")
 
@@ -38,7 +38,7 @@ def field_error(exc: InvalidInput, field: str) -> InvalidInput:
     return new
 
 
-async def _store_error(request: Request, exc: Exception) -> JSONResponse:
+async def store_error(request: Request, exc: Exception) -> JSONResponse:
     svc = getattr(request.app.state, "svc", None)
     if svc is not None and status_for(exc) in (401, 403):
         svc.metrics.auth_failures.labels(str(status_for(exc))).inc()
@@ -67,13 +67,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("%s %s: unexpected error", request.method, request.url.path)
     return JSONResponse({"error": {"type": "ServiceError", "message": "internal server error"}}, status_code=500)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(KVStoreError, _store_error)
+    app.add_exception_handler(KVStoreError, store_error)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, _unexpected)
+    app.add_exception_handler(Exception, unexpected_error)

@@ -15,6 +15,7 @@ from kvstore import codec
 from kvstore.errors import InvalidKV, InvalidSpec, InvalidTokens
 from kvstore.keys import block_hashes
 from tests.conftest import make_kv, make_spec
+from tests.server.conftest import make_store
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -248,3 +249,28 @@ def test_kv_head_layout_is_aligned_and_round_trips(spec):
     with pytest.raises(MalformedRequest, match="header.n_tokens"):
         parse_kv_head(b"KVW1" + len(bad).to_bytes(4, "little") + bad)
     assert json.loads(head[8:8 + int.from_bytes(head[4:8], "little")])["spec"] == spec.to_dict()
+
+
+def test_hot_routes_map_errors_like_every_other_route(serve_app, spec, caplog):
+    """The hot data routes skip FastAPI's router (``server.app._Direct``); their errors must not differ."""
+    store = make_store()
+    srv = serve_app(store)
+    client = KVClient(srv.url, colocated=False)
+    tokens = list(range(32))
+    client.put_kv(spec, tokens, make_kv(spec, 32))
+    body = {"spec": spec.to_dict(), "tokens": tokens}
+    bad = httpx.post(f"{srv.url}/v1/lookup", json={"spec": spec.to_dict()})  # a typed store error
+    assert bad.status_code == 422 and _error(bad)[0] == "InvalidInput" and "tokens" in _error(bad)[1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+    store.lookup = broken  # a walk that stops short asks store.lookup
+    with caplog.at_level("ERROR", logger="kvstore.server"):
+        resp = httpx.post(f"{srv.url}/v1/lookup", json={"spec": spec.to_dict(), "tokens": tokens + list(range(16))})
+    assert resp.status_code == 500
+    assert resp.json() == {"error": {"type": "ServiceError", "message": "internal server error"}}
+    assert "injected fault" in caplog.text  # the traceback goes to the log, not the client
+    assert httpx.post(f"{srv.url}/v1/lookup", json=body).json()["tokens"] == 32  # still up
+    metrics = httpx.get(f"{srv.url}/metrics").text
+    assert 'route="/v1/lookup"' in metrics and 'status="500"' in metrics  # series by route template
+    client.close()
