@@ -73,6 +73,8 @@ class StoreCounters:
     blocks_migrated: int = 0
     blocks_adopted: int = 0
     """Blocks this store served from the shared tier that another node had stored."""
+    blocks_kept_raw: int = 0
+    """Blocks written raw into a tier whose codec could not hold them (NaN or Inf for int8)."""
 
 
 @dataclass(slots=True)
@@ -150,6 +152,11 @@ class KVStore:
             t.name: Codec.parse(overrides.get(t.name, Codec.INT8 if t.name in cold and default is Codec.RAW else default))
             for t in tiers
         }
+        # NaN and Inf are refused up front only where a put writes into a non-raw tier
+        # by design: the top tier, or the next one (admission). A put that falls
+        # through to a cold tier, and a demotion, keep such a block raw instead.
+        # The scan costs 2 ms per 32 MiB; a raw top tier does not need it.
+        self._put_codecs_lossy = any(self._codecs[t.name] is not Codec.RAW for t in tiers[:2])
         self._index = Index()
         self._counters = StoreCounters()
         self._counter_lock = threading.Lock()
@@ -205,8 +212,8 @@ class KVStore:
         self._count(put_calls=1)
         if not keys:
             return 0
-        if any(c is not Codec.RAW for c in self._codecs.values()):
-            _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])  # refuse before storing anything
+        if self._put_codecs_lossy:  # a put writes where int8 is the codec: refuse before storing anything
+            _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])
         bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), time.time()
         heat_now = self.placement.clock()  # one reading for the whole chain: its blocks tie, depth decides
         held: list[BlockHash] = []  # this call's blocks: making room must not push out the chain being written
@@ -584,16 +591,26 @@ class KVStore:
         failure: TierError | None = None
         for tier in self._tiers[first:]:
             codec = self._codecs[tier.name]
-            size = codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=len(meta))
             headers: list[codec_mod.FrameHeader] = []
 
-            def writer(view: memoryview, codec: Codec = codec) -> int:
-                n = codec_mod.encode_into(block, view, codec, meta=meta)
-                headers.append(codec_mod.read_header(view[:n]))
-                return n
+            def put(codec: Codec) -> int:
+                size = codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=len(meta))
+
+                def writer(view: memoryview) -> int:
+                    n = codec_mod.encode_into(block, view, codec, meta=meta)
+                    headers.append(codec_mod.read_header(view[:n]))
+                    return n
+
+                return tier.put_with(key, size, writer)
 
             try:
-                n = tier.put_with(key, size, writer)
+                try:
+                    n = put(codec)
+                except InvalidKV:
+                    if codec is Codec.RAW or self._put_codecs_lossy:
+                        raise
+                    n = put(Codec.RAW)  # int8 cannot hold it (NaN or Inf): keep it exact, as a demotion would
+                    self._count(blocks_kept_raw=1)
             except TierFull as exc:
                 failure = failure or exc
                 continue

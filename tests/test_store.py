@@ -128,6 +128,31 @@ def test_int8_refuses_nan_before_storing_anything(spec):
         assert store.lookup(spec, TOKENS) == 16
 
 
+
+def test_nan_blocks_are_stored_exact_when_puts_land_in_raw_tiers():
+    """Raw top tiers take any finite-or-not KV (no 2 ms scan per 32 MiB); a block that
+    falls through to an int8 tier is kept raw there instead of failing the put."""
+    hot, mid = MemoryTier(1 * MiB, name="hot"), MemoryTier(1 * MiB, name="mid")
+    cold = MemoryTier(64 * MiB, name="cold")
+    spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB blocks: 15 fit in each small tier
+    tokens = list(range(40 * 16))
+    kv = make_kv(spec, len(tokens))
+    kv[1, 0, 0, 3 * 16 + 2, 5] = float("nan")  # block 3: lands in hot
+    kv[2, 1, 1, 35 * 16 + 7, 1] = float("inf")  # block 35: falls through to cold (int8)
+    kv[2, 1, 1, 36 * 16 + 7, 1] = 1.0  # block 36: finite, cold
+    with KVStore([hot, mid, cold], tier_codecs={"cold": "int8"}, background=False) as store:
+        assert store.put_kv(spec, tokens, kv) == len(tokens)
+        entries = {e.depth: e for e in store.entries()}
+        assert entries[3].tier == "hot" and entries[3].codec is Codec.RAW
+        assert entries[35].tier == "cold" and entries[35].codec is Codec.RAW  # kept raw: int8 cannot hold Inf
+        assert entries[36].tier == "cold" and entries[36].codec is Codec.INT8
+        assert store.stats().counters.blocks_kept_raw == 1
+        got, n = store.get_kv(spec, tokens)
+        assert n == len(tokens)
+        for b in (3, 35):
+            part = slice(b * 16, (b + 1) * 16)
+            assert torch.equal(got[:, :, :, part].view(torch.int16), kv[:, :, :, part].view(torch.int16))
+
 def test_per_tier_codec():
     hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
     spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB blocks: 15 fit in hot
