@@ -138,7 +138,8 @@ def coldest_first(store: Any, entries: Sequence[IndexEntry]) -> list[IndexEntry]
     """``entries`` ordered coldest first: placement's heat score, then last access."""
     def key(e: IndexEntry) -> tuple[float, float]:
         info = store.placement.explain(e.key)
-        return (info["heat_score"] if info else float("-inf"), e.last_access_s)
+        score = info["heat_score"] if info else None
+        return (float("-inf") if score is None else score, e.last_access_s)  # None: never accessed, coldest
 
     return sorted(entries, key=key)
 

@@ -502,7 +502,7 @@ class PlacementManager:
             return {
                 "tier": self.tiers[r.tier].name,
                 "size": r.size,
-                "heat_score": r.heat.score,
+                "heat_score": r.heat.score if math.isfinite(r.heat.score) else None,  # None: no access seen yet
                 "heat_per_s": self.scorer.rate(r.heat, now),
                 "accesses": r.heat.count,
                 "last_access_age_s": now - r.heat.last_s,

@@ -360,3 +360,14 @@ def test_default_scorer_follows_the_config():
     assert isinstance(default_scorer(PlacementConfig()), AdaptiveRate)
     single = default_scorer(PlacementConfig(long_half_life_s=None, half_life_s=7.0))
     assert isinstance(single, DecayedRate) and single.half_life_s == 7.0
+
+
+def test_explain_of_an_entry_never_accessed_is_strict_json():
+    """Recovery admits frames without an access: no heat yet, and -inf must not reach a JSON answer."""
+    import json
+
+    m, _ = manager()
+    m.admitted(key(1), "top", B, access=False)
+    info = m.explain(key(1))
+    assert info["heat_score"] is None and info["heat_memories"] == [] and info["accesses"] == 0
+    json.dumps(info, allow_nan=False)

@@ -197,3 +197,23 @@ def test_restart_reindexes_from_headers_only_and_a_damaged_body_is_a_miss(tmp_pa
         got, n = s.get_kv(spec, tokens)
         assert n == 48 and torch.equal(got, kv[:, :, :, :48])
         assert s.stats().counters.corrupt_blocks + s.stats().counters.stale_blocks == 1
+
+
+def test_recovered_blocks_explain_and_sort_before_any_access(tmp_path):
+    """Blocks re-indexed at start have no heat yet: explain says None (strict JSON) and they sort coldest."""
+    import json
+
+    from kvstore.evict import coldest_first
+
+    spec = make_spec()
+    tokens = list(range(64))
+    with KVStore([NVMeTier(str(tmp_path / "n"), 64 * MiB)], background=False) as s:
+        s.put_kv(spec, tokens, make_kv(spec, 64))
+    with KVStore([NVMeTier(str(tmp_path / "n"), 64 * MiB)], background=False) as s:
+        assert s.lookup(spec, tokens) == 64
+        s.get_kv(spec, tokens[:16])  # block 0 is read; the other three never are
+        infos = {e.depth: s.explain(e.key) for e in s.entries()}
+        assert all(infos[d]["heat_score"] is None for d in (1, 2, 3)), infos
+        assert infos[0]["heat_score"] is not None
+        json.dumps(infos, allow_nan=False, default=str)
+        assert [e.depth for e in coldest_first(s, s.entries())][-1] == 0
