@@ -11,7 +11,9 @@ import math
 import mmap
 import os
 import threading
+import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -22,11 +24,12 @@ from client_sdk.protocol import (H_NAMESPACE, ServiceError, encode_batch_head, e
                                  parse_batch_head)
 from kvstore import codec as codec_mod
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreError
-from kvstore.keys import check_key, normalize_tokens
+from kvstore.keys import block_hashes, check_key, normalize_tokens
 from kvstore.shmview import SHM_DIR, ShmReader, SlotHandle
 from kvstore.spec import KVSpec
 
-__all__ = ["ClientStats", "TensorPool", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena",
+__all__ = ["ClientStats", "TensorPool", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena", "HandleCache",
+           "AccessLog",
            "fill_from_batch", "batch_parts", "frames_of",
            "headers_for", "SHM_DIR"]
 
@@ -41,6 +44,8 @@ class ClientStats:
     http_puts: int = 0
     shm_blocks_fetched_over_http: int = 0
     """Blocks of a co-located get that were not in the arena (or went stale) and came over HTTP."""
+    shm_cached_gets: int = 0
+    """Co-located gets served from remembered slot handles, without asking the server."""
     retries: int = 0
     last_medium: str | None = None
 
@@ -210,6 +215,86 @@ def fill_from_batch(body: bytes, want: dict[str, int], out: torch.Tensor, bt: in
     return done
 
 
+class HandleCache:
+    """Slot handles a co-located client was given, by block key, so a repeated get
+    can skip asking the server where its blocks are.
+
+    A remembered handle is only a hint: the reader copies under the slot's
+    generation check, and the server makes the generation odd before a slot is
+    deleted, moved or reused, so a stale handle reads as a miss (then the
+    client asks the server) and never as another block's bytes.
+    """
+
+    def __init__(self, max_entries: int = 65_536) -> None:
+        self.max_entries = max_entries
+        self._blocks: OrderedDict[str, dict] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, blocks: Sequence[dict]) -> None:
+        with self._lock:
+            for b in blocks:
+                if b.get("handle") is not None:
+                    self._blocks[b["key"]] = b
+                    self._blocks.move_to_end(b["key"])
+            while len(self._blocks) > self.max_entries:
+                self._blocks.popitem(last=False)
+
+    def lookup(self, spec: KVSpec, tokens: np.ndarray, namespace: str) -> list[dict] | None:
+        """Every full block of ``tokens`` with a remembered handle, or None if any is missing."""
+        keys = [k.hex() for k in block_hashes(spec, tokens, namespace)]
+        with self._lock:
+            found = [self._blocks.get(k) for k in keys]
+        return found if keys and None not in found else None  # type: ignore[return-value]
+
+    def forget(self, blocks: Sequence[dict]) -> None:
+        with self._lock:
+            for b in blocks:
+                self._blocks.pop(b["key"], None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class AccessLog:
+    """Reads a client served from remembered handles, for the server's heat and counters.
+
+    Placement ranks blocks by how often they are read; reads the server never
+    saw would let it demote the blocks a co-located agent uses most. They are
+    reported in batches (``POST /v1/kv/touch``): when ``max_keys`` are pending
+    or the oldest is ``max_age_s`` old, and when the client closes.
+    """
+
+    def __init__(self, max_keys: int = 256, max_age_s: float = 1.0) -> None:
+        self.max_keys, self.max_age_s = max_keys, max_age_s
+        self._keys: list[str] = []
+        self._gets = self._requested = self._hit = 0
+        self._since: float | None = None
+        self._lock = threading.Lock()
+
+    def add(self, blocks: Sequence[dict], requested: int, hit: int) -> None:
+        with self._lock:
+            self._keys += [b["key"] for b in blocks]
+            self._gets += 1
+            self._requested += requested
+            self._hit += hit
+            if self._since is None:
+                self._since = time.monotonic()
+
+    def due(self) -> bool:
+        return self._since is not None and (len(self._keys) >= self.max_keys
+                                            or time.monotonic() - self._since >= self.max_age_s)
+
+    def drain(self) -> dict | None:
+        """The pending report (and nothing pending after), or None."""
+        with self._lock:
+            if not self._gets:
+                return None
+            report = {"keys": self._keys, "gets": self._gets, "tokens_requested": self._requested,
+                      "tokens_hit": self._hit}
+            self._keys, self._gets, self._requested, self._hit, self._since = [], 0, 0, 0, None
+            return report
+
+
 class Arena:
     """The server's shm arena (read, through ``ShmReader``) and staging segment (write), mapped here.
 
@@ -230,10 +315,19 @@ class Arena:
             self.staging = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        self.handles = HandleCache()
+        self.accesses = AccessLog()
         self._idle: list[dict] = []
         self.leases: list[dict] = []
         """Every staging lease this client holds; each put uses one no other put is using."""
         self._lock = threading.Lock()
+
+    def served_from_cache(self, blocks: Sequence[dict], bt: int, stats: ClientStats) -> None:
+        """A get served from remembered handles: queue its report, count it."""
+        self.accesses.add(blocks, len(blocks) * bt, len(blocks) * bt)
+        stats.shm_gets += 1
+        stats.shm_cached_gets += 1
+        stats.last_medium = "shm"
 
     def take_lease(self, nbytes: int) -> dict | None:
         """An idle lease of at least ``nbytes`` (the smallest), or None: then lease a new one."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
@@ -23,6 +24,8 @@ from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, C
 from kvstore.errors import KVStoreError, TierFull
 from kvstore.keys import BlockHash, check_key, validate_namespace
 from kvstore.spec import KVSpec
+
+log = logging.getLogger("kvstore.client")
 
 __all__ = ["AsyncKVClient"]
 
@@ -180,7 +183,18 @@ class AsyncKVClient:
     async def ready(self) -> dict:
         return await self._json("GET", "/readyz")
 
+    async def _report_accesses(self) -> None:
+        """Send the reads served from remembered handles (heat is advisory: a failed report is dropped)."""
+        report = self._arena.accesses.drain() if self._arena is not None else None
+        if report is None:
+            return
+        try:
+            await self._json("POST", "/v1/kv/touch", report)
+        except KVStoreError as exc:
+            log.debug("access report dropped: %s", exc)
+
     async def aclose(self) -> None:
+        await self._report_accesses()
         for conn in self._idle:
             conn.close()
         self._idle.clear()
@@ -233,12 +247,24 @@ class AsyncKVClient:
         return fn(*args)
 
     async def _get_shm(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
-        answer = await self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
-        blocks, bt = answer["blocks"], spec.block_tokens
-        kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
-        nbytes = spec.bytes_per_token * len(blocks) * bt
         arena = self._arena
         assert arena is not None
+        bt = spec.block_tokens
+        cached = arena.handles.lookup(spec, toks, self.namespace)
+        if cached is not None:  # every block's handle is remembered: no request unless one went stale
+            kv = c.result_tensor(spec, len(cached) * bt, out, self._pool)
+            nbytes = spec.bytes_per_token * len(cached) * bt
+            if not await self._off_loop(nbytes, arena.fill_from_handles, cached, kv, bt):
+                arena.served_from_cache(cached, bt, self.stats)
+                if arena.accesses.due():
+                    await self._report_accesses()
+                return kv, len(cached) * bt
+            arena.handles.forget(cached)
+        answer = await self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
+        blocks = answer["blocks"]
+        arena.handles.remember(blocks)
+        kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
+        nbytes = spec.bytes_per_token * len(blocks) * bt
         missing = await self._off_loop(nbytes, arena.fill_from_handles, blocks, kv, bt)
         good = len(blocks)
         if missing:

@@ -17,6 +17,7 @@ blocks is a no-op); a timeout is not.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 import time
@@ -32,6 +33,8 @@ from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, C
 from kvstore.errors import KVStoreError, TierFull
 from kvstore.keys import BlockHash, check_key, validate_namespace
 from kvstore.spec import KVSpec
+
+log = logging.getLogger("kvstore.client")
 
 __all__ = ["KVClient"]
 
@@ -227,7 +230,18 @@ class KVClient:
     def metrics(self) -> str:
         return self._request_http("GET", "/metrics").text
 
+    def _report_accesses(self) -> None:
+        """Send the reads served from remembered handles (heat is advisory: a failed report is dropped)."""
+        report = self._arena.accesses.drain() if self._arena is not None else None
+        if report is None:
+            return
+        try:
+            self._json("POST", "/v1/kv/touch", report)
+        except KVStoreError as exc:
+            log.debug("access report dropped: %s", exc)
+
     def close(self) -> None:
+        self._report_accesses()
         with self._conns_lock:
             for conn in self._conns:
                 conn.close()
@@ -278,10 +292,23 @@ class KVClient:
         return "http"
 
     def _get_shm(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
+        arena = self._arena
+        assert arena is not None
+        bt = spec.block_tokens
+        cached = arena.handles.lookup(spec, toks, self.namespace)
+        if cached is not None:  # every block's handle is remembered: no request unless one went stale
+            kv = c.result_tensor(spec, len(cached) * bt, out, self._pool)
+            if not arena.fill_from_handles(cached, kv, bt):
+                arena.served_from_cache(cached, bt, self.stats)
+                if arena.accesses.due():
+                    self._report_accesses()
+                return kv, len(cached) * bt
+            arena.handles.forget(cached)
         answer = self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
-        blocks, bt = answer["blocks"], spec.block_tokens
+        blocks = answer["blocks"]
+        arena.handles.remember(blocks)
         kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
-        missing = self._arena.fill_from_handles(blocks, kv, bt)  # type: ignore[union-attr]
+        missing = arena.fill_from_handles(blocks, kv, bt)
         good = len(blocks)
         if missing:
             want = {blocks[i]["key"]: i for i in missing}

@@ -397,9 +397,9 @@ class KVStore:
         """Count a lookup a service answered from its own index walk."""
         self._count(lookup_calls=1)
 
-    def count_get(self, tokens_requested: int, tokens_hit: int) -> None:
-        """Count a get a service served without ``get_kv`` (e.g. through shm handles)."""
-        self._count(get_calls=1, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
+    def count_get(self, tokens_requested: int, tokens_hit: int, calls: int = 1) -> None:
+        """Count gets a service served without ``get_kv`` (e.g. through shm handles)."""
+        self._count(get_calls=calls, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
 
     def put_frame(self, key: BlockHash, frame: Any, namespace: str) -> IndexEntry:
         """Store an already encoded frame under ``key``, in the first tier with room.

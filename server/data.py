@@ -235,6 +235,46 @@ async def kv_handles(request: Request) -> JSONResponse:
     return JSONResponse({"n_tokens": len(blocks) * spec.block_tokens, "segment": svc.shm.segment, "blocks": blocks})
 
 
+@router.post("/v1/kv/touch")
+async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
+    """Reads a co-located client served from slot handles it remembered: counted as gets.
+
+    Body: ``{"keys": [hex], "gets": n, "tokens_requested": n, "tokens_hit": n}``.
+    Only keys stored in the request's namespace count; others are ignored, so a
+    report can neither warm nor probe another tenant's blocks.
+    """
+    svc = svc_of(request)
+    _colocated(svc)
+    ns = svc.namespace(request, p)
+    data = await json_body(request)
+    keys = require(data, "keys", list)
+    if len(keys) > _MAX_TOUCH_KEYS:
+        raise MalformedRequest(f"keys: at most {_MAX_TOUCH_KEYS} per report, got {len(keys)}")
+    counts = {name: require(data, name, int) for name in ("gets", "tokens_requested", "tokens_hit")}
+    for name, value in counts.items():
+        if isinstance(value, bool) or value < 0:
+            raise field_error(InvalidInput(f"must be a non-negative integer, got {value!r}"), name)
+    if counts["tokens_hit"] > counts["tokens_requested"]:
+        raise field_error(InvalidInput("cannot exceed tokens_requested"), "tokens_hit")
+    try:
+        wanted = [from_hex(k) for k in keys]
+    except InvalidInput as exc:
+        raise field_error(exc, "keys") from exc
+    return {"touched": await svc.run_index(_touch, svc, ns, wanted, counts)}
+
+
+_MAX_TOUCH_KEYS = 65_536
+
+
+def _touch(svc: Service, ns: str, keys: list, counts: dict[str, int]) -> int:
+    mine = [k for k, e in zip(keys, svc.store.entries_of(keys)) if e is not None and e.namespace == ns]
+    engine.record_hits(svc.store, mine)
+    engine.record_gets(svc.store, counts["gets"], counts["tokens_requested"], counts["tokens_hit"])
+    if counts["gets"]:
+        svc.metrics.colocated.labels("get").inc(counts["gets"])
+    return len(mine)
+
+
 def _handles(svc: Service, spec, tokens, ns: str) -> list[dict]:
     blocks = engine.prefix_blocks(svc.store, spec, tokens, ns)
     out = []

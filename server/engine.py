@@ -117,6 +117,11 @@ def record_get(store: KVStore, tokens_requested: int, tokens_hit: int) -> None:
     store.count_get(tokens_requested, tokens_hit)
 
 
+def record_gets(store: KVStore, gets: int, tokens_requested: int, tokens_hit: int) -> None:
+    """Count ``gets`` co-located gets a client served itself and reported together."""
+    store.count_get(tokens_requested, tokens_hit, calls=gets)
+
+
 def read_frame(store: KVStore, key: BlockHash, namespaces: frozenset[str] | None) -> tuple[Any, IndexEntry] | None:
     """The stored frame of ``key`` and its entry; None when absent, of another namespace, or gone.
 

@@ -178,3 +178,105 @@ def test_concurrent_puts_from_one_client_never_share_a_staging_range(server):
                 assert torch.equal((await a.get_kv(spec, s))[0], k)
 
     asyncio.run(main())
+
+
+def test_a_repeated_get_uses_remembered_handles_and_reports_its_reads(server, spec):
+    tokens = list(range(64))
+    kv = make_kv(spec, 64)
+    keys = block_hashes(spec, tokens)
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, kv)
+        for _ in range(3):
+            got, n = c.get_kv(spec, tokens + [1, 2])
+            assert n == 64 and torch.equal(got, kv)
+        assert c.stats.shm_gets == 3 and c.stats.shm_cached_gets == 2  # only the first asked the server
+        assert server.store.stats().counters.get_calls == 1  # the two others are not reported yet
+        text = c.metrics()
+        assert _metric(text, "kvstore_colocated_ops_total", op="get") == 1
+    # close() reported them: counted as gets, and as reads of each block (placement's heat)
+    counters = server.store.stats().counters
+    assert counters.get_calls == 3 and counters.tokens_hit == 3 * 64 and counters.tokens_requested == 3 * 64
+    assert server.store.entry(keys[0]).hits == 3 and server.store.explain(keys[3])["accesses"] == 4  # put + 3
+    with KVClient(server.url) as c:
+        assert _metric(c.metrics(), "kvstore_colocated_ops_total", op="get") == 3
+
+
+def test_reports_go_out_in_batches_while_the_client_runs(server, spec):
+    tokens = list(range(16))
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, make_kv(spec, 16))
+        c._arena.accesses.max_keys = 4
+        for _ in range(6):
+            c.get_kv(spec, tokens)
+        assert c.stats.shm_cached_gets == 5
+        assert server.store.stats().counters.get_calls == 1 + 4  # one report of 4 reads, 1 pending
+
+
+@pytest.mark.parametrize("change", ["delete", "move"])
+def test_a_remembered_handle_gone_stale_is_never_read(server, spec, change):
+    """Delete or move a block after the client remembered its handle: the generation check
+    turns the cached read into a miss, and the server's answer is what the client returns."""
+    tokens = list(range(48))
+    kv = make_kv(spec, 48)
+    keys = block_hashes(spec, tokens)
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, kv)
+        c.get_kv(spec, tokens)
+        assert len(c._arena.handles) == 3
+        if change == "delete":
+            server.store.delete_blocks([keys[1]])
+            got, n = c.get_kv(spec, tokens)
+            assert n == 16 and torch.equal(got, kv[:, :, :, :16])
+        else:
+            for key in keys:  # out and back: every block in a new slot, the old slots reusable
+                assert server.store.migrate(key, "memory") and server.store.migrate(key, "shm")
+            c.put_kv(spec, list(range(1000, 1048)), make_kv(spec, 48, seed=9))  # reuse the freed ranges
+            got, n = c.get_kv(spec, tokens)
+            assert n == 48 and torch.equal(got, kv)
+        assert c.stats.shm_cached_gets == 0  # the stale handles were not served
+        # The server's fresh handles were remembered. After the delete only block 0 has one: a
+        # get of all 48 tokens must still ask, since the server may hold block 1 again by now.
+        c.get_kv(spec, tokens[:16] if change == "delete" else tokens)
+        assert c.stats.shm_cached_gets == 1
+
+
+def test_touch_counts_only_the_callers_namespace_and_checks_its_input(serve_app, spec):
+    srv = serve_app(tokens=json.dumps(TOKENS))
+    tokens = list(range(32))
+    with KVClient(srv.url, token=ACME, namespace="acme") as acme:
+        acme.put_kv(spec, tokens, make_kv(spec, 32))
+    acme_keys = [k.hex() for k in block_hashes(spec, tokens, "acme")]
+    headers = {"authorization": f"Bearer {ACME}", "x-kv-namespace": "shared"}
+    report = {"keys": acme_keys, "gets": 1, "tokens_requested": 32, "tokens_hit": 32}
+    resp = httpx.post(f"{srv.url}/v1/kv/touch", json=report, headers=headers)
+    assert resp.status_code == 200 and resp.json() == {"touched": 0}  # acme's blocks, but not in "shared"
+    assert srv.store.entry(block_hashes(spec, tokens, "acme")[0]).hits == 0
+    headers["x-kv-namespace"] = "acme"
+    assert httpx.post(f"{srv.url}/v1/kv/touch", json=report, headers=headers).json() == {"touched": 2}
+    for bad, field in (({**report, "gets": -1}, "gets"), ({**report, "tokens_hit": 64}, "tokens_hit"),
+                       ({**report, "keys": ["zz"]}, "keys"), ({"keys": []}, "gets")):
+        resp = httpx.post(f"{srv.url}/v1/kv/touch", json=bad, headers=headers)
+        assert resp.status_code == 422 and resp.json()["error"]["field"] == field, resp.text
+    resp = httpx.post(f"{srv.url}/v1/kv/touch", json=report)
+    assert resp.status_code == 401
+
+
+def test_the_async_client_remembers_handles_too(server, spec):
+    import asyncio
+
+    from client_sdk import AsyncKVClient
+
+    tokens = list(range(32))
+    kv = make_kv(spec, 32)
+
+    async def main() -> AsyncKVClient:
+        async with AsyncKVClient(server.url) as c:
+            await c.put_kv(spec, tokens, kv)
+            for _ in range(2):
+                got, n = await c.get_kv(spec, tokens)
+                assert n == 32 and torch.equal(got, kv)
+            return c
+
+    c = asyncio.run(main())
+    assert c.stats.shm_gets == 2 and c.stats.shm_cached_gets == 1
+    assert server.store.stats().counters.get_calls == 2  # aclose reported the cached one
