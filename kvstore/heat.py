@@ -167,10 +167,6 @@ class AdaptiveRate(Scorer):
         self._last_calibrate_s: float | None = None
         self._last_switch_s = -math.inf
 
-    @property
-    def margin_frac(self) -> float:
-        return self.memories[self.active].margin_frac
-
     def touch(self, heat: Heat, now_s: float) -> None:
         short, long = self.memories
         count = heat.count

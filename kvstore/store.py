@@ -591,25 +591,14 @@ class KVStore:
         failure: TierError | None = None
         for tier in self._tiers[first:]:
             codec = self._codecs[tier.name]
-            headers: list[codec_mod.FrameHeader] = []
-
-            def put(codec: Codec) -> int:
-                size = codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=len(meta))
-
-                def writer(view: memoryview) -> int:
-                    n = codec_mod.encode_into(block, view, codec, meta=meta)
-                    headers.append(codec_mod.read_header(view[:n]))
-                    return n
-
-                return tier.put_with(key, size, writer)
-
             try:
                 try:
-                    n = put(codec)
+                    n, header = _encode_into_tier(tier, key, block, codec, meta)
                 except InvalidKV:
                     if codec is Codec.RAW or self._put_codecs_lossy:
                         raise
-                    n = put(Codec.RAW)  # int8 cannot hold it (NaN or Inf): keep it exact, as a demotion would
+                    # int8 cannot hold it (NaN or Inf): keep it exact, as a demotion would
+                    n, header = _encode_into_tier(tier, key, block, Codec.RAW, meta)
                     self._count(blocks_kept_raw=1)
             except TierFull as exc:
                 failure = failure or exc
@@ -619,7 +608,6 @@ class KVStore:
                 log.warning("tier %s failed a put (%s); trying the next tier", tier.name, exc)
                 failure = exc if failure is None or isinstance(failure, TierFull) else failure
                 continue
-            header = headers[-1]
             return IndexEntry(
                 key=key, tier=tier.name, size=n, codec=header.codec, checksum=header.body_checksum,
                 raw_bytes=header.raw_nbytes, namespace=namespace, spec_fp=spec_fp, depth=depth,
@@ -749,6 +737,20 @@ def _check_spec(spec: Any) -> KVSpec:
 def _is_current(entry: IndexEntry | None, namespace: str, spec_fp: str) -> bool:
     """A key matches only under the namespace and spec it was written with."""
     return entry is not None and entry.namespace == namespace and entry.spec_fp == spec_fp
+
+
+def _encode_into_tier(tier: Tier, key: BlockHash, block: torch.Tensor, codec: Codec,
+                      meta: bytes) -> tuple[int, codec_mod.FrameHeader]:
+    """Encode ``block`` in ``codec`` straight into ``tier``'s slot for ``key``: (frame bytes, its header)."""
+    headers: list[codec_mod.FrameHeader] = []
+
+    def writer(view: memoryview) -> int:
+        n = codec_mod.encode_into(block, view, codec, meta=meta)
+        headers.append(codec_mod.read_header(view[:n]))
+        return n
+
+    n = tier.put_with(key, codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=len(meta)), writer)
+    return n, headers[-1]
 
 
 def _check_finite(kv: torch.Tensor) -> None:

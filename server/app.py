@@ -21,11 +21,11 @@ from starlette.requests import Request
 
 from client_sdk.protocol import PayloadTooLarge, error_body
 from kvstore import __version__
+from kvstore.errors import KVStoreError
 from kvstore.store import KVStore
 from server import admin, blocks, data, ops
 from server.config import ServerSettings
 from server.errors import install_error_handlers, store_error, unexpected_error
-from kvstore.errors import KVStoreError
 from server.service import Service
 
 __all__ = ["create_app"]

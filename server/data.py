@@ -235,6 +235,10 @@ async def kv_handles(request: Request) -> JSONResponse:
     return JSONResponse({"n_tokens": len(blocks) * spec.block_tokens, "segment": svc.shm.segment, "blocks": blocks})
 
 
+_MAX_TOUCH_KEYS = 65_536
+"""Keys one access report may carry (a client sends one every 256 by default)."""
+
+
 @router.post("/v1/kv/touch")
 async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
     """Reads a co-located client served from slot handles it remembered: counted as gets.
@@ -263,13 +267,10 @@ async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
     return {"touched": await svc.run_index(_touch, svc, ns, wanted, counts)}
 
 
-_MAX_TOUCH_KEYS = 65_536
-
-
 def _touch(svc: Service, ns: str, keys: list, counts: dict[str, int]) -> int:
     mine = [k for k, e in zip(keys, svc.store.entries_of(keys)) if e is not None and e.namespace == ns]
     engine.record_hits(svc.store, mine)
-    engine.record_gets(svc.store, counts["gets"], counts["tokens_requested"], counts["tokens_hit"])
+    engine.record_get(svc.store, counts["tokens_requested"], counts["tokens_hit"], gets=counts["gets"])
     if counts["gets"]:
         svc.metrics.colocated.labels("get").inc(counts["gets"])
     return len(mine)

@@ -112,13 +112,9 @@ def record_hits(store: KVStore, keys: Sequence[BlockHash]) -> None:
         store.touch(keys)
 
 
-def record_get(store: KVStore, tokens_requested: int, tokens_hit: int) -> None:
-    """Count a co-located get in the store's counters, as ``get_kv`` counts its own."""
-    store.count_get(tokens_requested, tokens_hit)
-
-
-def record_gets(store: KVStore, gets: int, tokens_requested: int, tokens_hit: int) -> None:
-    """Count ``gets`` co-located gets a client served itself and reported together."""
+def record_get(store: KVStore, tokens_requested: int, tokens_hit: int, gets: int = 1) -> None:
+    """Count co-located gets in the store's counters, as ``get_kv`` counts its own
+    (``gets`` of them at once when a client reports reads it served itself)."""
     store.count_get(tokens_requested, tokens_hit, calls=gets)
 
 
