@@ -18,7 +18,11 @@ Every put writes new blocks (fresh token ids; the previous sequence is
 deleted outside the clock); gets read the same stored sequence. ``get_kv``
 rows return a fresh tensor per call, as the API does; the ``get_kv(out=)``
 rows receive into a reused buffer. Samples are interleaved across rows so
-drift hits all of them alike. The client process runs torch with one
+drift hits all of them alike. Every row sees the same cache state: by default
+(``--caches warm``) each sample follows an untimed call of the same row, as in
+a loop; with ``--caches cold`` each follows a 96 MiB scrub, as a read of KV
+written long ago after other work would. (Interleaving alone gave the memcpy
+rows a source the row before had just read, and the store's rows a cold one.) The client process runs torch with one
 intra-op thread unless ``--torch-threads`` says otherwise (``codec.decode``
 copies with torch, and its thread team stalls on a busy two-core machine).
 """
@@ -48,6 +52,9 @@ from bench.report import header, publish
 __all__ = ["run", "bare_app", "bare_fastapi"]
 
 MiB = 1 << 20
+_SCRUB_BYTES = 96 * MiB
+"""``--caches cold`` reads and writes this much before each sample: three times this
+machine's 32 MiB L3, so no row starts with anything in cache."""
 TARGETS = {"shm": 0.7, "http": 0.6, "lookup": 0.7}
 
 
@@ -161,7 +168,7 @@ def _rate(nbytes: int, seconds: list[float]) -> dict[str, float]:
     return {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
 
 
-def _measure_size(size_name: str, repeats: int, url: str, bare_port: int, workdir: str) -> dict:
+def _measure_size(size_name: str, repeats: int, url: str, bare_port: int, workdir: str, cold: bool) -> dict:
     from client_sdk import KVClient
 
     spec, n_tokens = _spec(size_name)
@@ -223,12 +230,18 @@ def _measure_size(size_name: str, repeats: int, url: str, bare_port: int, workdi
         for fn in rows.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in rows}
+    scrub = np.zeros(_SCRUB_BYTES if cold else 0, np.uint8)
     for _ in range(repeats):
         for name, fn in rows.items():
+            if cold:
+                scrub += 1  # the sample starts from cold caches: data, and the interpreter's own
+            else:
+                fn()  # the sample follows the same call, as in a loop over one buffer
             times[name].append(fn())
     assert shm.stats.shm_gets and shm.stats.shm_puts and not http.stats.shm_gets, "a row used the wrong medium"
     got, _ = http.get_kv(spec, fixed)
     assert torch.equal(got, kv), "KV read back over HTTP differs from what was stored"
+    shm_stats = shm.stats.to_dict()
     shm.close()
     http.close()
     rates = {name: _rate(nbytes, ts) for name, ts in times.items()}
@@ -241,7 +254,7 @@ def _measure_size(size_name: str, repeats: int, url: str, bare_port: int, workdi
         "http get / curl get": med["http get"] / med["curl get"],
         "http get out= / curl get": med["http get out="] / med["curl get"],
     }
-    return {"size": size_name, "bytes": nbytes, "gbps": rates, "ratios": ratios}
+    return {"size": size_name, "bytes": nbytes, "gbps": rates, "ratios": ratios, "shm_client": shm_stats}
 
 
 def _measure_lookup(url: str, fastapi_port: int, seconds: float) -> dict:
@@ -288,13 +301,17 @@ def _measure_lookup(url: str, fastapi_port: int, seconds: float) -> dict:
 
 
 def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path | None = None,
-        torch_threads: int = 1) -> dict:
+        torch_threads: int = 1, caches: str = "warm") -> dict:
     """Measure every row; print a table; write JSON; return the result.
 
     Args:
+        caches: ``warm`` (each sample right after an untimed call of the same row) or
+            ``cold`` (each after 96 MiB are read and written).
         torch_threads: torch intra-op threads in this (client) process; 0 keeps torch's default.
             The server runs with ``KVSTORE_TORCH_THREADS`` (default 1) either way.
     """
+    if caches not in ("warm", "cold"):
+        raise ValueError(f"caches must be 'warm' or 'cold', got {caches!r}")
     if torch_threads:
         torch.set_num_threads(torch_threads)
     if shutil.which("curl") is None:
@@ -317,11 +334,11 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
                                            path="/healthz"))
             url = f"http://127.0.0.1:{port}"
             for size in sizes:
-                rows.append(_measure_size(size, repeats, url, bare_port, workdir))
+                rows.append(_measure_size(size, repeats, url, bare_port, workdir, caches == "cold"))
             lookup = _measure_lookup(url, fastapi_port, 0.5 if quick else 2.0)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    result = header("service", repeats=repeats, client_torch_threads=torch.get_num_threads(),
+    result = header("service", repeats=repeats, caches=caches, client_torch_threads=torch.get_num_threads(),
                     unit="GB/s (1e9 B/s) of KV bytes, median over samples; lookup in requests/s, one client",
                     targets=TARGETS, rows=rows, lookup=lookup)
     result["machine"]["cpus"] = os.cpu_count()
@@ -330,7 +347,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
 
 
 def format_table(result: dict) -> str:
-    lines = [f"kvstore bench service  ({result['repeats']} samples, median GB/s)"]
+    lines = [f"kvstore bench service  ({result['repeats']} samples, median GB/s, {result.get('caches', 'warm')} caches)"]
     for row in result["rows"]:
         g = row["gbps"]
         lines.append(f"\n{row['size']}")

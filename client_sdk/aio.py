@@ -56,6 +56,8 @@ class AsyncKVClient:
         self._arena: c.Arena | None = None
         self._medium: str | None = None
         self._medium_lock = asyncio.Lock()
+        self._reporting: asyncio.Task | None = None
+        """The access report in flight, if any."""
         self._http = httpx.AsyncClient(base_url=self.url,
                                        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
                                        headers=c.headers_for(token, self.namespace))
@@ -194,6 +196,8 @@ class AsyncKVClient:
             log.debug("access report dropped: %s", exc)
 
     async def aclose(self) -> None:
+        if self._reporting is not None:
+            await self._reporting
         await self._report_accesses()
         for conn in self._idle:
             conn.close()
@@ -254,10 +258,10 @@ class AsyncKVClient:
         if cached is not None:  # every block's handle is remembered: no request unless one went stale
             kv = c.result_tensor(spec, len(cached) * bt, out, self._pool)
             nbytes = spec.bytes_per_token * len(cached) * bt
-            if not await self._off_loop(nbytes, arena.fill_from_handles, cached, kv, bt):
+            if not await self._off_loop(nbytes, arena.fill_from_handles, cached, kv, bt, self.stats):
                 arena.served_from_cache(cached, bt, self.stats)
-                if arena.accesses.due():
-                    await self._report_accesses()
+                if arena.accesses.due() and (self._reporting is None or self._reporting.done()):
+                    self._reporting = asyncio.create_task(self._report_accesses())  # no get waits on it
                 return kv, len(cached) * bt
             arena.handles.forget(cached)
         answer = await self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
@@ -265,7 +269,7 @@ class AsyncKVClient:
         arena.handles.remember(blocks)
         kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
         nbytes = spec.bytes_per_token * len(blocks) * bt
-        missing = await self._off_loop(nbytes, arena.fill_from_handles, blocks, kv, bt)
+        missing = await self._off_loop(nbytes, arena.fill_from_handles, blocks, kv, bt, self.stats)
         good = len(blocks)
         if missing:
             want = {blocks[i]["key"]: i for i in missing}

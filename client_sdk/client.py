@@ -72,9 +72,13 @@ class KVClient:
         self.colocated = colocated
         self.stats = c.ClientStats()
         self._pool = c.TensorPool(buffer_pool_bytes)
+        self._out_views = c.OutViews()
         self._local = threading.local()
         self._conns: list[Connection] = []
         self._conns_lock = threading.Lock()
+        self._report_cv = threading.Condition()
+        self._reporter: threading.Thread | None = None
+        self._report_wanted = self._report_busy = self._closing = False
         self._arena: c.Arena | None = None
         self._medium: str | None = None
         self._medium_lock = threading.Lock()
@@ -236,11 +240,50 @@ class KVClient:
         if report is None:
             return
         try:
-            self._json("POST", "/v1/kv/touch", report)
+            self._send("POST", "/v1/kv/touch", [json.dumps(report, separators=(",", ":")).encode()],
+                       "application/json")
         except KVStoreError as exc:
             log.debug("access report dropped: %s", exc)
 
+    def _report_soon(self) -> None:
+        """Hand the pending access report to the reporter thread, so no get waits on it.
+
+        One report is in flight at a time; reads served meanwhile join the next.
+        """
+        with self._report_cv:
+            self._report_wanted = True
+            if self._reporter is None and not self._closing:
+                self._reporter = threading.Thread(target=self._report_loop, name="kvstore-access-report",
+                                                  daemon=True)
+                self._reporter.start()
+            self._report_cv.notify_all()
+
+    def _report_loop(self) -> None:
+        while True:
+            with self._report_cv:
+                self._report_cv.wait_for(lambda: self._report_wanted or self._closing)
+                if self._closing:
+                    return  # close() sends what is left
+                self._report_wanted, self._report_busy = False, True
+            try:
+                self._report_accesses()
+            finally:
+                with self._report_cv:
+                    self._report_busy = False
+                    self._report_cv.notify_all()
+
+    def wait_reports(self, timeout_s: float | None = None) -> bool:
+        """Wait until no access report is queued or in flight; False if ``timeout_s`` passed first."""
+        with self._report_cv:
+            return self._report_cv.wait_for(lambda: not (self._report_busy or self._report_wanted)
+                                            or self._reporter is None, timeout_s)
+
     def close(self) -> None:
+        with self._report_cv:
+            self._closing = True
+            self._report_cv.notify_all()
+        if self._reporter is not None:
+            self._reporter.join()
         self._report_accesses()
         with self._conns_lock:
             for conn in self._conns:
@@ -297,18 +340,21 @@ class KVClient:
         bt = spec.block_tokens
         cached = arena.handles.lookup(spec, toks, self.namespace)
         if cached is not None:  # every block's handle is remembered: no request unless one went stale
-            kv = c.result_tensor(spec, len(cached) * bt, out, self._pool)
-            if not arena.fill_from_handles(cached, kv, bt):
+            if out is None:
+                kv, dst = self._pool.tensor_and_ints(spec.kv_shape(len(cached) * bt), spec.torch_dtype)
+            else:
+                kv, dst = self._out_views.get(spec, len(cached) * bt, out)
+            if not arena.fill_from_handles(cached, kv, bt, self.stats, dst):
                 arena.served_from_cache(cached, bt, self.stats)
                 if arena.accesses.due():
-                    self._report_accesses()
+                    self._report_soon()
                 return kv, len(cached) * bt
             arena.handles.forget(cached)
         answer = self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
         blocks = answer["blocks"]
         arena.handles.remember(blocks)
         kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
-        missing = arena.fill_from_handles(blocks, kv, bt)
+        missing = arena.fill_from_handles(blocks, kv, bt, self.stats)
         good = len(blocks)
         if missing:
             want = {blocks[i]["key"]: i for i in missing}

@@ -9,7 +9,7 @@
     kvstore demo    [--url URL] [--token T] [--namespace NS]      a scripted put/get with timings
     kvstore bench codec [--quick] [--no-real] [--repeats N] [--out DIR]
     kvstore bench tiers [--quick] [--tiers shm,cxl,...] [--repeats N] [--redis-url URL] [--dir DIR] [--out DIR]
-    kvstore bench service [--quick] [--repeats N] [--torch-threads N] [--out DIR]
+    kvstore bench service [--quick] [--repeats N] [--caches warm|cold] [--torch-threads N] [--out DIR]
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     service.add_argument("--quick", action="store_true", help="1 MiB only, few repeats (a smoke run)")
     service.add_argument("--repeats", type=int, default=None, help="timed samples per row (default 9)")
     service.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
+    service.add_argument("--caches", choices=("warm", "cold"), default="warm",
+                         help="each sample right after the same call (warm, default) or after a 96 MiB scrub")
     service.add_argument("--torch-threads", type=int, default=1,
                          help="torch intra-op threads in the client process (default 1; 0: torch's default)")
 
@@ -184,7 +186,8 @@ def _bench_traces(args: argparse.Namespace) -> int:
 def _bench_service(args: argparse.Namespace) -> int:
     from bench.service import run
 
-    run(quick=args.quick, repeats=args.repeats, out_dir=args.out, torch_threads=args.torch_threads)
+    run(quick=args.quick, repeats=args.repeats, out_dir=args.out, torch_threads=args.torch_threads,
+        caches=args.caches)
     return 0
 
 

@@ -9,6 +9,7 @@ index pointing at a frame that is gone. Tier I/O never runs under the lock.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -102,13 +103,13 @@ class Index:
             self._raw_bytes -= entry.raw_bytes
             return entry
 
-    def touch(self, keys: Iterable[BlockHash], now_s: float) -> None:
-        """Record a hit on each key: O(1) per key, one short lock hold."""
+    def touch(self, keys: Iterable[BlockHash], now_s: float, counts: Iterable[int] | None = None) -> None:
+        """Record a hit (``counts[i]`` hits) on each key: O(1) per key, one short lock hold."""
         with self._cond:
-            for key in keys:
+            for key, n in zip(keys, counts if counts is not None else itertools.repeat(1)):
                 entry = self._entries.get(key)
                 if entry is not None:
-                    entry.hits += 1
+                    entry.hits += n
                     entry.last_access_s = now_s
 
     def clear(self) -> None:

@@ -12,6 +12,7 @@ between the writer and the reader) and it is not collision resistant.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Iterator, NewType
 
@@ -77,6 +78,12 @@ def normalize_tokens(tokens: Any) -> np.ndarray:
             raise InvalidTokens(f"token ids must be a dense integer tensor: {exc}") from exc
     elif isinstance(tokens, np.ndarray):
         arr = tokens
+    elif isinstance(tokens, (list, tuple)) and set(map(type, tokens)) == {int}:
+        # the common case, in one pass: numpy refuses (OverflowError) ids outside uint32
+        try:
+            return np.array(tokens, dtype=_TOKEN_DTYPE)
+        except OverflowError:
+            raise InvalidTokens(f"token ids must be in [0, 2**32), got min {min(tokens)} max {max(tokens)}") from None
     elif isinstance(tokens, (list, tuple, range)):
         if not isinstance(tokens, range) and bool in set(map(type, tokens)):
             raise InvalidTokens("token ids must be integers, got a bool")  # np.asarray would make it 0/1
@@ -90,7 +97,7 @@ def normalize_tokens(tokens: Any) -> np.ndarray:
         raise InvalidTokens(f"tokens must be 1-D, got shape {list(arr.shape)}")
     if arr.dtype.kind not in "iu":
         raise InvalidTokens(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size:
+    if arr.size and not (arr.dtype.kind == "u" and arr.dtype.itemsize <= 4):  # narrow unsigned ids always fit
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > _MAX_TOKEN:
             raise InvalidTokens(f"token ids must be in [0, 2**32), got min {lo} max {hi}")
@@ -99,11 +106,16 @@ def normalize_tokens(tokens: Any) -> np.ndarray:
 
 def root_hash(spec: KVSpec, namespace: str) -> BlockHash:
     """``h_{-1}``: the seed every chain of ``spec`` under ``namespace`` starts from."""
+    return _root(spec.fingerprint(), namespace)
+
+
+@functools.lru_cache(maxsize=1024)  # a few specs and namespaces per process; a hit skips a regex and a hash
+def _root(fingerprint: str, namespace: str) -> BlockHash:
     ns = validate_namespace(namespace).encode()
     h = blake3.blake3(_DOMAIN)
     h.update(len(ns).to_bytes(2, "little"))
     h.update(ns)
-    h.update(bytes.fromhex(spec.fingerprint()))
+    h.update(bytes.fromhex(fingerprint))
     return BlockHash(h.digest())
 
 

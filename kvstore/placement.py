@@ -33,6 +33,7 @@ store-wide (bounded).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import operator
 import threading
@@ -45,6 +46,9 @@ from kvstore.errors import InvalidInput
 from kvstore.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
 __all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager", "default_scorer"]
+
+_SATURATING_READS = 64
+"""Reads of one key reported at one instant that still raise its heat: scores saturate well before."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,15 +224,17 @@ class PlacementManager:
             if access:
                 self.scorer.touch(r.heat, now)
 
-    def accessed(self, keys: Iterable[bytes]) -> None:
-        """Each key was read: heat goes up; one below the top tier becomes a promotion candidate."""
+    def accessed(self, keys: Iterable[bytes], counts: Iterable[int] | None = None) -> None:
+        """Each key was read (``counts[i]`` times): heat goes up; one below the top tier
+        becomes a promotion candidate."""
         now = self.clock()
         with self._lock:
-            for key in keys:
+            for key, n in zip(keys, counts if counts is not None else itertools.repeat(1)):
                 r = self._res.get(key)
                 if r is None:
                     continue
-                self.scorer.touch(r.heat, now)
+                for _ in range(min(n, _SATURATING_READS)):  # reads at one instant saturate the score
+                    self.scorer.touch(r.heat, now)
                 if r.tier and self.config.promote:
                     self._candidates[key] = None
 

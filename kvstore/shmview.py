@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import struct
@@ -156,6 +157,36 @@ class ShmReader:
             data = handle.length
         # The owner makes gen odd before the bytes may change, so an unchanged gen means an untorn copy.
         return data if self._words[gen_at] == handle.gen else None
+
+    def frame_array(self, handle: SlotHandle, start: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A read-only numpy view of ``shape`` items at byte ``start`` of the handle's frame.
+
+        The bytes under it belong to the owner: read them only through
+        ``copy_current`` (or inside a ``lease``), which notice a reused range.
+
+        Raises:
+            InvalidInput: the handle or the range lies outside the arena or the frame.
+        """
+        self._check(handle)
+        dtype = np.dtype(dtype)
+        count = math.prod(shape)
+        if start < 0 or start + count * dtype.itemsize > handle.length:
+            raise InvalidInput(f"{count} items of {dtype} at byte {start} overrun the {handle.length}-byte frame")
+        return np.frombuffer(self._view, dtype, count, handle.offset + start).reshape(shape)
+
+    def copy_current(self, index: int, gen: int, dst: np.ndarray, src: np.ndarray) -> bool:
+        """Copy ``src`` (a ``frame_array`` of slot ``index``) into ``dst`` under the seqlock.
+
+        True when the slot held generation ``gen`` before and after the copy, so
+        ``dst`` holds that publication's bytes; False (``dst`` holds garbage) when
+        the owner changed the slot. A copy needs no lease: the arena stays
+        mapped, and the generation check catches a range that was reused.
+        """
+        at = index * ROW_WORDS + GEN
+        if self._words[at] != gen:
+            return False
+        np.copyto(dst, src)
+        return self._words[at] == gen
 
     @contextlib.contextmanager
     def lease(self, handle: SlotHandle) -> Iterator[memoryview | None]:

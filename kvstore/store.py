@@ -387,11 +387,17 @@ class KVStore:
     def closed(self) -> bool:
         return self._closed
 
-    def touch(self, keys: Sequence[BlockHash]) -> None:
-        """Count reads that bypassed ``get_kv`` (a co-located client, a block route) as accesses."""
+    def touch(self, keys: Sequence[BlockHash], counts: Sequence[int] | None = None) -> None:
+        """Count reads that bypassed ``get_kv`` (a co-located client, a block route) as accesses.
+
+        Args:
+            counts: reads of each key (default one each).
+        """
         keys = list(keys)
-        self._index.touch(keys, time.time())
-        self.placement.accessed(keys)
+        if counts is not None and len(counts) != len(keys):
+            raise InvalidInput(f"touch: {len(counts)} counts for {len(keys)} keys")
+        self._index.touch(keys, time.time(), counts)
+        self.placement.accessed(keys, counts)
 
     def count_lookup(self) -> None:
         """Count a lookup a service answered from its own index walk."""

@@ -236,6 +236,7 @@ async def kv_handles(request: Request) -> JSONResponse:
 
 
 _MAX_TOUCH_KEYS = 65_536
+_MAX_TOUCH_COUNT = 1 << 30
 """Keys one access report may carry (a client sends one every 256 by default)."""
 
 
@@ -243,7 +244,8 @@ _MAX_TOUCH_KEYS = 65_536
 async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
     """Reads a co-located client served from slot handles it remembered: counted as gets.
 
-    Body: ``{"keys": [hex], "gets": n, "tokens_requested": n, "tokens_hit": n}``.
+    Body: ``{"keys": [hex], "counts": [n], "gets": n, "tokens_requested": n, "tokens_hit": n}``;
+    ``counts`` (optional, default 1 each) says how many reads of each key.
     Only keys stored in the request's namespace count; others are ignored, so a
     report can neither warm nor probe another tenant's blocks.
     """
@@ -254,6 +256,11 @@ async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
     keys = require(data, "keys", list)
     if len(keys) > _MAX_TOUCH_KEYS:
         raise MalformedRequest(f"keys: at most {_MAX_TOUCH_KEYS} per report, got {len(keys)}")
+    reads = data.get("counts", [1] * len(keys))
+    if (not isinstance(reads, list) or len(reads) != len(keys)
+            or not all(type(n) is int and 0 < n <= _MAX_TOUCH_COUNT for n in reads)):
+        raise field_error(InvalidInput(f"must be a list of integers in [1, {_MAX_TOUCH_COUNT}], one per key"),
+                          "counts")
     counts = {name: require(data, name, int) for name in ("gets", "tokens_requested", "tokens_hit")}
     for name, value in counts.items():
         if isinstance(value, bool) or value < 0:
@@ -264,12 +271,12 @@ async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
         wanted = [from_hex(k) for k in keys]
     except InvalidInput as exc:
         raise field_error(exc, "keys") from exc
-    return {"touched": await svc.run_index(_touch, svc, ns, wanted, counts)}
+    return {"touched": await svc.run_index(_touch, svc, ns, wanted, reads, counts)}
 
 
-def _touch(svc: Service, ns: str, keys: list, counts: dict[str, int]) -> int:
-    mine = [k for k, e in zip(keys, svc.store.entries_of(keys)) if e is not None and e.namespace == ns]
-    engine.record_hits(svc.store, mine)
+def _touch(svc: Service, ns: str, keys: list, reads: list[int], counts: dict[str, int]) -> int:
+    mine = [(k, n) for k, n, e in zip(keys, reads, svc.store.entries_of(keys)) if e is not None and e.namespace == ns]
+    engine.record_hits(svc.store, [k for k, _ in mine], [n for _, n in mine])
     engine.record_get(svc.store, counts["tokens_requested"], counts["tokens_hit"], gets=counts["gets"])
     if counts["gets"]:
         svc.metrics.colocated.labels("get").inc(counts["gets"])

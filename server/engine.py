@@ -106,10 +106,11 @@ def record_lookup(store: KVStore) -> None:
     store.count_lookup()
 
 
-def record_hits(store: KVStore, keys: Sequence[BlockHash]) -> None:
-    """Count reads that bypassed ``get_kv`` (shm handles, block gets) as accesses."""
+def record_hits(store: KVStore, keys: Sequence[BlockHash], counts: Sequence[int] | None = None) -> None:
+    """Count reads that bypassed ``get_kv`` (shm handles, block gets) as accesses
+    (``counts[i]`` reads of ``keys[i]`` when given)."""
     if keys:
-        store.touch(keys)
+        store.touch(keys, counts)
 
 
 def record_get(store: KVStore, tokens_requested: int, tokens_hit: int, gets: int = 1) -> None:

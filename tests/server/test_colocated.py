@@ -64,10 +64,10 @@ def test_a_slot_recycled_under_the_reader_is_caught_by_its_generation(server, sp
     keys = block_hashes(spec, tokens)
     real = Arena.fill_from_handles
 
-    def move_first(self, blocks, out, bt):  # fault: placement moves a block after the handle went out
+    def move_first(self, blocks, out, bt, stats=None):  # fault: placement moves a block after the handle went out
         server.store.migrate(keys[0], "memory")
         server.store.migrate(keys[0], "shm")
-        return real(self, blocks, out, bt)
+        return real(self, blocks, out, bt, stats)
 
     with KVClient(server.url) as c:
         c.put_kv(spec, tokens, kv)
@@ -82,9 +82,9 @@ def test_a_block_deleted_under_the_reader_shortens_the_prefix(server, spec, monk
     keys = block_hashes(spec, tokens)
     real = Arena.fill_from_handles
 
-    def delete_middle(self, blocks, out, bt):
+    def delete_middle(self, blocks, out, bt, stats=None):
         server.store.delete_blocks([keys[1]])
-        return real(self, blocks, out, bt)
+        return real(self, blocks, out, bt, stats)
 
     kv = make_kv(spec, 48)
     with KVClient(server.url) as c:
@@ -206,10 +206,16 @@ def test_reports_go_out_in_batches_while_the_client_runs(server, spec):
     with KVClient(server.url) as c:
         c.put_kv(spec, tokens, make_kv(spec, 16))
         c._arena.accesses.max_keys = 4
-        for _ in range(6):
+        for _ in range(5):  # the first asks the server; the next 4 fill a report
             c.get_kv(spec, tokens)
-        assert c.stats.shm_cached_gets == 5
-        assert server.store.stats().counters.get_calls == 1 + 4  # one report of 4 reads, 1 pending
+        assert c.stats.shm_cached_gets == 4
+        assert c.wait_reports(10)  # reports go out from a thread: a get never waits on one
+        assert server.store.stats().counters.get_calls == 1 + 4
+        c.get_kv(spec, tokens)
+        assert c.wait_reports(10)
+        assert server.store.stats().counters.get_calls == 1 + 4  # 1 pending: under max_keys and max_age_s
+    assert server.store.stats().counters.get_calls == 1 + 5  # close() sent it
+    assert server.store.entry(block_hashes(spec, tokens)[0]).hits == 6  # 4 + 1 reads sent as one key, counted
 
 
 @pytest.mark.parametrize("change", ["delete", "move"])
@@ -240,6 +246,38 @@ def test_a_remembered_handle_gone_stale_is_never_read(server, spec, change):
         assert c.stats.shm_cached_gets == 1
 
 
+def test_a_handle_is_verified_on_its_first_read_and_copied_after(server, spec):
+    tokens = list(range(64))
+    kv = make_kv(spec, 64)
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, kv)
+        out = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
+        for _ in range(3):
+            got, n = c.get_kv(spec, tokens, out=out)
+            assert n == 64 and torch.equal(got, kv)
+        assert c.stats.shm_frames_verified == 4 and c.stats.shm_frames_copied == 8
+        keys = block_hashes(spec, tokens)
+        server.store.migrate(keys[2], "memory")  # the slot's generation changes: re-asked, re-verified
+        server.store.migrate(keys[2], "shm")
+        got, n = c.get_kv(spec, tokens)
+        assert n == 64 and torch.equal(got, kv)
+        assert c.stats.shm_frames_verified > 4
+
+
+def test_a_frame_damaged_before_its_first_read_is_refused(server, spec):
+    tokens = list(range(32))
+    kv = make_kv(spec, 32)
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, kv)
+        shm = next(t for t in server.store.tiers if t.name == "shm")
+        handle = shm.handle(block_hashes(spec, tokens)[1])
+        # fault: a payload byte flips in the arena after the server encoded and published the frame
+        shm._data[handle.offset + handle.length - 1] ^= 0xFF
+        got, n = c.get_kv(spec, tokens)
+        assert c.stats.shm_frames_verified == 1 and c.stats.shm_frames_copied == 0  # block 1 failed its check
+        assert n == 16 and torch.equal(got, kv[:, :, :, :16])  # and the server refused it over HTTP too
+
+
 def test_touch_counts_only_the_callers_namespace_and_checks_its_input(serve_app, spec):
     srv = serve_app(tokens=json.dumps(TOKENS))
     tokens = list(range(32))
@@ -253,8 +291,14 @@ def test_touch_counts_only_the_callers_namespace_and_checks_its_input(serve_app,
     assert srv.store.entry(block_hashes(spec, tokens, "acme")[0]).hits == 0
     headers["x-kv-namespace"] = "acme"
     assert httpx.post(f"{srv.url}/v1/kv/touch", json=report, headers=headers).json() == {"touched": 2}
+    counted = {**report, "counts": [5, 1]}
+    assert httpx.post(f"{srv.url}/v1/kv/touch", json=counted, headers=headers).json() == {"touched": 2}
+    assert srv.store.entry(block_hashes(spec, tokens, "acme")[0]).hits == 1 + 5
+    assert srv.store.entry(block_hashes(spec, tokens, "acme")[1]).hits == 1 + 1
     for bad, field in (({**report, "gets": -1}, "gets"), ({**report, "tokens_hit": 64}, "tokens_hit"),
-                       ({**report, "keys": ["zz"]}, "keys"), ({"keys": []}, "gets")):
+                       ({**report, "keys": ["zz"]}, "keys"), ({"keys": []}, "gets"),
+                       ({**report, "counts": [1]}, "counts"), ({**report, "counts": [0, 1]}, "counts"),
+                       ({**report, "counts": [1, True]}, "counts"), ({**report, "counts": "2"}, "counts")):
         resp = httpx.post(f"{srv.url}/v1/kv/touch", json=bad, headers=headers)
         assert resp.status_code == 422 and resp.json()["error"]["field"] == field, resp.text
     resp = httpx.post(f"{srv.url}/v1/kv/touch", json=report)
