@@ -207,7 +207,7 @@ class OutViews:
     def get(self, spec: KVSpec, n_tokens: int, out: Any) -> tuple[torch.Tensor, np.ndarray]:
         """(KV view, same-size-int numpy view) of ``out``'s first bytes for ``n_tokens``."""
         last = self._last
-        if (last is not None and last[0] is out and last[1] is spec and last[2] == n_tokens
+        if (last is not None and last[0] is out and (last[1] is spec or last[1] == spec) and last[2] == n_tokens
                 and out.data_ptr() == last[3] and out.numel() == last[4]):
             kv = last[5]
             if kv.data_ptr() == last[3] and kv.shape == last[7] and kv.is_contiguous():

@@ -216,7 +216,8 @@ class ShmReader:
 
     def close(self) -> None:
         """Drop the mapping; leases still held are released by the kernel."""
-        self._view.release()
+        with contextlib.suppress(BufferError):  # a payload view still alive: GC unmaps later
+            self._view.release()
         self._words.release()
         self._rows = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):

@@ -142,12 +142,16 @@ def test_client_commands_report_errors(live_server):
     assert none.returncode == 1 and "ConnectionFailed" in none.stderr
 
 
-def test_bench_service_quick_measures_every_row(tmp_path):
-    res = run("bench", "service", "--quick", "--repeats", "1", "--out", str(tmp_path))
+@pytest.mark.parametrize("caches", ["warm", "cold"])
+def test_bench_service_quick_measures_every_row(tmp_path, caches):
+    res = run("bench", "service", "--quick", "--repeats", "1", "--caches", caches, "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     (path,) = tmp_path.glob("service-*.json")
     result = json.loads(path.read_text())
+    assert result["caches"] == caches and f"{caches} caches" in res.stdout
     (row,) = result["rows"]
+    # the co-located gets after the first came from remembered handles, each frame verified once
+    assert row["shm_client"]["shm_cached_gets"] > 0 and row["shm_client"]["shm_frames_verified"] == 1
     assert row["size"] == "1MiB" and set(row["gbps"]) >= {"shm put", "shm get", "http put", "http get",
                                                             "memcpy put", "curl get"}
     assert all(r["median"] > 0 for r in row["gbps"].values())
