@@ -37,8 +37,11 @@ def test_keys_are_chained(spec):
 def test_input_forms_agree(spec):
     expected = block_hashes(spec, TOKENS)
     for form in (tuple(TOKENS), np.array(TOKENS, dtype=np.int64), np.array(TOKENS, dtype=np.uint32),
-                 torch.tensor(TOKENS), torch.tensor(TOKENS, dtype=torch.int32)):
+                 torch.tensor(TOKENS), torch.tensor(TOKENS, dtype=torch.int32),
+                 np.array(TOKENS, dtype=np.uint16), [np.int64(t) for t in TOKENS]):
         assert block_hashes(spec, form) == expected
+    edge = [2**32 - 1] * 16  # the largest id, in the list fast path and as an array
+    assert block_hashes(spec, edge) == block_hashes(spec, np.array(edge, dtype=np.uint64))
 
 
 def test_separated_by_namespace_and_fingerprint(spec):
@@ -89,6 +92,8 @@ def test_fixed_width_encoding_has_no_ambiguity():
 @pytest.mark.parametrize("bad", [
     [1.5] * 16, [-1] * 16, [2**32] * 16, [[1, 2]] * 8, "abc", None, torch.ones(16),
     torch.ones(2, 16, dtype=torch.int64), np.ones(16, dtype=bool), [True] * 16,
+    [1] * 15 + [2**70], [1] * 15 + [-1], (0,) * 15 + (2**32,), np.full(16, -1, np.int8),
+    np.full(16, -1, np.int16), torch.full((16,), -1, dtype=torch.int8),
 ])
 def test_bad_tokens(spec, bad):
     with pytest.raises(InvalidTokens):

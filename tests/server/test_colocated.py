@@ -264,6 +264,22 @@ def test_a_handle_is_verified_on_its_first_read_and_copied_after(server, spec):
         assert c.stats.shm_frames_verified > 4
 
 
+def test_out_buffers_may_change_between_gets(server, spec):
+    tokens = list(range(64))
+    kv = make_kv(spec, 64)
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, kv)
+        a = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
+        b = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
+        for out, toks, n_want in ((a, tokens, 64), (b, tokens, 64), (a, tokens[:32], 32), (a, tokens, 64)):
+            got, n = c.get_kv(spec, toks, out=out)
+            assert n == n_want and torch.equal(got, kv[:, :, :, :n_want])
+            assert got.data_ptr() == out.data_ptr()  # a view of the caller's buffer, not a copy
+        got.transpose_(0, 1)  # the caller reshapes the returned view in place: the next get is not fooled
+        got, n = c.get_kv(spec, tokens, out=a)
+        assert n == 64 and torch.equal(got, kv) and c.stats.shm_cached_gets == 4  # all but the first
+
+
 def test_a_frame_damaged_before_its_first_read_is_refused(server, spec):
     tokens = list(range(32))
     kv = make_kv(spec, 32)
