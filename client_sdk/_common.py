@@ -147,7 +147,9 @@ class TensorPool:
             if fits:  # by index: list.remove would compare arrays element by element
                 base = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
         if base is None:
-            base = np.empty(-(-nbytes // 4096) * 4096, np.uint8)
+            # torch's allocator, not numpy's: numpy asks for transparent huge pages above 4 MiB,
+            # and a get's block-strided copy into those ran 13% slower here (3.5 vs 3.1 ms, 32 MiB)
+            base = torch.empty(-(-nbytes // 4096) * 4096, dtype=torch.uint8).numpy()
         view = base[:nbytes]
         ints = None if ints_dtype is None else view.view(ints_dtype).reshape(shape)
         held = view if ints is None else ints  # the very array torch keeps alive (numpy collapses .base chains)
