@@ -17,8 +17,9 @@ T = 256 (16 blocks of 16 tokens), 1 MiB is T = 8 (one block of 8 tokens).
 Every put writes new blocks (fresh token ids; the previous sequence is
 deleted outside the clock); gets read the same stored sequence. ``get_kv``
 rows return a fresh tensor per call, as the API does; the ``get_kv(out=)``
-rows receive into a reused buffer. Samples are interleaved across rows so
-drift hits all of them alike. Every row sees the same cache state: by default
+rows receive into a reused buffer. Samples are interleaved across rows, in an
+order rotated every round, so drift, and the slowdown right after a put, hit
+all of them alike. Every row sees the same cache state: by default
 (``--caches warm``) each sample follows an untimed call of the same row, as in
 a loop; with ``--caches cold`` each follows a 96 MiB scrub, as a read of KV
 written long ago after other work would. (Interleaving alone gave the memcpy
@@ -231,8 +232,12 @@ def _measure_size(size_name: str, repeats: int, url: str, bare_port: int, workdi
             fn()
     times: dict[str, list[float]] = {name: [] for name in rows}
     scrub = np.zeros(_SCRUB_BYTES if cold else 0, np.uint8)
-    for _ in range(repeats):
-        for name, fn in rows.items():
+    order = list(rows.items())
+    for r in range(repeats):
+        # rotate the order each round: whatever runs right after a put runs slower (a 1 MiB get
+        # measured 43-50 us there, 36 us in a loop of gets), and a fixed order would always
+        # hand that to the same row
+        for name, fn in order[r % len(order):] + order[:r % len(order)]:
             if cold:
                 scrub += 1  # the sample starts from cold caches: data, and the interpreter's own
             else:
