@@ -246,38 +246,42 @@ def test_a_remembered_handle_gone_stale_is_never_read(server, spec, change):
         assert c.stats.shm_cached_gets == 1
 
 
-def test_a_handle_is_verified_on_its_first_read_and_copied_after(server, spec):
+@pytest.fixture
+def stored64(server, spec):
+    """A client, after it put 64 tokens: (client, tokens, kv)."""
     tokens = list(range(64))
     kv = make_kv(spec, 64)
     with KVClient(server.url) as c:
         c.put_kv(spec, tokens, kv)
-        out = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
-        for _ in range(3):
-            got, n = c.get_kv(spec, tokens, out=out)
-            assert n == 64 and torch.equal(got, kv)
-        assert c.stats.shm_frames_verified == 4 and c.stats.shm_frames_copied == 8
-        keys = block_hashes(spec, tokens)
-        server.store.migrate(keys[2], "memory")  # the slot's generation changes: re-asked, re-verified
-        server.store.migrate(keys[2], "shm")
-        got, n = c.get_kv(spec, tokens)
+        yield c, tokens, kv
+
+
+def test_a_handle_is_verified_on_its_first_read_and_copied_after(server, spec, stored64):
+    c, tokens, kv = stored64
+    out = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
+    for _ in range(3):
+        got, n = c.get_kv(spec, tokens, out=out)
         assert n == 64 and torch.equal(got, kv)
-        assert c.stats.shm_frames_verified > 4
+    assert c.stats.shm_frames_verified == 4 and c.stats.shm_frames_copied == 8
+    keys = block_hashes(spec, tokens)
+    server.store.migrate(keys[2], "memory")  # the slot's generation changes: re-asked, re-verified
+    server.store.migrate(keys[2], "shm")
+    got, n = c.get_kv(spec, tokens)
+    assert n == 64 and torch.equal(got, kv)
+    assert c.stats.shm_frames_verified > 4
 
 
-def test_out_buffers_may_change_between_gets(server, spec):
-    tokens = list(range(64))
-    kv = make_kv(spec, 64)
-    with KVClient(server.url) as c:
-        c.put_kv(spec, tokens, kv)
-        a = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
-        b = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
-        for out, toks, n_want in ((a, tokens, 64), (b, tokens, 64), (a, tokens[:32], 32), (a, tokens, 64)):
-            got, n = c.get_kv(spec, toks, out=out)
-            assert n == n_want and torch.equal(got, kv[:, :, :, :n_want])
-            assert got.data_ptr() == out.data_ptr()  # a view of the caller's buffer, not a copy
-        got.transpose_(0, 1)  # the caller reshapes the returned view in place: the next get is not fooled
-        got, n = c.get_kv(spec, tokens, out=a)
-        assert n == 64 and torch.equal(got, kv) and c.stats.shm_cached_gets == 4  # all but the first
+def test_out_buffers_may_change_between_gets(spec, stored64):
+    c, tokens, kv = stored64
+    a = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
+    b = torch.empty(spec.bytes_per_token * 64, dtype=torch.uint8)
+    for out, toks, n_want in ((a, tokens, 64), (b, tokens, 64), (a, tokens[:32], 32), (a, tokens, 64)):
+        got, n = c.get_kv(spec, toks, out=out)
+        assert n == n_want and torch.equal(got, kv[:, :, :, :n_want])
+        assert got.data_ptr() == out.data_ptr()  # a view of the caller's buffer, not a copy
+    got.transpose_(0, 1)  # the caller reshapes the returned view in place: the next get is not fooled
+    got, n = c.get_kv(spec, tokens, out=a)
+    assert n == 64 and torch.equal(got, kv) and c.stats.shm_cached_gets == 4  # all but the first
 
 
 def test_a_frame_damaged_before_its_first_read_is_refused(server, spec):
