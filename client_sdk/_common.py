@@ -371,14 +371,23 @@ class AccessLog:
         return self._since is not None and (self._reads >= self.max_keys
                                             or time.monotonic() - self._since >= self.max_age_s)
 
+    MAX_REPORT_KEYS = 65_536
+    """The most keys one ``/v1/kv/touch`` takes (the server's limit); more wait for the next report."""
+
     def drain(self) -> dict | None:
-        """The pending report (and nothing pending after), or None."""
+        """The next report (at most ``MAX_REPORT_KEYS`` keys), or None when nothing is pending."""
         with self._lock:
-            if not self._gets:
+            if not self._counts and not self._gets:
                 return None
-            report = {"keys": list(self._counts), "counts": list(self._counts.values()), "gets": self._gets,
+            items = list(self._counts.items())
+            now, rest = items[:self.MAX_REPORT_KEYS], items[self.MAX_REPORT_KEYS:]
+            report = {"keys": [k for k, _ in now], "counts": [n for _, n in now], "gets": self._gets,
                       "tokens_requested": self._requested, "tokens_hit": self._hit}
-            self._counts, self._reads, self._gets, self._requested, self._hit, self._since = {}, 0, 0, 0, 0, None
+            self._counts = dict(rest)
+            self._reads = sum(n for _, n in rest)
+            self._gets = self._requested = self._hit = 0
+            if not rest:
+                self._since = None  # else the rest keep the oldest read's time: due by age soon
             return report
 
 

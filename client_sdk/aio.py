@@ -187,13 +187,11 @@ class AsyncKVClient:
 
     async def _report_accesses(self) -> None:
         """Send the reads served from remembered handles (heat is advisory: a failed report is dropped)."""
-        report = self._arena.accesses.drain() if self._arena is not None else None
-        if report is None:
-            return
-        try:
-            await self._json("POST", "/v1/kv/touch", report)
-        except KVStoreError as exc:
-            log.debug("access report dropped: %s", exc)
+        while self._arena is not None and (report := self._arena.accesses.drain()) is not None:
+            try:
+                await self._json("POST", "/v1/kv/touch", report)
+            except KVStoreError as exc:
+                log.debug("access report dropped: %s", exc)
 
     async def aclose(self) -> None:
         if self._reporting is not None:

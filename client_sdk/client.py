@@ -236,14 +236,12 @@ class KVClient:
 
     def _report_accesses(self) -> None:
         """Send the reads served from remembered handles (heat is advisory: a failed report is dropped)."""
-        report = self._arena.accesses.drain() if self._arena is not None else None
-        if report is None:
-            return
-        try:
-            self._send("POST", "/v1/kv/touch", [json.dumps(report, separators=(",", ":")).encode()],
-                       "application/json")
-        except KVStoreError as exc:
-            log.debug("access report dropped: %s", exc)
+        while self._arena is not None and (report := self._arena.accesses.drain()) is not None:
+            try:
+                self._send("POST", "/v1/kv/touch", [json.dumps(report, separators=(",", ":")).encode()],
+                           "application/json")
+            except KVStoreError as exc:
+                log.debug("access report dropped: %s", exc)
 
     def _report_soon(self) -> None:
         """Hand the pending access report to the reporter thread, so no get waits on it.

@@ -257,3 +257,19 @@ def test_async_block_and_admin_helpers(live, spec):
             assert "kvstore_tier_entries" in await c.metrics() and (await c.health())["status"] == "ok"
 
     asyncio.run(main())
+
+
+def test_access_log_counts_repeats_and_splits_big_reports():
+    from client_sdk._common import AccessLog
+
+    log = AccessLog(max_keys=4, max_age_s=3600)
+    log.MAX_REPORT_KEYS = 2
+    assert log.drain() is None and not log.due()
+    log.add([{"key": "a"}, {"key": "b"}], requested=32, hit=32)
+    log.add([{"key": "a"}, {"key": "c"}], requested=32, hit=16)
+    assert log.due()  # 4 reads pending
+    first = log.drain()
+    assert first == {"keys": ["a", "b"], "counts": [2, 1], "gets": 2, "tokens_requested": 64, "tokens_hit": 48}
+    second = log.drain()  # the key the first could not take, with no gets counted twice
+    assert second == {"keys": ["c"], "counts": [1], "gets": 0, "tokens_requested": 0, "tokens_hit": 0}
+    assert log.drain() is None and not log.due()
