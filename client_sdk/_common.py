@@ -23,6 +23,7 @@ import torch
 from client_sdk.protocol import (H_NAMESPACE, ServiceError, encode_batch_head, encode_kv_head, pad64,
                                  parse_batch_head)
 from kvstore import codec as codec_mod
+from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreError
 from kvstore.keys import block_hashes, check_key, normalize_tokens
 from kvstore.shmview import SHM_DIR, ShmReader, SlotHandle
@@ -36,11 +37,6 @@ __all__ = ["ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "res
 
 _SRC = object()
 """Key of a verified payload view in a handle's dict: never a JSON key, so a server cannot set it."""
-_SAME_SIZE_INT = {2: np.int16, 4: np.int32}  # numpy has no bfloat16: frames are copied as same-size ints
-
-
-def _int_view(t: torch.Tensor) -> np.ndarray:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()]).numpy()
 
 
 @dataclass(slots=True)
@@ -137,10 +133,10 @@ class TensorPool:
     def tensor_and_ints(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray | None]:
         """A result tensor and, for 2- and 4-byte dtypes, the same memory as same-size ints in numpy."""
         nbytes = math.prod(shape) * dtype.itemsize
-        ints_dtype = _SAME_SIZE_INT.get(dtype.itemsize)
+        ints_dtype = SAME_SIZE_INTS.get(dtype.itemsize, (None, None))[1]
         if self.keep_bytes <= 0 or nbytes == 0:
             t = torch.empty(shape, dtype=dtype)
-            return t, _int_view(t) if ints_dtype is not None else None
+            return t, int_view(t) if ints_dtype is not None else None
         base = None
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if nbytes <= b.nbytes <= 2 * nbytes + 4096]
@@ -215,7 +211,7 @@ class OutViews:
             if kv.data_ptr() == last[3] and kv.shape == last[7] and kv.is_contiguous():
                 return kv, last[6]
         kv = result_tensor(spec, n_tokens, out)
-        views = (kv, _int_view(kv))
+        views = (kv, int_view(kv))
         if isinstance(out, torch.Tensor):
             self._last = (out, spec, n_tokens, out.data_ptr(), out.numel(), kv, views[1], kv.shape)
         return views
@@ -475,7 +471,7 @@ class Arena:
             src = b.get(_SRC)
             if src is not None:  # verified before: a plain copy under the seqlock
                 if dst is None:
-                    dst = _int_view(out)
+                    dst = int_view(out)
                 if self.reader.copy_current(h["index"], h["gen"], dst[:, :, :, i * bt:(i + 1) * bt], src):
                     if stats is not None:
                         stats.shm_frames_copied += 1
@@ -496,7 +492,7 @@ class Arena:
                 continue
             if stats is not None:
                 stats.shm_frames_verified += 1
-            ints = _SAME_SIZE_INT.get(part.element_size())
+            ints = SAME_SIZE_INTS.get(part.element_size(), (None, None))[1]
             if header.codec is codec_mod.Codec.RAW and not header.lz4 and ints is not None:
                 b[_SRC] = self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
         return missing
