@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from client_sdk.protocol import (H_NAMESPACE, ServiceError, encode_batch_head, encode_kv_head, pad64,
-                                 parse_batch_head)
+from client_sdk.protocol import (H_NAMESPACE, MAX_TOUCH_KEYS, ServiceError, encode_batch_head, encode_kv_head,
+                                 pad64, parse_batch_head)
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreError
@@ -29,8 +29,8 @@ from kvstore.keys import block_hashes, check_key, normalize_tokens
 from kvstore.shmview import SHM_DIR, ShmReader, SlotHandle
 from kvstore.spec import KVSpec
 
-__all__ = ["ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena", "HandleCache",
-           "AccessLog",
+__all__ = ["ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena",
+           "HandleCache", "AccessLog",
            "fill_from_batch", "batch_parts", "frames_of",
            "headers_for", "SHM_DIR"]
 
@@ -367,8 +367,8 @@ class AccessLog:
         return self._since is not None and (self._reads >= self.max_keys
                                             or time.monotonic() - self._since >= self.max_age_s)
 
-    MAX_REPORT_KEYS = 65_536
-    """The most keys one ``/v1/kv/touch`` takes (the server's limit); more wait for the next report."""
+    MAX_REPORT_KEYS = MAX_TOUCH_KEYS
+    """The most keys one report carries (the server's limit); more wait for the next report."""
 
     def drain(self) -> dict | None:
         """The next report (at most ``MAX_REPORT_KEYS`` keys), or None when nothing is pending."""

@@ -52,7 +52,7 @@ __all__ = [
     "QuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout",
     "ERRORS", "STATUS", "status_for", "error_type", "error_body", "error_from",
     "KVHeader", "encode_kv_head", "parse_kv_head", "kv_nbytes",
-    "encode_batch_head", "parse_batch_head", "pad64", "host_id",
+    "encode_batch_head", "parse_batch_head", "pad64", "host_id", "MAX_TOUCH_KEYS",
 ]
 
 KV_MEDIA = "application/x-kvstore-kv"
@@ -73,6 +73,8 @@ _KV_MAGIC = b"KVW1"
 _BATCH_MAGIC = b"KVB1"
 _PREFIX = struct.Struct("<4sI")
 MAX_HEADER_BYTES = 1 << 20
+MAX_TOUCH_KEYS = 65_536
+"""Keys one access report (``POST /v1/kv/touch``) may carry; a client sends more in further reports."""
 _ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 

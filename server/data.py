@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
-from client_sdk.protocol import (H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MalformedRequest,
+from client_sdk.protocol import (H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, MalformedRequest,
                                  PayloadTooLarge, RouteNotFound, parse_kv_head)
 from kvstore import __version__
 from kvstore.evict import EvictionQuery, evict
@@ -235,9 +235,8 @@ async def kv_handles(request: Request) -> JSONResponse:
     return JSONResponse({"n_tokens": len(blocks) * spec.block_tokens, "segment": svc.shm.segment, "blocks": blocks})
 
 
-_MAX_TOUCH_KEYS = 65_536
 _MAX_TOUCH_COUNT = 1 << 30
-"""Keys one access report may carry (a client sends one every 256 by default)."""
+"""Reads of one key one access report may claim."""
 
 
 @router.post("/v1/kv/touch")
@@ -254,8 +253,8 @@ async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
     ns = svc.namespace(request, p)
     data = await json_body(request)
     keys = require(data, "keys", list)
-    if len(keys) > _MAX_TOUCH_KEYS:
-        raise MalformedRequest(f"keys: at most {_MAX_TOUCH_KEYS} per report, got {len(keys)}")
+    if len(keys) > MAX_TOUCH_KEYS:
+        raise MalformedRequest(f"keys: at most {MAX_TOUCH_KEYS} per report, got {len(keys)}")
     reads = data.get("counts", [1] * len(keys))
     if (not isinstance(reads, list) or len(reads) != len(keys)
             or not all(type(n) is int and 0 < n <= _MAX_TOUCH_COUNT for n in reads)):
