@@ -175,9 +175,7 @@ def result_tensor(spec: KVSpec, n_tokens: int, out: Any = None, pool: TensorPool
     if isinstance(out, torch.Tensor):
         if out.device.type != "cpu" or not out.is_contiguous():
             raise InvalidInput("out must be a contiguous CPU tensor or a writable buffer")
-        if out.dtype == spec.torch_dtype and out.numel() == math.prod(shape):  # the hot case: one view
-            return out.view(shape)
-        flat = out if out.dtype == torch.uint8 and out.dim() == 1 else out.view(-1).view(torch.uint8)
+        flat = out.view(-1).view(torch.uint8)
     else:
         try:
             flat = torch.frombuffer(out, dtype=torch.uint8)
@@ -186,7 +184,7 @@ def result_tensor(spec: KVSpec, n_tokens: int, out: Any = None, pool: TensorPool
     need = spec.bytes_per_token * n_tokens
     if flat.numel() < need:
         raise InvalidInput(f"out holds {flat.numel()} bytes, the KV needs {need}")
-    return (flat if flat.numel() == need else flat[:need]).view(spec.torch_dtype).view(shape)
+    return flat[:need].view(spec.torch_dtype).view(shape)
 
 
 class OutViews:
