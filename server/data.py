@@ -57,6 +57,16 @@ async def _spec_and_tokens(request: Request) -> tuple[Any, np.ndarray]:
     return parse_spec(require(data, "spec", dict)), parse_tokens(require(data, "tokens", list))
 
 
+def _caller(request: Request, *, colocated: bool = False) -> tuple[Service, Principal, str]:
+    """The service, the caller and its namespace, read here rather than by a ``Depends``:
+    the hot routes skip FastAPI's resolver. ``colocated``: refuse unless the shm path is offered."""
+    svc = svc_of(request)
+    p = svc.principal(request)
+    if colocated:
+        _colocated(svc)
+    return svc, p, svc.namespace(request, p)
+
+
 @router.get("/v1/info")
 async def info(request: Request, p: Principal = Depends(principal)) -> dict:
     """What a client needs to pick its medium; co-location details only when offered."""
@@ -74,9 +84,7 @@ async def info(request: Request, p: Principal = Depends(principal)) -> dict:
 @router.post("/v1/kv/put")
 async def kv_put(request: Request) -> JSONResponse:
     """Store the KV of every full block. Body: a KV body (``client_sdk.protocol``)."""
-    svc = svc_of(request)
-    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
-    ns = svc.namespace(request, p)
+    svc, p, ns = _caller(request)
     if not _is_kv_body(request):
         raise MalformedRequest(f"content-type: must be {KV_MEDIA}")
     buf, n = await svc.read_body(request)
@@ -103,9 +111,7 @@ def _put(svc: Service, p: Principal, ns: str, spec, tokens, kv) -> int:
 @router.post("/v1/kv/get")
 async def kv_get(request: Request) -> Response:
     """The KV of the longest stored prefix, as raw bytes ``[L, 2, H, n, D]``."""
-    svc = svc_of(request)
-    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
-    ns = svc.namespace(request, p)
+    svc, _, ns = _caller(request)
     spec, tokens = await _spec_and_tokens(request)
     # Decode into a pooled buffer that goes back to the pool once the response is sent:
     # a fresh 32 MiB tensor per get spent most of the request faulting its pages in.
@@ -136,9 +142,7 @@ async def kv_get(request: Request) -> Response:
 @router.post("/v1/lookup")
 async def lookup(request: Request) -> JSONResponse:
     """The longest stored prefix: its token count, and each block's key and tier."""
-    svc = svc_of(request)
-    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
-    ns = svc.namespace(request, p)
+    svc, _, ns = _caller(request)
     spec, tokens = await _spec_and_tokens(request)
     blocks = await svc.run_index(engine.prefix_blocks, svc.store, spec, tokens, ns)
     return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
@@ -225,10 +229,7 @@ async def kv_handles(request: Request) -> JSONResponse:
     Blocks outside the shm tier come with a null handle; the client fetches those
     with ``POST /v1/blocks/get``.
     """
-    svc = svc_of(request)
-    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
-    _colocated(svc)
-    ns = svc.namespace(request, p)
+    svc, _, ns = _caller(request, colocated=True)
     spec, tokens = await _spec_and_tokens(request)
     blocks = await svc.run_index(_handles, svc, spec, tokens, ns)
     svc.metrics.colocated.labels("get").inc()
@@ -322,10 +323,7 @@ async def kv_put_staged(lease_id: str, request: Request) -> JSONResponse:
 
     Body: a KV body without the KV bytes (it ends at the KV offset).
     """
-    svc = svc_of(request)
-    p = svc.principal(request)  # not a Depends: the hot routes skip FastAPI's resolver
-    _colocated(svc)
-    ns = svc.namespace(request, p)
+    svc, p, ns = _caller(request, colocated=True)
     raw = await request.body()
     head = parse_kv_head(raw)
     if len(raw) != head.kv_at:
