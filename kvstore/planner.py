@@ -1,0 +1,429 @@
+"""The transfer planner: per transfer, pick the medium and wire codec, or say "recompute".
+
+Cost model, per option (a medium, and for gets a wire codec):
+
+    predicted = latency + wire_bytes / bandwidth + codec_cost_per_byte * raw_bytes
+
+against ``recompute = tokens / prefill_rate`` for the caller's spec. Latency and
+bandwidth are EWMAs per option, seeded by a bounded probe at connect and
+updated from every real transfer's measured time; codec costs are EWMAs of
+measured encode and decode seconds per byte.
+
+Stability: the planner keeps a current choice per (operation, size class). It
+moves to another option only when that option is predicted better by
+``margin_frac`` for ``window_s`` without a break; a choice that becomes
+unavailable is left at once. Payloads of at most ``small_bytes`` take the first
+available medium in the policy's order without deliberation.
+
+Every decision is a ``Decision`` record (inputs, candidates with predictions,
+choice, reason, then the actual cost), kept in a bounded ``DecisionLog``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from kvstore.errors import InvalidInput
+from kvstore.policy import Policy
+
+__all__ = ["Option", "RECOMPUTE", "Estimate", "CostModel", "Candidate", "Decision", "DecisionLog", "Planner"]
+
+RECOMPUTE = "recompute"
+_INT8_WIRE_FRAC = 0.5  # int8 frames of fp16 KV: half the payload, plus scales (measured 0.51-0.53)
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way to do a transfer: a medium, and the codec the bytes travel in."""
+
+    medium: str
+    codec: str = "raw"
+
+    @property
+    def name(self) -> str:
+        return self.medium if self.codec == "raw" else f"{self.medium}+{self.codec}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Option":
+        medium, _, codec = name.partition("+")
+        return cls(medium, codec or "raw")
+
+
+@dataclass(slots=True)
+class Estimate:
+    """EWMA latency and seconds per byte of one option.
+
+    A sample of at most ``small_bytes`` updates latency; a larger one updates
+    seconds per byte from its time beyond the current latency, so one
+    number per sample is enough to learn both.
+    """
+
+    latency_s: float | None = None
+    s_per_byte: float | None = None
+    samples: int = 0
+    updated_s: float = 0.0
+    real_samples: int = 0
+    """Samples from real transfers, not probes: filler over a bare link flatters a medium."""
+    real_updated_s: float = -math.inf
+
+    def predict(self, nbytes: int) -> float | None:
+        if self.latency_s is None or (self.s_per_byte is None and nbytes > 0):
+            return None
+        return self.latency_s + nbytes * (self.s_per_byte or 0.0)
+
+    def observe(self, nbytes: int, seconds: float, alpha: float, small_bytes: int, now_s: float,
+                real: bool = True) -> None:
+        seconds = max(seconds, 1e-9)
+        self.samples += 1
+        self.updated_s = now_s
+        if real and nbytes > small_bytes:
+            self.real_samples += 1
+            self.real_updated_s = now_s
+        if nbytes <= small_bytes or self.latency_s is None:
+            # A large first sample also seeds latency, so the estimate is usable at once.
+            sample = seconds if nbytes <= small_bytes else min(seconds, 2e-4)
+            self.latency_s = _ewma(self.latency_s, sample, alpha)
+            if nbytes <= small_bytes:
+                return
+        if seconds < (self.latency_s or 0.0):  # faster than the fixed cost alone: that estimate was high
+            self.latency_s = _ewma(self.latency_s, seconds * 0.5, alpha)
+        per_byte = max(seconds - (self.latency_s or 0.0), seconds * 0.05) / nbytes
+        self.s_per_byte = _ewma(self.s_per_byte, per_byte, alpha)
+
+    def to_dict(self) -> dict[str, Any]:
+        bw = None if not self.s_per_byte else 1.0 / self.s_per_byte / 1e9
+        return {"latency_ms": None if self.latency_s is None else self.latency_s * 1e3,
+                "bandwidth_gbps": bw, "samples": self.samples, "real_samples": self.real_samples}
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else (1.0 - alpha) * old + alpha * sample
+
+
+class CostModel:
+    """Estimates per option and per codec, and the caller's prefill rates. Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.links: dict[str, Estimate] = {}
+        self.codec_s_per_byte: dict[tuple[str, str], float] = {}
+        """(codec, "encode" | "decode") -> EWMA seconds per raw byte."""
+        self.prefill_tps: dict[str, float] = {}
+        """Spec fingerprint -> the caller's prefill rate, tokens per second."""
+
+    def observe(self, op: str, option: str, nbytes: int, seconds: float, policy: Policy, *,
+                real: bool = True) -> None:
+        """One timed transfer (``real``) or probe of ``op`` ("get" or "put") over ``option``."""
+        with self._lock:
+            self.links.setdefault(f"{op}:{option}", Estimate()).observe(
+                nbytes, seconds, policy.ewma_alpha, policy.small_bytes, self.clock(), real)
+
+    def observe_codec(self, codec: str, direction: str, raw_bytes: int, seconds: float, alpha: float = 0.3) -> None:
+        if raw_bytes <= 0:
+            return
+        with self._lock:
+            key = (codec, direction)
+            self.codec_s_per_byte[key] = _ewma(self.codec_s_per_byte.get(key), seconds / raw_bytes, alpha)
+
+    def set_prefill_rate(self, fingerprint: str, tokens_per_s: float) -> None:
+        if not isinstance(tokens_per_s, (int, float)) or not math.isfinite(tokens_per_s) or tokens_per_s <= 0:
+            raise InvalidInput(f"prefill rate must be a positive number of tokens per second, got {tokens_per_s!r}")
+        with self._lock:
+            self.prefill_tps[fingerprint] = float(tokens_per_s)
+
+    def predict(self, op: str, option: Option, raw_bytes: int) -> float | None:
+        """Seconds to ``op`` ``raw_bytes`` of KV over ``option``; None before any estimate exists."""
+        with self._lock:
+            est = self.links.get(f"{op}:{option.name}")
+            if est is None:
+                return None
+            wire = raw_bytes if option.codec == "raw" else int(raw_bytes * _INT8_WIRE_FRAC)
+            link = est.predict(wire)
+            if link is None:
+                return None
+            if option.codec == "raw":
+                return link
+            codec = (self.codec_s_per_byte.get((option.codec, "encode"), 0.0)
+                     + self.codec_s_per_byte.get((option.codec, "decode"), 0.0))
+            return link + codec * raw_bytes
+
+    def recompute_s(self, fingerprint: str, tokens: int) -> float | None:
+        with self._lock:
+            rate = self.prefill_tps.get(fingerprint)
+        return None if rate is None else tokens / rate
+
+    def age_s(self, op: str, option: str, *, real: bool = False) -> float:
+        """Seconds since the last sample (``real``: the last real transfer); inf if none."""
+        with self._lock:
+            est = self.links.get(f"{op}:{option}")
+            if est is None or not est.samples:
+                return math.inf
+            return self.clock() - (est.real_updated_s if real else est.updated_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"links": {k: v.to_dict() for k, v in self.links.items()},
+                    "codecs": {f"{c}/{d}": v * 1e9 for (c, d), v in self.codec_s_per_byte.items()},
+                    "prefill_tokens_per_s": dict(self.prefill_tps)}
+
+
+@dataclass(slots=True)
+class Candidate:
+    option: str
+    predicted_s: float | None
+    feasible: bool = True
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"option": self.option, "predicted_s": self.predicted_s, "feasible": self.feasible, "why": self.why}
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class Decision:
+    """One planner decision: what it knew, what it chose and why, and what it then cost."""
+
+    op: str
+    nbytes: int
+    """Raw KV bytes the transfer would move (for a get: every full block asked for)."""
+    tokens: int
+    locality: str
+    """"colocated" (same host as the server, shm offered) or "remote"."""
+    candidates: list[Candidate]
+    choice: str
+    """An option name ("http", "flight+int8", ...) or "recompute"."""
+    reason: str
+    policy_version: int
+    slo_s: float | None = None
+    free_bytes: int | None = None
+    predicted_s: float | None = None
+    time_s: float = field(default_factory=time.time)
+    id: int = field(default_factory=lambda: next(_ids))
+    actual_s: float | None = None
+    actual_bytes: int | None = None
+    predicted_actual_s: float | None = None
+    """The model's prediction for the bytes that actually moved (a get may hit fewer than asked)."""
+    error: str | None = None
+    """Set when the chosen transfer failed."""
+
+    @property
+    def option(self) -> Option | None:
+        return None if self.choice == RECOMPUTE else Option.parse(self.choice)
+
+    @property
+    def ratio(self) -> float | None:
+        """actual / predicted, for the bytes that moved; None when either is unknown."""
+        if not self.actual_s or not self.predicted_actual_s:
+            return None
+        return self.actual_s / self.predicted_actual_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "time_s": self.time_s, "op": self.op, "bytes": self.nbytes, "tokens": self.tokens,
+                "locality": self.locality, "slo_s": self.slo_s, "free_bytes": self.free_bytes,
+                "candidates": [c.to_dict() for c in self.candidates], "choice": self.choice, "reason": self.reason,
+                "policy_version": self.policy_version, "predicted_s": self.predicted_s,
+                "actual_s": self.actual_s, "actual_bytes": self.actual_bytes,
+                "predicted_actual_s": self.predicted_actual_s, "ratio": self.ratio, "error": self.error}
+
+
+class DecisionLog:
+    """The newest ``capacity`` decisions, oldest first; finished ones also queue for reporting."""
+
+    def __init__(self, capacity: int = 1024, report_capacity: int = 4096) -> None:
+        self._ring: deque[Decision] = deque(maxlen=capacity)
+        self._unreported: deque[Decision] = deque(maxlen=report_capacity)
+        self._lock = threading.Lock()
+
+    def add(self, decision: Decision) -> None:
+        with self._lock:
+            self._ring.append(decision)
+
+    def finished(self, decision: Decision) -> None:
+        with self._lock:
+            self._unreported.append(decision)
+
+    def records(self, limit: int = 100) -> list[Decision]:
+        with self._lock:
+            return list(self._ring)[-limit:] if limit else []
+
+    def drain(self, limit: int = 1024) -> list[Decision]:
+        with self._lock:
+            out = [self._unreported.popleft() for _ in range(min(limit, len(self._unreported)))]
+        return out
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+
+@dataclass(slots=True)
+class _Sticky:
+    current: str
+    challenger: str | None = None
+    since_s: float = 0.0
+
+
+class Planner:
+    """Decides per transfer from a ``CostModel``, with hysteresis per (op, size class).
+
+    Args:
+        model: the shared estimates (a client keeps one per server).
+        clock: monotonic seconds (tests drive it).
+    """
+
+    def __init__(self, model: CostModel | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 log: DecisionLog | None = None) -> None:
+        self.model = model or CostModel(clock)
+        self.clock = clock
+        self.log = log or DecisionLog()
+        self._sticky: dict[tuple[int, str, int], _Sticky] = {}
+        self._lock = threading.Lock()
+
+    def decide(self, op: str, options: Iterable[Option], *, nbytes: int, tokens: int, policy: Policy,
+               fingerprint: str = "", locality: str = "remote", slo_s: float | None = None,
+               free_bytes: int | None = None) -> Decision:
+        """Pick an option for one transfer (``op`` "get" or "put"), or "recompute" for a get.
+
+        Args:
+            options: what is available for this transfer, already filtered by the policy's media.
+            nbytes: raw KV bytes the transfer moves at most.
+            tokens: tokens the caller would recompute instead.
+            slo_s: this transfer's latency bound (default: the policy's).
+            free_bytes: the receiver's free buffer space; an option needing more is infeasible.
+        """
+        opts = [o for o in options if o.medium in policy.media and (op == "put" or o.codec in policy.codecs)]
+        if not opts:
+            raise InvalidInput(f"no medium available for {op} under policy v{policy.version}")
+        slo = policy.slo_s if slo_s is None else slo_s
+        if nbytes <= policy.small_bytes:
+            first = min(opts, key=lambda o: (policy.media.index(o.medium), o.codec != "raw"))
+            return self._record(op, nbytes, tokens, locality, [Candidate(first.name, self.model.predict(op, first, nbytes))],
+                                first.name, f"payload of {nbytes} B is at most small_bytes: default medium",
+                                policy, slo, free_bytes)
+        cands = [self._candidate(op, o, nbytes, slo, free_bytes) for o in opts]
+        recompute = None
+        if op == "get" and policy.recompute and tokens > 0:
+            rs = self.model.recompute_s(fingerprint, tokens)
+            if rs is not None:
+                recompute = Candidate(RECOMPUTE, rs)
+                cands.append(recompute)
+        known = [c for c in cands if c.feasible and c.predicted_s is not None]
+        if not known:  # nothing measured yet: the policy's order decides
+            first = next((c for c in cands if c.feasible and c.option != RECOMPUTE), cands[0])
+            return self._record(op, nbytes, tokens, locality, cands, first.option,
+                                "no estimates yet: first available medium in the policy's order",
+                                policy, slo, free_bytes)
+        best = min(known, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
+        explore = self._to_explore(op, policy, cands, best)
+        if explore is not None:
+            return self._record(op, nbytes, tokens, locality, cands, explore.option,
+                                f"explore: no real {op} over {explore.option} in {policy.explore_after_s:g} s "
+                                f"(predicted {_ms(explore.predicted_s)}, best {best.option} {_ms(best.predicted_s)})",
+                                policy, slo, free_bytes)
+        choice, reason = self._stable(op, nbytes, policy, cands, best)
+        return self._record(op, nbytes, tokens, locality, cands, choice, reason, policy, slo, free_bytes)
+
+    def _to_explore(self, op: str, policy: Policy, cands: list[Candidate], best: Candidate) -> Candidate | None:
+        """A medium whose estimate rests on probes alone (or is stale) gets one real transfer.
+
+        Only when it is predicted within 2x of the best: a medium far behind is
+        not worth a real transfer, and the recompute answer is never explored.
+        """
+        if best.predicted_s is None:
+            return None
+        for c in cands:
+            if (c.option == RECOMPUTE or not c.feasible or c.predicted_s is None or c.option == best.option
+                    or c.predicted_s > 2.0 * best.predicted_s):
+                continue
+            if self.model.age_s(op, c.option, real=True) >= policy.explore_after_s:
+                with self._lock:  # one exploration per option per interval, even if it fails
+                    est = self.model.links.get(f"{op}:{c.option}")
+                    if est is not None:
+                        est.real_updated_s = self.clock()
+                return c
+        return None
+
+    def _candidate(self, op: str, option: Option, nbytes: int, slo: float | None,
+                   free_bytes: int | None) -> Candidate:
+        predicted = self.model.predict(op, option, nbytes)
+        cand = Candidate(option.name, predicted)
+        need = nbytes * (2 if option.medium in ("flight", "redis") else 1)  # frames land before decoding
+        if free_bytes is not None and need > free_bytes:
+            cand.feasible, cand.why = False, f"needs {need} B of buffer, receiver has {free_bytes}"
+        elif slo is not None and predicted is not None and predicted > slo:
+            cand.why = f"predicted {predicted * 1e3:.2f} ms is over the SLO of {slo * 1e3:.2f} ms"
+        return cand
+
+    def _stable(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate], best: Candidate) -> tuple[str, str]:
+        """Hysteresis: keep the current choice unless ``best`` beats it by the margin for the window."""
+        by_name = {c.option: c for c in cands}
+        key = (policy.version, op, max(0, int(math.log2(max(nbytes, 1))) // 2))  # size classes of 4x
+        now = self.clock()
+        with self._lock:
+            st = self._sticky.get(key)
+            cur = by_name.get(st.current) if st else None
+            if st is None or cur is None or not cur.feasible or cur.predicted_s is None:
+                gone = f"previous choice {st.current} is unavailable; " if st else ""
+                self._sticky[key] = _Sticky(best.option)
+                return best.option, f"{gone}lowest predicted time ({_ms(best.predicted_s)})"
+            if best.option == st.current:
+                st.challenger = None
+                return st.current, f"lowest predicted time ({_ms(best.predicted_s)})"
+            if best.predicted_s > cur.predicted_s * (1.0 - policy.margin_frac):  # type: ignore[operator]
+                st.challenger = None
+                return st.current, (f"kept: {best.option} ({_ms(best.predicted_s)}) is not {policy.margin_frac:.0%} "
+                                    f"better than {st.current} ({_ms(cur.predicted_s)})")
+            if st.challenger != best.option:
+                st.challenger, st.since_s = best.option, now
+            held = now - st.since_s
+            if held < policy.window_s:
+                return st.current, (f"kept: {best.option} ({_ms(best.predicted_s)}) beats {st.current} "
+                                    f"({_ms(cur.predicted_s)}) by the margin for {held:.1f} of {policy.window_s:g} s")
+            old = st.current
+            self._sticky[key] = _Sticky(best.option)
+            return best.option, (f"switched from {old}: {best.option} predicted {_ms(best.predicted_s)} against "
+                                 f"{_ms(cur.predicted_s)} for {held:.1f} s")
+
+    def _record(self, op: str, nbytes: int, tokens: int, locality: str, cands: list[Candidate], choice: str,
+                reason: str, policy: Policy, slo: float | None, free_bytes: int | None) -> Decision:
+        chosen = next((c for c in cands if c.option == choice), None)
+        d = Decision(op, nbytes, tokens, locality, cands, choice, reason, policy.version, slo, free_bytes,
+                     None if chosen is None else chosen.predicted_s)
+        self.log.add(d)
+        return d
+
+    def finish(self, decision: Decision, policy: Policy, *, actual_s: float, actual_bytes: int,
+               codec_s: float = 0.0, error: str | None = None) -> None:
+        """Record what the chosen transfer cost, and learn from it.
+
+        Args:
+            actual_s: the whole transfer, codec work included.
+            actual_bytes: raw KV bytes that moved.
+            codec_s: of ``actual_s``, seconds spent encoding or decoding (not the link's).
+            error: the failure, when the transfer failed (nothing is learnt from it).
+        """
+        option = decision.option
+        decision.actual_s, decision.actual_bytes, decision.error = actual_s, actual_bytes, error
+        if option is not None and error is None:
+            decision.predicted_actual_s = self.model.predict(decision.op, option, actual_bytes)
+            wire = actual_bytes if option.codec == "raw" else int(actual_bytes * _INT8_WIRE_FRAC)
+            self.model.observe(decision.op, option.name, wire, max(actual_s - codec_s, 1e-9), policy)
+        self.log.finished(decision)
+
+    def forget_choice(self, option: str) -> None:
+        """Drop ``option`` as the current choice everywhere (its medium failed)."""
+        with self._lock:
+            for key in [k for k, st in self._sticky.items() if st.current == option]:
+                del self._sticky[key]
+
+
+def _ms(seconds: float | None) -> str:
+    return "unknown" if seconds is None else f"{seconds * 1e3:.2f} ms"

@@ -1,0 +1,216 @@
+"""The planner's cost model, decisions, hysteresis and policies (no server: a fake clock, real timings)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvstore.errors import InvalidInput
+from kvstore.planner import RECOMPUTE, CostModel, Estimate, Option, Planner
+from kvstore.policy import CanaryJudge, Policy, PolicySet, bucket
+
+MB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _planner(policy: Policy) -> tuple[Planner, Clock]:
+    clock = Clock()
+    return Planner(CostModel(clock), clock=clock), clock
+
+
+def test_estimate_learns_latency_and_bandwidth():
+    est = Estimate()
+    est.observe(0, 0.001, 0.5, 8192, 0.0)
+    for _ in range(20):
+        est.observe(100 * MB, 0.001 + 0.1, 0.5, 8192, 1.0)  # 1 GB/s after 1 ms
+    assert est.latency_s == pytest.approx(0.001)
+    assert est.predict(10 * MB) == pytest.approx(0.001 + 0.01, rel=0.01)
+    assert est.real_samples == 20
+
+
+def test_small_payload_takes_the_default_without_deliberation():
+    policy = Policy(media=("shm", "http"))
+    planner, _ = _planner(policy)
+    d = planner.decide("get", [Option("http"), Option("shm")], nbytes=4096, tokens=16, policy=policy)
+    assert d.choice == "shm" and "small_bytes" in d.reason
+
+
+def test_recompute_when_fetching_is_slower_than_prefill_and_fetch_otherwise():
+    policy = Policy(media=("http",), explore_after_s=86400.0)
+    planner, _ = _planner(policy)
+    planner.model.observe("get", "http", 0, 0.0005, policy)
+    planner.model.observe("get", "http", 64 * MB, 64 * MB / 0.1e9, policy)  # 0.1 GB/s
+    planner.model.set_prefill_rate("fp", 2000.0)  # 1,024 tokens: 0.51 s
+    slow = planner.decide("get", [Option("http")], nbytes=128 * MB, tokens=1024, policy=policy, fingerprint="fp")
+    assert slow.choice == RECOMPUTE
+    assert slow.candidates[-1].option == RECOMPUTE and slow.candidates[-1].predicted_s == pytest.approx(0.512)
+    fast = planner.decide("get", [Option("http")], nbytes=8 * MB, tokens=1024, policy=policy, fingerprint="fp")
+    assert fast.choice == "http"
+    assert not Policy(recompute=False).recompute
+    off = planner.decide("get", [Option("http")], nbytes=128 * MB, tokens=1024, policy=Policy(recompute=False,
+                         media=("http",)), fingerprint="fp")
+    assert off.choice == "http"
+
+
+def test_buffer_space_rules_out_an_option():
+    policy = Policy(media=("flight", "http"), explore_after_s=86400.0)
+    planner, _ = _planner(policy)
+    for name, gbps in (("flight", 5.0), ("http", 1.0)):
+        planner.model.observe("get", name, 0, 0.0001, policy)
+        planner.model.observe("get", name, 64 * MB, 64 * MB / (gbps * 1e9), policy)
+    d = planner.decide("get", [Option("flight"), Option("http")], nbytes=32 * MB, tokens=512, policy=policy,
+                       free_bytes=40 * MB)
+    assert d.choice == "http"
+    assert not next(c for c in d.candidates if c.option == "flight").feasible
+
+
+class Link:
+    """A latency-injecting wrapper around a transfer: the work is real, the delay is injected."""
+
+    def __init__(self, latency_s: float) -> None:
+        self.latency_s = latency_s
+
+    def transfer(self) -> float:
+        t0 = time.perf_counter()
+        time.sleep(self.latency_s)
+        return time.perf_counter() - t0
+
+
+def _drive(planner: Planner, clock: Clock, policy: Policy, links: dict[str, Link], steps: int,
+           step_s: float) -> list[str]:
+    """Run transfers; every option is measured each step (as the client's explores and probes do)."""
+    chosen = []
+    for _ in range(steps):
+        d = planner.decide("get", [Option(n) for n in links], nbytes=4 * MB, tokens=256, policy=policy)
+        for name, link in links.items():
+            seconds = link.transfer()
+            if name == d.choice:
+                planner.finish(d, policy, actual_s=seconds, actual_bytes=4 * MB)
+            else:
+                planner.model.observe("get", name, 4 * MB, seconds, policy)
+        chosen.append(d.choice)
+        clock.now += step_s
+    return chosen
+
+
+def test_no_flapping_under_alternating_phases_and_a_switch_after_a_sustained_change():
+    policy = Policy(media=("shm", "http"), margin_frac=0.2, window_s=5.0, ewma_alpha=0.5, explore_after_s=86400.0)
+    planner, clock = _planner(policy)
+    fast, slow = 0.002, 0.012
+    links = {"shm": Link(fast), "http": Link(slow)}
+    first = _drive(planner, clock, policy, links, 4, 0.5)
+    assert set(first[1:]) == {"shm"}
+    # Alternate every 2 s (shorter than the 5 s window): http is better half of the time, never for 5 s.
+    seen = []
+    for phase in range(6):
+        links["shm"].latency_s, links["http"].latency_s = (slow, fast) if phase % 2 == 0 else (fast, slow)
+        seen += _drive(planner, clock, policy, links, 4, 0.5)
+    assert set(seen) == {"shm"}, "flapped on phases shorter than the window"
+    # A sustained change: http is better from now on; the switch comes after the window, not before.
+    links["shm"].latency_s, links["http"].latency_s = slow, fast
+    sustained = _drive(planner, clock, policy, links, 20, 0.5)
+    switch_at = sustained.index("http")
+    assert 5.0 <= switch_at * 0.5 <= 7.5, sustained
+    assert set(sustained[switch_at:]) == {"http"}, "switched back without cause"
+    reasons = [d.reason for d in planner.log.records(100)]
+    assert any(r.startswith("switched from shm") for r in reasons)
+
+
+def test_a_failed_choice_is_left_at_once():
+    policy = Policy(media=("shm", "http"), explore_after_s=86400.0)
+    planner, _ = _planner(policy)
+    for name, s in (("shm", 0.002), ("http", 0.01)):
+        planner.model.observe("get", name, 0, 0.0001, policy)
+        planner.model.observe("get", name, 4 * MB, s, policy)
+    opts = [Option("shm"), Option("http")]
+    assert planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy).choice == "shm"
+    d = planner.decide("get", [Option("http")], nbytes=4 * MB, tokens=1, policy=policy)
+    assert d.choice == "http" and "unavailable" in d.reason
+
+
+def test_an_option_known_only_from_probes_gets_one_real_transfer():
+    policy = Policy(media=("shm", "http"), explore_after_s=30.0)
+    planner, clock = _planner(policy)
+    planner.model.observe("get", "shm", 4 * MB, 0.002, policy)
+    planner.model.observe("get", "http", 4 * MB, 0.003, policy, real=False)  # a probe
+    opts = [Option("shm"), Option("http")]
+    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
+    assert d.choice == "http" and d.reason.startswith("explore")
+    assert planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy).choice == "shm"
+    clock.now += 31
+    assert planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy).reason.startswith("explore")
+
+
+def test_decision_records_carry_predicted_and_actual():
+    policy = Policy(media=("http",), explore_after_s=86400.0)
+    planner, _ = _planner(policy)
+    planner.model.observe("get", "http", 0, 0.001, policy)
+    planner.model.observe("get", "http", 8 * MB, 0.009, policy)
+    d = planner.decide("get", [Option("http")], nbytes=8 * MB, tokens=512, policy=policy)
+    assert d.predicted_s == pytest.approx(0.009, rel=0.01)
+    planner.finish(d, policy, actual_s=0.012, actual_bytes=4 * MB)
+    rec = d.to_dict()
+    assert rec["actual_s"] == 0.012 and rec["actual_bytes"] == 4 * MB
+    assert rec["predicted_actual_s"] == pytest.approx(0.001 + 4 * MB * 0.008 / (8 * MB), rel=0.01)
+    assert rec["ratio"] == pytest.approx(0.012 / rec["predicted_actual_s"])
+    assert planner.log.drain() == [d]
+
+
+def test_int8_option_counts_half_the_wire_bytes_plus_codec_time():
+    policy = Policy(media=("http",), codecs=("raw", "int8"), explore_after_s=86400.0)
+    planner, _ = _planner(policy)
+    for name in ("http", "http+int8"):
+        planner.model.observe("get", name, 0, 0.0001, policy)
+        planner.model.observe("get", name, 10 * MB, 0.1, policy)  # ~0.1 GB/s: a slow link
+    planner.model.observe_codec("int8", "encode", MB, 0.0005)
+    planner.model.observe_codec("int8", "decode", MB, 0.0005)
+    d = planner.decide("get", [Option("http"), Option("http", "int8")], nbytes=32 * MB, tokens=1, policy=policy)
+    assert d.choice == "http+int8"
+
+
+def test_policy_validation_names_the_field():
+    with pytest.raises(InvalidInput, match="margin_frac"):
+        Policy(margin_frac=-1)
+    with pytest.raises(InvalidInput, match="media"):
+        Policy(media=("carrier-pigeon",))
+    with pytest.raises(InvalidInput, match="unknown fields"):
+        Policy.from_dict({"version": 2, "speed": "fast"})
+    with pytest.raises(InvalidInput, match="fraction"):
+        PolicySet(Policy(), Policy(version=2), fraction=1.5)
+    with pytest.raises(InvalidInput, match="version"):
+        PolicySet(Policy(), Policy(), fraction=0.5)
+    p = Policy(version=3, media=("http",), slo_s=0.5)
+    assert Policy.from_dict(p.to_dict()) == p
+
+
+def test_canary_routes_a_stable_fraction():
+    ps = PolicySet(Policy(version=1), Policy(version=2), fraction=0.25)
+    keys = [f"ns-{i}" for i in range(4000)]
+    share = sum(ps.for_key(k).version == 2 for k in keys) / len(keys)
+    assert 0.22 <= share <= 0.28
+    assert all(ps.for_key(k) == ps.for_key(k) for k in keys[:50])
+    assert bucket("ns-1") == bucket("ns-1")
+    assert PolicySet(Policy(version=1), Policy(version=2), fraction=0.0).for_key("x").version == 1
+
+
+def test_judge_rolls_back_only_a_worse_candidate_with_enough_samples():
+    judge = CanaryJudge(min_samples=10, rollback_margin_frac=0.25)
+    for _ in range(30):
+        judge.observe(1, 0.010, 0.1)
+    for _ in range(9):
+        judge.observe(2, 0.050, 0.1)
+    assert judge.verdict(1, 2) is None  # too few samples yet
+    judge.observe(2, 0.050, 0.1)
+    assert "p95" in judge.verdict(1, 2)
+    judge.forget(2)
+    for _ in range(20):
+        judge.observe(2, 0.011, 0.1)
+    assert judge.verdict(1, 2) is None
