@@ -13,6 +13,7 @@ between the writer and the reader) and it is not collision resistant.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any, Iterator, NewType
 
@@ -29,6 +30,7 @@ __all__ = [
     "root_hash",
     "block_hashes",
     "iter_block_hashes",
+    "block_meta",
     "normalize_tokens",
     "validate_namespace",
     "to_hex",
@@ -144,6 +146,16 @@ def _chain(prev: bytes, data: memoryview, stride: int, n_blocks: int) -> Iterato
 def block_hashes(spec: KVSpec, tokens: Any, namespace: str = "default") -> list[BlockHash]:
     """The keys of every full block of ``tokens``; the tail gets none."""
     return list(iter_block_hashes(spec, tokens, namespace))
+
+
+def block_meta(namespace: str, spec_fingerprint: str, depth: int) -> bytes:
+    """The metadata every stored frame carries: namespace, spec fingerprint and chain depth.
+
+    Kept in the frame so a durable tier's contents can be re-indexed after a
+    restart, and so a frame put by key is checked against the request's namespace.
+    """
+    return json.dumps({"v": 1, "ns": validate_namespace(namespace), "spec": spec_fingerprint, "depth": depth},
+                      separators=(",", ":")).encode()
 
 
 def to_hex(key: bytes) -> str:

@@ -1,7 +1,7 @@
 """Rebuild the index at start from what durable tiers still hold.
 
 Every frame carries its namespace, spec fingerprint and depth in its metadata
-(``store._frame_meta``), so a durable tier alone is enough to serve a block
+(``keys.block_meta``), so a durable tier alone is enough to serve a block
 again after a crash or restart. Only each frame's first 4 KiB is read
 (``Tier.head``): the header and metadata; the body is verified on first read. Only tiers that are durable and private to this
 store are scanned: a shared tier (Redis) is consulted on a miss instead, since

@@ -13,7 +13,6 @@ tokens, never wrong KV.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -38,7 +37,7 @@ from kvstore.index import Index, IndexEntry
 from kvstore.heat import Scorer
 from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
 from kvstore.shared import SharedTier, WritePolicy, find_shared
-from kvstore.keys import BlockHash, block_hashes, check_key, iter_block_hashes, normalize_tokens, validate_namespace
+from kvstore.keys import BlockHash, block_hashes, block_meta, check_key, iter_block_hashes, normalize_tokens
 from kvstore.spec import KVSpec
 from kvstore.tier import Tier, TierStats
 
@@ -235,7 +234,7 @@ class KVStore:
                     self._index.add(entry)
                     self.placement.admitted(key, entry.tier, entry.size, depth=i, now=heat_now)
                     if self._shared is not None:
-                        self._shared.after_put(entry, block, _frame_meta(namespace, spec_fp, i))
+                        self._shared.after_put(entry, block, block_meta(namespace, spec_fp, i))
                     if self.placement.lease(key):
                         held.append(key)
                 self._count(blocks_written=1)
@@ -593,7 +592,7 @@ class KVStore:
 
         Runs under ``claim(key)``.
         """
-        meta = _frame_meta(namespace, spec_fp, depth)
+        meta = block_meta(namespace, spec_fp, depth)
         failure: TierError | None = None
         for tier in self._tiers[first:]:
             codec = self._codecs[tier.name]
@@ -780,8 +779,4 @@ def _kind(tier: Tier) -> str:
     return kind if isinstance(kind, str) else tier.stats().kind
 
 
-def _frame_meta(namespace: str, spec_fp: str, depth: int) -> bytes:
-    # Kept in every frame so a durable tier's contents can be re-indexed after a restart.
-    return json.dumps({"v": 1, "ns": validate_namespace(namespace), "spec": spec_fp, "depth": depth},
-                      separators=(",", ":")).encode()
 

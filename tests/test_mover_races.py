@@ -88,14 +88,14 @@ def test_a_move_back_racing_the_source_delete_loses_nothing():
 
 def test_a_put_frame_racing_a_move_keeps_the_new_frame():
     from kvstore import codec as codec_mod
-    from kvstore.store import _frame_meta
+    from kvstore.keys import block_meta
 
     hot, cold = HookTier(16 * MiB, "hot"), HookTier(64 * MiB, "cold")
     s = store([hot, cold])
     s.put_kv(SPEC, TOKENS, make_kv(SPEC, 16, seed=1))
     key = block_hashes(SPEC, TOKENS)[0]
     newer = make_kv(SPEC, 16, seed=9)
-    frame = codec_mod.encode(newer, "raw", meta=_frame_meta("default", SPEC.fingerprint(), 0))
+    frame = codec_mod.encode(newer, "raw", meta=block_meta("default", SPEC.fingerprint(), 0))
     cold.on_put = lambda: s.put_frame(key, frame, "default")
     s.migrate(key, "cold")
     cold.join()

@@ -479,7 +479,7 @@ def test_put_frame_stores_a_verified_frame_and_refuses_another_namespace(spec):
     from kvstore import codec as codec_mod
     from kvstore.errors import CorruptFrame
     from kvstore.keys import block_hashes
-    from kvstore.store import _frame_meta
+    from kvstore.keys import block_meta as _frame_meta
 
     kv = make_kv(spec, 16)
     key = block_hashes(spec, TOKENS[:16], "acme")[0]
