@@ -176,8 +176,8 @@ def _measure_size(size_name: str, repeats: int, url: str, bare_port: int, workdi
     nbytes = spec.bytes_per_token * n_tokens
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(spec.kv_shape(n_tokens), generator=gen).to(torch.float16)
-    shm = KVClient(url, namespace="bench")
-    http = KVClient(url, namespace="bench", colocated=False)
+    shm = KVClient(url, namespace="bench", plan=False)  # each row measures one fixed medium
+    http = KVClient(url, namespace="bench", colocated=False, plan=False)
     fixed = list(range(1_000_000, 1_000_000 + n_tokens))
     shm.put_kv(spec, fixed, kv)
     out = torch.empty(nbytes, dtype=torch.uint8)
@@ -269,7 +269,7 @@ def _measure_lookup(url: str, fastapi_port: int, seconds: float) -> dict:
 
     spec, _ = _spec("32MiB")
     tokens = list(range(1_000_000, 1_000_256))
-    client = KVClient(url, namespace="bench")
+    client = KVClient(url, namespace="bench", plan=False)
     if client.lookup(spec, tokens) != len(tokens):  # the 32 MiB rows stored it already, unless --quick
         client.put_kv(spec, tokens, torch.zeros(spec.kv_shape(len(tokens)), dtype=torch.float16))
     bare = Connection(Endpoint.parse(f"http://127.0.0.1:{fastapi_port}"), connect_timeout_s=5, timeout_s=30)

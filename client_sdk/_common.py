@@ -7,6 +7,7 @@ one on the event loop.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import mmap
 import os
@@ -239,6 +240,15 @@ def frames_of(body: bytes) -> list[bytes | None]:
     view = memoryview(body)
     return [None if b["offset"] is None else bytes(view[data_at + b["offset"]:data_at + b["offset"] + b["length"]])
             for b in blocks]
+
+
+def frame_in_namespace(frame: Any, namespace: str) -> bool:
+    """Whether a frame's metadata names ``namespace`` (a frame read outside the server's checks)."""
+    try:
+        meta = json.loads(codec_mod.frame_meta(frame))
+    except (FrameError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("ns") == namespace
 
 
 def fill_from_batch(body: bytes, want: dict[str, int], out: torch.Tensor, bt: int,

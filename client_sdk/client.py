@@ -28,10 +28,14 @@ import torch
 
 from client_sdk import _common as c
 from client_sdk._http import BrokenConnection, Connection, Endpoint
+from client_sdk.media import Medium
+from client_sdk.planning import ClientPlanner
+from client_sdk.rest_media import HttpMedium, InprocMedium, ShmMedium, side_media
 from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, ConnectionFailed, Forbidden,
                                  RequestTimeout, ServiceError, error_from, host_id)
 from kvstore.errors import KVStoreError, TierFull
 from kvstore.keys import BlockHash, check_key, validate_namespace
+from kvstore.planner import Decision
 from kvstore.spec import KVSpec
 
 log = logging.getLogger("kvstore.client")
@@ -55,12 +59,22 @@ class KVClient:
         colocated: None picks shm when it works, False never uses it (remote), True requires it.
         buffer_pool_bytes: idle result memory kept for reuse (``_common.TensorPool``); 0 turns
             it off. A result's memory is reused only after every tensor viewing it is gone.
+        plan: let the transfer planner pick the medium per transfer (``client_sdk.planning``);
+            False keeps the medium fixed: shm when co-located, else HTTP.
+        inproc: an ``EmbeddedStore`` in this process that the server serves (the agent hosts the
+            server): the ``inproc`` medium, tensors by reference.
+        redis_url: the shared Redis tier, for the ``redis`` medium, when the server offers it.
+        wrap_media: applied to every medium as it is built (tests and benchmarks inject slow links
+            with ``client_sdk.media.Throttled``).
+        slo_s: default latency bound of a transfer for the planner (None: the policy's).
     """
 
     def __init__(self, url: str, token: str | None = None, namespace: str = "default", *,
                  timeout_s: float | None = 60.0, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.05, colocated: bool | None = None,
-                 buffer_pool_bytes: int = 512 << 20) -> None:
+                 buffer_pool_bytes: int = 512 << 20, plan: bool = True, inproc: Any = None,
+                 redis_url: str | None = None, wrap_media: Callable[[Medium], Medium] | None = None,
+                 slo_s: float | None = None) -> None:
         self.url = url.rstrip("/")
         self.endpoint = Endpoint.parse(self.url)
         self.token = token
@@ -81,7 +95,14 @@ class KVClient:
         self._report_wanted = self._report_busy = self._closing = False
         self._arena: c.Arena | None = None
         self._medium: str | None = None
-        self._medium_lock = threading.Lock()
+        self._medium_lock = threading.RLock()  # _planned() holds it while _use_shm() takes it
+        self.plan = plan
+        self.slo_s = slo_s
+        self._inproc = inproc
+        self.redis_url = redis_url
+        self._wrap_media = wrap_media
+        self._planner: ClientPlanner | None = None
+        self._info: dict | None = None
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
                                   headers=c.headers_for(token, self.namespace))
 
@@ -98,25 +119,37 @@ class KVClient:
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
         kv = c.validate_put(spec, toks, kv)
+        if self.plan:
+            return self._planned().put_kv(spec, toks, kv, self.slo_s)
         if self._use_shm():
             got = self._put_shm(spec, toks, kv)
             if got is not None:
                 return got
+        return self._put_http(spec, toks, kv)
+
+    def _put_http(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
         parts = c.kv_parts(spec, toks, kv)
         answer = self._send("POST", "/v1/kv/put", parts, KV_MEDIA)
         self.stats.http_puts += 1
         self.stats.last_medium = "http"
         return int(answer["stored_tokens"])
 
-    def get_kv(self, spec: KVSpec, tokens: Any, *, out: Any = None) -> tuple[torch.Tensor, int]:
+    def get_kv(self, spec: KVSpec, tokens: Any, *, out: Any = None,
+               slo_s: float | None = None) -> tuple[torch.Tensor, int]:
         """The KV of the longest stored prefix: ``(kv [L, 2, H, n, D], n)``.
+
+        With planning on, ``n`` is 0 when the planner predicts that recomputing
+        is faster than fetching; ``last_decision.reason`` says why.
 
         Args:
             out: optional contiguous CPU tensor or writable buffer to receive the KV; the
                 returned tensor is then a view of its first bytes (no allocation per call).
+            slo_s: this transfer's latency bound for the planner (default: the client's).
         """
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
+        if self.plan:
+            return self._planned().get_kv(spec, toks, out, self.slo_s if slo_s is None else slo_s)
         if self._use_shm():
             return self._get_shm(spec, toks, out)
         parts = c.kv_parts(spec, toks, None)
@@ -235,13 +268,23 @@ class KVClient:
         return self._request_http("GET", "/metrics").text
 
     def _report_accesses(self) -> None:
-        """Send the reads served from remembered handles (heat is advisory: a failed report is dropped)."""
+        """Send the reads served from remembered handles, and finished planner decisions.
+
+        Both are advisory (heat, the decision log): a failed report is dropped.
+        """
         while self._arena is not None and (report := self._arena.accesses.drain()) is not None:
             try:
                 self._send("POST", "/v1/kv/touch", [json.dumps(report, separators=(",", ":")).encode()],
                            "application/json")
             except KVStoreError as exc:
                 log.debug("access report dropped: %s", exc)
+        while self._planner is not None and (records := self._planner.planner.log.drain(256)):
+            try:
+                self._send("POST", "/v1/decisions", [json.dumps({"decisions": [d.to_dict() for d in records]},
+                                                                separators=(",", ":")).encode()], "application/json")
+            except KVStoreError as exc:
+                log.debug("decision report dropped: %s", exc)
+                break
 
     def _report_soon(self) -> None:
         """Hand the pending access report to the reporter thread, so no get waits on it.
@@ -303,6 +346,52 @@ class KVClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- the planner -----------------------------------------------------------------------------
+
+    def set_prefill_rate(self, spec: KVSpec, tokens_per_s: float) -> None:
+        """The caller's prefill speed for ``spec``: the planner answers "recompute" when that is faster."""
+        self._planned().set_prefill_rate(c.check_spec(spec), tokens_per_s)
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The planner's latest decision (inputs, candidates, choice, reason, actual cost)."""
+        return None if self._planner is None else self._planner.last
+
+    def decisions(self, limit: int = 100) -> list[dict]:
+        """This client's newest decision records, oldest first."""
+        return [] if self._planner is None else [d.to_dict() for d in self._planner.planner.log.records(limit)]
+
+    def _planned(self) -> ClientPlanner:
+        if self._planner is None:
+            with self._medium_lock:
+                if self._planner is None:
+                    self._planner = self._build_planner()
+        return self._planner
+
+    def _build_planner(self) -> ClientPlanner:
+        colocated = self._use_shm()
+        if self._info is None:
+            self._info = self.info()
+        built: dict[str, Medium] = {}
+        if self._inproc is not None:
+            built["inproc"] = InprocMedium(self._inproc, self.namespace)
+        if colocated:
+            built["shm"] = ShmMedium(self)
+        built["http"] = HttpMedium(self)
+        for name, medium in self._side_media().items():
+            built[name] = medium
+        if self._wrap_media is not None:
+            built = {k: self._wrap_media(m) for k, m in built.items()}
+        return ClientPlanner(built, fetch_policies=self._fetch_policies, routing_key=self.namespace,
+                             locality="colocated" if colocated else "remote", report=self._report_soon)
+
+    def _side_media(self) -> dict[str, Medium]:
+        """Flight and direct Redis, where the server offers them and this process can use them."""
+        return side_media(self, self._info or {})
+
+    def _fetch_policies(self) -> Any:
+        return self._json("GET", "/v1/policy")
+
     # -- co-located path -----------------------------------------------------------------------
 
     def _use_shm(self) -> bool:
@@ -315,7 +404,7 @@ class KVClient:
         return self._medium == "shm"
 
     def _pick_medium(self) -> str:
-        info = self.info()
+        info = self._info = self.info()
         offer = info.get("colocated")
         reason = None
         if not offer:
@@ -366,6 +455,40 @@ class KVClient:
         if good < len(blocks):
             kv = kv[:, :, :, :good * bt].clone() if out is None else c.result_tensor(spec, good * bt, out)
         return kv, good * bt
+
+    def _frames_shm(self, keys: Sequence[BlockHash]) -> list[Any]:
+        """Frames of ``keys``: read from the arena where it holds them (and they are this
+        namespace's), the rest over HTTP."""
+        arena = self._arena
+        assert arena is not None
+        frames: list[Any] = []
+        for key in keys:
+            handle = arena.reader.find(check_key(key))
+            frame = arena.reader.read(handle) if handle is not None else None
+            if frame is not None and not c.frame_in_namespace(frame, self.namespace):
+                frame = None
+            frames.append(frame)
+        missing = [i for i, f in enumerate(frames) if f is None]
+        if missing:
+            for i, frame in zip(missing, self.get_blocks([keys[i] for i in missing])):
+                frames[i] = frame
+        return frames
+
+    def _probe_http(self, nbytes: int) -> None:
+        """``GET /v1/probe``: ``nbytes`` of filler received into a reused buffer."""
+        def once() -> None:
+            conn = self._conn()
+            head = conn.request("GET", f"/v1/probe?bytes={int(nbytes)}", self._headers())
+            if head.status != 200:
+                raise error_from(head.status, conn.read_body())
+            if head.length:
+                buf = getattr(self._local, "probe_buf", None)
+                if buf is None or len(buf) < head.length:
+                    buf = self._local.probe_buf = bytearray(head.length)
+                conn.read_into(memoryview(buf)[:head.length])
+            else:
+                conn.read_body()
+        self._retrying(once)
 
     def _put_shm(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
         """A put through a staging lease; None when staging has no room (the caller uses HTTP).

@@ -78,7 +78,7 @@ async def info(request: Request, p: Principal = Depends(principal)) -> dict:
     return {"service": "kvstore", "version": __version__, "host_id": svc.host_id, "colocated": colocated,
             "tiers": [t.name for t in svc.store.tiers], "auth": svc.auth.enabled, "tenant": p.name,
             "namespaces": None if p.namespaces is None else sorted(p.namespaces),
-            "max_body_bytes": svc.settings.max_body_bytes}
+            "max_body_bytes": svc.settings.max_body_bytes, "media": dict(svc.offers)}
 
 
 @router.post("/v1/kv/put")

@@ -76,6 +76,10 @@ class _StoreCollector:
             yield GaugeMetricFamily(f"kvstore_{name}", f"Service figure {name}.", value=value)
 
 
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, float("inf"))
+"""actual/predicted: 1.0 is a perfect prediction; the buckets are finer near it."""
+
+
 class Metrics:
     """The series the server records itself, plus the store collector."""
 
@@ -93,4 +97,11 @@ class Metrics:
                                      ["status"], registry=self.registry)
         self.evicted = Counter("kvstore_admin_evicted_blocks", "Blocks removed by eviction requests.",
                                registry=self.registry)
+        self.prediction = Histogram("kvstore_planner_prediction_ratio",
+                                    "Planner decisions' actual over predicted transfer time, by medium.",
+                                    ["medium"], buckets=_RATIO_BUCKETS, registry=self.registry)
+        self.decisions = Counter("kvstore_planner_decisions", "Planner decisions reported by clients, by option.",
+                                 ["op", "choice"], registry=self.registry)
+        self.rollbacks = Counter("kvstore_planner_rollbacks", "Canary policies rolled back, by who.",
+                                 ["by"], registry=self.registry)
         self.registry.register(_StoreCollector(stats, extra))  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import threading
 import time
@@ -34,6 +35,8 @@ from server.metrics import Metrics
 from server.staging import StagingArena
 
 __all__ = ["Service", "BufferPool", "Quotas", "parse_spec", "parse_tokens", "json_body", "require"]
+
+log = logging.getLogger("kvstore.server")
 
 T = TypeVar("T")
 
@@ -131,6 +134,14 @@ class Service:
         if settings.colocated and self.shm is not None:
             self.staging = StagingArena(settings.staging_bytes)
         self.metrics = Metrics(store.stats, self._figures)
+        self.offers: dict[str, Any] = {}
+        """Extra media this server offers, by name (``flight``, ``redis``), as ``/v1/info`` shows them:
+        a client's planner counts them among its candidates."""
+        redis_tier = next((t for t, k in zip(store.tiers, kinds) if k == "redis"), None)
+        if redis_tier is not None:  # the keyspace only: a client brings its own URL and credentials
+            self.offers["redis"] = {"keyspace": getattr(redis_tier, "keyspace", "default"), "tier": redis_tier.name}
+        self.closers: list[Callable[[], None]] = []
+        """Run first at close (in reverse order): servers started beside the app, e.g. Arrow Flight."""
 
     def _figures(self) -> dict[str, float]:
         out = {"uptime_seconds": time.time() - self.started_s}
@@ -196,6 +207,12 @@ class Service:
         return buf, n
 
     def close(self) -> None:
+        for closer in reversed(self.closers):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - one failed side server must not keep the store open
+                log.exception("kvstore: closing a side server failed")
+        self.closers.clear()
         self.pool.shutdown(wait=True)
         if self.staging is not None:
             self.staging.close()

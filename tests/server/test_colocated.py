@@ -20,7 +20,7 @@ from tests.server.test_ops import _metric
 def test_the_shm_path_is_used_on_the_same_host(server, spec):
     tokens = list(range(100))
     kv = make_kv(spec, 100)
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         assert c.put_kv(spec, tokens, kv) == 96
         got, n = c.get_kv(spec, tokens)
         assert n == 96 and torch.equal(got, kv[:, :, :, :96])
@@ -49,7 +49,7 @@ def test_the_http_path_when_told_the_server_is_remote(server, spec):
 def test_blocks_outside_the_arena_come_over_http(server, spec):
     tokens = list(range(64))
     kv = make_kv(spec, 64)
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
         keys = block_hashes(spec, tokens)
         assert server.store.migrate(keys[1], "memory")
@@ -69,7 +69,7 @@ def test_a_slot_recycled_under_the_reader_is_caught_by_its_generation(server, sp
         server.store.migrate(keys[0], "shm")
         return real(self, blocks, out, bt, stats)
 
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
         monkeypatch.setattr(Arena, "fill_from_handles", move_first)
         got, n = c.get_kv(spec, tokens)
@@ -87,7 +87,7 @@ def test_a_block_deleted_under_the_reader_shortens_the_prefix(server, spec, monk
         return real(self, blocks, out, bt, stats)
 
     kv = make_kv(spec, 48)
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
         monkeypatch.setattr(Arena, "fill_from_handles", delete_middle)
         got, n = c.get_kv(spec, tokens)
@@ -95,7 +95,7 @@ def test_a_block_deleted_under_the_reader_shortens_the_prefix(server, spec, monk
 
 
 def test_an_expired_staging_lease_is_renewed(server, spec):
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, list(range(32)), make_kv(spec, 32))
         (lease,) = c._arena.leases
         assert server.svc.staging.release(lease["lease"], "anonymous")  # fault: it expired server-side
@@ -109,7 +109,7 @@ def test_an_expired_staging_lease_is_renewed(server, spec):
 def test_a_full_staging_area_falls_back_to_http(serve_app):
     srv = serve_app(staging_bytes="1MiB")
     spec = make_spec(num_layers=32, head_dim=128)  # 512 KiB a block
-    with KVClient(srv.url) as c:
+    with KVClient(srv.url, plan=False) as c:
         kv = make_kv(spec, 48)
         assert c.put_kv(spec, list(range(48)), kv) == 48
         assert c.stats.http_puts == 1 and c.stats.shm_puts == 0
@@ -123,7 +123,7 @@ def test_colocated_true_without_an_offer_is_an_error(serve_app, spec):
     assert info["colocated"] is None
     with KVClient(srv.url, colocated=True) as c, pytest.raises(ServiceError, match="offers no shm path"):
         c.get_kv(spec, list(range(16)))
-    with KVClient(srv.url) as c:  # auto: HTTP
+    with KVClient(srv.url, plan=False) as c:  # auto: HTTP
         c.put_kv(spec, list(range(16)), make_kv(spec, 16))
         assert c.stats.http_puts == 1
     resp = httpx.post(f"{srv.url}/v1/kv/handles", json={"spec": spec.to_dict(), "tokens": [1]})
@@ -160,7 +160,7 @@ def test_concurrent_puts_from_one_client_never_share_a_staging_range(server):
     spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB a block
     seqs = [list(range(i * 1000, i * 1000 + 64)) for i in range(8)]
     kvs = [make_kv(spec, 64, seed=i) for i in range(8)]
-    with KVClient(server.url, namespace="threads") as c:
+    with KVClient(server.url, namespace="threads", plan=False) as c:
         threads = [threading.Thread(target=c.put_kv, args=(spec, s, k)) for s, k in zip(seqs, kvs)]
         for t in threads:
             t.start()
@@ -184,7 +184,7 @@ def test_a_repeated_get_uses_remembered_handles_and_reports_its_reads(server, sp
     tokens = list(range(64))
     kv = make_kv(spec, 64)
     keys = block_hashes(spec, tokens)
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
         for _ in range(3):
             got, n = c.get_kv(spec, tokens + [1, 2])
@@ -197,13 +197,13 @@ def test_a_repeated_get_uses_remembered_handles_and_reports_its_reads(server, sp
     counters = server.store.stats().counters
     assert counters.get_calls == 3 and counters.tokens_hit == 3 * 64 and counters.tokens_requested == 3 * 64
     assert server.store.entry(keys[0]).hits == 3 and server.store.explain(keys[3])["accesses"] == 4  # put + 3
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         assert _metric(c.metrics(), "kvstore_colocated_ops_total", op="get") == 3
 
 
 def test_reports_go_out_in_batches_while_the_client_runs(server, spec):
     tokens = list(range(16))
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, make_kv(spec, 16))
         c._arena.accesses.max_keys = 4
         for _ in range(5):  # the first asks the server; the next 4 fill a report
@@ -225,7 +225,7 @@ def test_a_remembered_handle_gone_stale_is_never_read(server, spec, change):
     tokens = list(range(48))
     kv = make_kv(spec, 48)
     keys = block_hashes(spec, tokens)
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
         c.get_kv(spec, tokens)
         assert len(c._arena.handles) == 3
@@ -251,7 +251,7 @@ def stored64(server, spec):
     """A client, after it put 64 tokens: (client, tokens, kv)."""
     tokens = list(range(64))
     kv = make_kv(spec, 64)
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
         yield c, tokens, kv
 
@@ -287,7 +287,7 @@ def test_out_buffers_may_change_between_gets(spec, stored64):
 def test_a_frame_damaged_before_its_first_read_is_refused(server, spec):
     tokens = list(range(32))
     kv = make_kv(spec, 32)
-    with KVClient(server.url) as c:
+    with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
         shm = next(t for t in server.store.tiers if t.name == "shm")
         handle = shm.handle(block_hashes(spec, tokens)[1])

@@ -1,0 +1,244 @@
+"""How a client plans its transfers: media, probes, the policy it runs under, reports.
+
+``ClientPlanner`` owns one ``kvstore.planner.Planner`` and the media a client
+can reach. Per transfer it asks the planner for an option, runs it through
+that medium, times it, and tells the planner what it cost. At start (and when
+an estimate grows older than the policy's ``explore_after_s``) it probes each
+medium: one empty round trip and one bounded transfer (``probe_bytes``).
+
+The policies come from the server (``GET /v1/policy``, refreshed every
+``refresh_s``); each transfer runs under the baseline or the canary candidate
+by a stable hash of the namespace (``PolicySet.for_key``). Finished decision
+records go back to the server in batches (``POST /v1/decisions``), where
+``/admin/decisions`` shows them and the canary is judged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from client_sdk.media import Medium
+from kvstore.errors import InvalidInput, KVStoreError
+from kvstore.planner import RECOMPUTE, Decision, Option, Planner
+from kvstore.policy import Policy, PolicySet
+from kvstore.spec import KVSpec
+
+log = logging.getLogger("kvstore.client")
+
+__all__ = ["ClientPlanner", "free_memory_bytes"]
+
+
+def free_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo: the receiver's room for a result; None where unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class ClientPlanner:
+    """The planner as one client uses it.
+
+    Args:
+        media: what this client can reach, by name.
+        fetch_policies: returns the server's ``PolicySet`` JSON (None: keep the defaults).
+        routing_key: what the canary hashes (the client's namespace).
+        locality: "colocated" or "remote", recorded in every decision.
+        refresh_s: how often the policies are fetched again.
+        report: called (it must not block) when finished decisions should go to the server:
+            every ``report_every`` of them, or ``report_after_s`` after the last report.
+    """
+
+    def __init__(self, media: dict[str, Medium], *, fetch_policies: Callable[[], Any] | None = None,
+                 routing_key: str = "default", locality: str = "remote", refresh_s: float = 5.0,
+                 planner: Planner | None = None, report: Callable[[], None] | None = None,
+                 report_every: int = 64, report_after_s: float = 1.0) -> None:
+        self.media = media
+        self.planner = planner or Planner()
+        self.fetch_policies = fetch_policies
+        self.routing_key = routing_key
+        self.locality = locality
+        self.refresh_s = refresh_s
+        self.policies = PolicySet()
+        self._fetched_s = -1e18
+        self._probing = threading.Lock()
+        self.last: Decision | None = None
+        self._report = report
+        self._report_every = report_every
+        self._report_after_s = report_after_s
+        self._finished = 0
+        self._reported_s = time.monotonic()
+        self._refresh(force=True)
+        self._calibrate_codecs()
+
+    # -- policies ----------------------------------------------------------------------------
+
+    def policy(self) -> Policy:
+        self._refresh()
+        return self.policies.for_key(self.routing_key)
+
+    def _refresh(self, force: bool = False) -> None:
+        if self.fetch_policies is None or (not force and time.monotonic() - self._fetched_s < self.refresh_s):
+            return
+        self._fetched_s = time.monotonic()
+        try:
+            data = self.fetch_policies()
+            if data is not None:
+                self.policies = PolicySet.from_dict(data)
+        except (KVStoreError, ValueError) as exc:  # keep the last good policies
+            log.debug("policy refresh failed: %s", exc)
+
+    # -- estimates -----------------------------------------------------------------------------
+
+    def _options(self, op: str, policy: Policy) -> list[Option]:
+        out = []
+        for name in policy.media:
+            medium = self.media.get(name)
+            if medium is None:
+                continue
+            if op == "put":
+                if medium.puts:
+                    out.append(Option(name))
+                continue
+            for codec in policy.codecs:
+                if codec in medium.codecs or (codec == "raw" and None in medium.codecs):
+                    out.append(Option(name, codec))
+        return out
+
+    def _explore(self, op: str, options: list[Option], policy: Policy) -> None:
+        """Probe every option whose estimate for ``op`` is missing or older than ``explore_after_s``.
+
+        A probe moves filler the way a get does; it seeds a put's estimate too, until real puts refine it.
+        """
+        with self._probing:
+            for option in options:
+                if self.planner.model.age_s(op, option.name) < policy.explore_after_s:
+                    continue
+                medium = self.media[option.medium]
+                try:
+                    rtt = []
+                    for _ in range(3):  # the least of three: the first may pay for a connect
+                        t0 = time.perf_counter()
+                        medium.probe(0)
+                        rtt.append(time.perf_counter() - t0)
+                    self.planner.model.observe(op, option.name, 0, min(rtt), policy, real=False)
+                    wire = policy.probe_bytes if option.codec == "raw" else policy.probe_bytes // 2
+                    if wire:
+                        t0 = time.perf_counter()
+                        medium.probe(wire)
+                        self.planner.model.observe(op, option.name, wire, time.perf_counter() - t0, policy,
+                                                   real=False)
+                except KVStoreError as exc:
+                    log.info("probe of %s failed: %s", option.name, exc)
+                    self.planner.forget_choice(option.name)
+
+    def _calibrate_codecs(self) -> None:
+        """Seed int8 encode/decode seconds per byte from one small block (the server encodes alike)."""
+        from kvstore import codec as codec_mod
+
+        kv = torch.randn(4, 2, 4, 64, 128).to(torch.float16)  # 512 KiB
+        t0 = time.perf_counter()
+        frame = codec_mod.encode(kv, "int8")
+        t1 = time.perf_counter()
+        codec_mod.decode(frame)
+        t2 = time.perf_counter()
+        raw = kv.numel() * kv.element_size()
+        self.planner.model.observe_codec("int8", "encode", raw, t1 - t0)
+        self.planner.model.observe_codec("int8", "decode", raw, t2 - t1)
+
+    def set_prefill_rate(self, spec: KVSpec, tokens_per_s: float) -> None:
+        self.planner.model.set_prefill_rate(spec.fingerprint(), tokens_per_s)
+
+    # -- transfers ----------------------------------------------------------------------------------
+
+    def get_kv(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None) -> tuple[torch.Tensor, int]:
+        policy = self.policy()
+        options = self._options("get", policy)
+        if not options:
+            raise InvalidInput(f"policy v{policy.version} allows none of this client's media {sorted(self.media)}")
+        self._explore("get", options, policy)
+        n_tokens = spec.full_blocks(len(toks)) * spec.block_tokens
+        d = self.planner.decide("get", options, nbytes=n_tokens * spec.bytes_per_token, tokens=n_tokens,
+                                policy=policy, fingerprint=spec.fingerprint(), locality=self.locality,
+                                slo_s=slo_s, free_bytes=free_memory_bytes() if out is None else _capacity(out))
+        self.last = d
+        if d.choice == RECOMPUTE:
+            self.planner.finish(d, policy, actual_s=0.0, actual_bytes=0)
+            self._finished_one()
+            return spec.empty_kv(0), 0
+        option = d.option
+        assert option is not None
+        medium = self.media[option.medium]
+        t0 = time.perf_counter()
+        try:
+            kv, n = medium.get_kv(spec, toks, out, codec=None if option.codec == "raw" else option.codec)
+        except KVStoreError as exc:
+            self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=0, error=repr(exc))
+            self.planner.forget_choice(option.name)
+            raise
+        elapsed = time.perf_counter() - t0
+        raw = n * spec.bytes_per_token
+        codec_s = 0.0
+        if option.codec != "raw":
+            model = self.planner.model.codec_s_per_byte
+            codec_s = raw * (model.get((option.codec, "encode"), 0.0) + model.get((option.codec, "decode"), 0.0))
+        self.planner.finish(d, policy, actual_s=elapsed, actual_bytes=raw, codec_s=min(codec_s, elapsed * 0.9))
+        self._finished_one()
+        return kv, n
+
+    def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor, slo_s: float | None) -> int:
+        policy = self.policy()
+        options = self._options("put", policy)
+        if not options:
+            raise InvalidInput(f"policy v{policy.version} allows none of this client's media {sorted(self.media)}")
+        self._explore("put", options, policy)
+        nbytes = spec.full_blocks(len(toks)) * spec.block_nbytes
+        d = self.planner.decide("put", options, nbytes=nbytes, tokens=0, policy=policy,
+                                fingerprint=spec.fingerprint(), locality=self.locality, slo_s=slo_s)
+        self.last = d
+        option = d.option
+        assert option is not None
+        t0 = time.perf_counter()
+        try:
+            n = self.media[option.medium].put_kv(spec, toks, kv)
+        except KVStoreError as exc:
+            self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=0, error=repr(exc))
+            self.planner.forget_choice(option.name)
+            raise
+        self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=n * spec.bytes_per_token)
+        self._finished_one()
+        return n
+
+    def _finished_one(self) -> None:
+        self._finished += 1
+        now = time.monotonic()
+        if self._report is not None and (self._finished >= self._report_every
+                                         or now - self._reported_s >= self._report_after_s):
+            self._finished, self._reported_s = 0, now
+            self._report()
+
+    def close(self) -> None:
+        for medium in self.media.values():
+            try:
+                medium.close()
+            except Exception:  # noqa: BLE001 - closing the rest matters more
+                log.debug("closing medium %s failed", medium.name, exc_info=True)
+
+
+def _capacity(out: Any) -> int | None:
+    try:
+        if isinstance(out, torch.Tensor):
+            return out.numel() * out.element_size()
+        return memoryview(out).nbytes
+    except TypeError:
+        return None
+

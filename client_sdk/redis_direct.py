@@ -1,0 +1,99 @@
+"""The ``redis`` medium: frames read straight from the shared Redis tier.
+
+When a server keeps blocks in Redis (the scale-out tier several kvstore nodes
+share), a client that can reach that Redis skips the server's copy: it asks
+the server where the blocks live (one small lookup), then reads the Redis
+ones itself with the tier's own reader (``tiers.redis.RedisTier``, pipelined,
+chunk-aware). Blocks in other tiers come over HTTP.
+
+The server never hands out Redis credentials: it offers only the keyspace
+(``/v1/info`` ``media.redis``); the client brings its own ``redis_url``. Reads
+only: a put goes through the server, which keeps the index and quotas. A frame
+whose metadata names another namespace is treated as absent.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Sequence
+
+import redis
+import torch
+
+from client_sdk import _common as c
+from client_sdk.media import Medium, decode_prefix
+from kvstore.errors import TierUnavailable
+from kvstore.keys import BlockHash, check_key, from_hex
+from kvstore.spec import KVSpec
+from tiers.redis import RedisTier
+
+if TYPE_CHECKING:
+    from client_sdk.client import KVClient
+
+__all__ = ["RedisDirectMedium"]
+
+_PROBE_TTL_MS = 60_000
+
+
+class RedisDirectMedium(Medium):
+    """Reads of the server's Redis tier from this process.
+
+    Args:
+        client: the ``KVClient`` whose server indexes the blocks (lookups, puts, fallbacks).
+        redis_url: this client's URL of the same Redis.
+        keyspace: the server's keyspace (its ``/v1/info`` ``media.redis.keyspace``).
+        tier: the name of the server's Redis tier (lookup answers name it).
+    """
+
+    name = "redis"
+    puts = False
+
+    def __init__(self, client: "KVClient", redis_url: str, keyspace: str, tier: str = "redis") -> None:
+        self.client = client
+        self.namespace = client.namespace
+        self.tier_name = tier
+        self.tier = RedisTier(redis_url, 1 << 62, keyspace=keyspace)
+        self._probe_key = f"kv:{keyspace}:probe:{os.urandom(8).hex()}"
+        self._probe_len = 0
+
+    def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
+        frames = self.tier.get_many([check_key(k) for k in keys])
+        return [f if f is not None and c.frame_in_namespace(f, self.namespace) else None for f in frames]
+
+    def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
+        return self.client.put_blocks(items)
+
+    def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
+               codec: str | None = None) -> tuple[torch.Tensor, int]:
+        blocks = self.client.lookup_blocks(spec, tokens)["blocks"]
+        keys = [from_hex(b["key"]) for b in blocks]
+        direct = [i for i, b in enumerate(blocks) if b.get("tier") == self.tier_name]
+        frames: list[Any] = [None] * len(keys)
+        for i, frame in zip(direct, self.get_frames([keys[i] for i in direct])):
+            frames[i] = frame
+        rest = [i for i, f in enumerate(frames) if f is None]
+        if rest:
+            for i, frame in zip(rest, self.client.get_blocks([keys[i] for i in rest])):
+                frames[i] = frame
+        return decode_prefix(spec, frames, out)
+
+    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
+        return self.client._put_http(spec, c.tokens_of(tokens), kv)
+
+    def probe(self, nbytes: int) -> None:
+        """A PING, or a GET of this client's own probe value (set once, expiring in a minute)."""
+        try:
+            client = self.tier._connect()
+            if nbytes == 0:
+                client.ping()
+                return
+            if self._probe_len != nbytes:
+                client.set(self._probe_key, bytes(nbytes), px=_PROBE_TTL_MS)
+                self._probe_len = nbytes
+            if client.get(self._probe_key) is None:
+                self._probe_len = 0
+        except redis.RedisError as exc:
+            raise TierUnavailable(f"redis probe failed: {exc}") from exc
+
+    def close(self) -> None:
+        self.tier.close()
