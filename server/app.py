@@ -23,7 +23,7 @@ from client_sdk.protocol import PayloadTooLarge, error_body
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.store import KVStore
-from server import admin, blocks, data, ops
+from server import admin, blocks, data, layers, ops, planning
 from server.config import ServerSettings
 from server.errors import install_error_handlers, store_error, unexpected_error
 from server.service import Service
@@ -131,6 +131,13 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.flight_port is not None:
+            from server.flight import start_flight  # pyarrow loads only when Flight is asked for
+
+            side = start_flight(svc, settings)
+            svc.closers.append(lambda: side.close(settings.graceful_timeout_s))
+            svc.offers["flight"] = {"port": side.port}
+            log.info("kvstore: Arrow Flight on port %d", side.port)
         yield
         log.info("kvstore: shutting down; closing the store (flushes durable tiers, releases shm)")
         svc.close()
@@ -143,6 +150,8 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     app.include_router(blocks.router)
     app.include_router(admin.router)
     app.include_router(ops.router)
+    app.include_router(planning.router)
+    app.include_router(layers.router)
     hot = {(m, r.path): r for r in data.router.routes if isinstance(r, APIRoute) for m in r.methods
            if (m, r.path) in HOT_ROUTES}
     if len(hot) != len(HOT_ROUTES):

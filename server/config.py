@@ -130,12 +130,20 @@ class ServerSettings:
     graceful_timeout_s: float = 30.0
     """How long shutdown waits for in-flight requests."""
     log_level: str = "info"
+    flight_port: int | None = None
+    """Port of the Arrow Flight bulk path beside the REST app (``server.flight``): None runs
+    none, 0 takes a free port at start (``/v1/info`` shows it as ``media.flight.port``)."""
     grants: dict[str, TenantGrant] = field(default_factory=dict, compare=False)
     """Parsed tokens (filled from ``tokens_file`` and ``tokens``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidInput(f"port must be an int in [0, 65535], got {self.port!r}")
+        fp = self.flight_port
+        if fp is not None and (isinstance(fp, bool) or not isinstance(fp, int) or not 0 <= fp <= 65535):
+            raise InvalidInput(f"flight_port must be None or an int in [0, 65535], got {fp!r}")
+        if fp and fp == self.port:
+            raise InvalidInput(f"flight_port must differ from port ({self.port}): Flight listens beside REST")
         object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes))
         object.__setattr__(self, "staging_bytes", parse_size(self.staging_bytes))
         if self.admin_token is not None and len(self.admin_token) < _MIN_TOKEN_CHARS:
@@ -189,7 +197,7 @@ class ServerSettings:
 
 
 def _parse(name: str, raw: str) -> Any:
-    if name == "port":
+    if name in ("port", "flight_port"):
         if not raw.strip().isdigit():
             raise InvalidInput(f"a port number, got {raw!r}")
         return int(raw)
