@@ -7,6 +7,7 @@
     kvstore evict   [--url URL] [--token T] selectors... [--dry-run]
     kvstore pin     [--url URL] [--token T] KEY... [--ttl S] [--unpin]
     kvstore demo    [--url URL] [--token T] [--namespace NS]      a scripted put/get with timings
+    kvstore demo agents [--out DIR] [--context-tokens N] [--quick]  three agent processes share a context
     kvstore bench codec [--quick] [--no-real] [--repeats N] [--out DIR]
     kvstore bench tiers [--quick] [--tiers shm,cxl,...] [--repeats N] [--redis-url URL] [--dir DIR] [--out DIR]
     kvstore bench service [--quick] [--repeats N] [--caches warm|cold] [--torch-threads N] [--out DIR]
@@ -122,10 +123,19 @@ def _client_parsers(sub: Any) -> None:
     pin.add_argument("--ttl", type=float, default=None, metavar="SECONDS")
     pin.add_argument("--unpin", action="store_true")
 
-    demo = client("demo", "a short scripted put/get against a running server", token_env="KVSTORE_TOKEN")
+    demo = client("demo", "a scripted put/get against a running server, or the multi-agent demo",
+                  token_env="KVSTORE_TOKEN")
+    # One optional positional keeps `kvstore demo [--url ...]` what it was while `demo agents` joins it.
+    demo.add_argument("what", nargs="?", choices=("basic", "agents"), default="basic",
+                      help="basic (default): put/get against --url; agents: planner, coder and reviewer "
+                           "processes share a long context through a private server")
     demo.add_argument("--namespace", default="default")
-    demo.add_argument("--tokens", type=int, default=1024, help="sequence length (default 1024)")
-    demo.add_argument("--remote", action="store_true", help="force HTTP even on the server's host")
+    demo.add_argument("--tokens", type=int, default=1024, help="basic: sequence length (default 1024)")
+    demo.add_argument("--remote", action="store_true", help="basic: force HTTP even on the server's host")
+    demo.add_argument("--out", default="bench/results", help="agents: directory for the JSON and PNG")
+    demo.add_argument("--context-tokens", type=int, default=None,
+                      help="agents: shared context length (default 1536; 768 with --quick)")
+    demo.add_argument("--quick", action="store_true", help="agents: a smaller model and context (a smoke run)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,7 +248,8 @@ def _run_client(args: argparse.Namespace, what: str, call: Callable[[Any], int])
     from kvstore.errors import KVStoreError
 
     try:
-        with _client(args, **({"namespace": args.namespace, "colocated": False if args.remote else None}
+        with _client(args, **({"namespace": args.namespace, "colocated": False if args.remote else None,
+                                  "plan": False}
                               if what == "demo" else {})) as client:
             return call(client)
     except KVStoreError as exc:
@@ -308,6 +319,9 @@ def _pin(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.what == "agents":
+        return _demo_agents(args)
+
     def call(client: Any) -> int:
         import time
 
@@ -340,6 +354,20 @@ def _demo(args: argparse.Namespace) -> int:
         print("tiers   " + ", ".join(f"{k}: {v} blocks" for k, v in sorted(tiers.items())))
         return 0 if same and n == stored else 1
     return _run_client(args, "demo", call)
+
+
+def _demo_agents(args: argparse.Namespace) -> int:
+    from bench.agents import DemoFailed, run
+
+    try:
+        run(out_dir=args.out, context_tokens=args.context_tokens, quick=args.quick)
+    except ValueError as exc:
+        print(f"kvstore demo agents: {exc}", file=sys.stderr)
+        return 2
+    except DemoFailed as exc:
+        print(f"kvstore demo agents: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
