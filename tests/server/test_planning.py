@@ -163,7 +163,7 @@ def test_canary_routes_promotes_rolls_back_and_auto_rolls_back(serve_app):
     # A deliberately bad candidate: 10x slower transfers, rolled back on the report that proves it.
     post({"action": "candidate", "policy": {"version": 4}, "fraction": 0.5, "min_samples": 5})
     head = {"Authorization": f"Bearer {acme}", "x-kv-namespace": "acme"}
-    good = [_record(2, 0.002) for _ in range(10)]
+    good = [_record(2, 0.002) for _ in range(40)]  # outweighs the real put above in the p95
     resp = httpx.post(srv.url + "/v1/decisions", json={"decisions": good}, headers=head)
     assert resp.status_code == 200 and resp.json()["policies"]["candidate"]["version"] == 4
     bad = [_record(4, 0.020) for _ in range(5)]
@@ -172,7 +172,7 @@ def test_canary_routes_promotes_rolls_back_and_auto_rolls_back(serve_app):
     view = httpx.get(srv.url + "/admin/policy", headers=admin).json()
     auto = view["rollbacks"][-1]
     assert auto["by"] == "auto" and auto["version"] == 4 and "p95" in auto["why"]
-    assert view["versions"]["2"]["samples"] >= 10
+    assert view["versions"]["2"]["samples"] >= 40
     assert 'kvstore_planner_rollbacks_total{by="auto"} 1.0' in httpx.get(srv.url + "/metrics").text
 
 
