@@ -138,8 +138,16 @@ def measure(url: str, flight_port: int, *, repeats: int = 9, block_tokens: int =
 
 
 def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path | None = None,
-        block_tokens: int = 16) -> dict:
-    """Start ``kvstore serve`` with Flight, measure, print a table, write JSON; return the result."""
+        block_tokens: int = 16, torch_threads: int = 1) -> dict:
+    """Start ``kvstore serve`` with Flight, measure, print a table, write JSON; return the result.
+
+    Args:
+        torch_threads: torch intra-op threads in this (client) process, 0 keeps torch's default.
+            The flight kv rows encode and decode here, and torch's thread team stalls on a busy
+            two-core machine (a put of 2-token blocks took 1 s instead of 40 ms).
+    """
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     repeats = repeats or (3 if quick else 9)
     workdir = tempfile.mkdtemp(prefix=".kvstore-bench-flight-", dir=".")
     port, flight_port = _free_port(), _free_port()
@@ -154,7 +162,8 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
             row = measure(f"http://127.0.0.1:{port}", flight_port, repeats=repeats, block_tokens=block_tokens)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    result = header("flight", repeats=repeats, unit="GB/s (1e9 B/s), median over samples (min-max)", **row)
+    result = header("flight", repeats=repeats, client_torch_threads=torch.get_num_threads(),
+                    unit="GB/s (1e9 B/s), median over samples (min-max)", **row)
     publish(result, format_table, out_dir)
     return result
 

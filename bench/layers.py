@@ -157,7 +157,7 @@ def format_table(result: dict) -> str:
     for row in result["rows"]:
         lines.append(f"\n{row['tokens']} tokens ({row['bytes'] / (1 << 20):.0f} MiB)")
         for name, t in row["ms"].items():
-            lines.append(f"  {name:<32} {t['median']:8.2f}  ({t['min']:.2f}-{t['max']:.2f})")
+            lines.append(f"  {name:<38} {t['median']:8.2f}  ({t['min']:.2f}-{t['max']:.2f})")
         for name, ratio in row["ratios"].items():
-            lines.append(f"  {name:<32} {ratio:8.2f}x")
+            lines.append(f"  {name:<38} {ratio:8.2f}x")
     return "\n".join(lines)
