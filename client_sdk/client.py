@@ -155,6 +155,16 @@ class KVClient:
         parts = c.kv_parts(spec, toks, None)
         return self._retrying(lambda: self._get_http_once(spec, parts, out))
 
+    def get_kv_layers(self, spec: KVSpec, tokens: Any) -> Any:
+        """The longest stored prefix, layer by layer as it arrives (``client_sdk.layers.LayerStream``).
+
+        Yields ``(layer_index, kv_layer [2, H, n, D])``; ``n_tokens`` is known before the first layer.
+        Over shm when co-located, else streamed HTTP.
+        """
+        from client_sdk.layers import get_kv_layers
+
+        return get_kv_layers(self, c.check_spec(spec), tokens)
+
     def lookup(self, spec: KVSpec, tokens: Any) -> int:
         """Tokens of the longest stored prefix (index only, no KV moves)."""
         return int(self.lookup_blocks(spec, tokens)["tokens"])

@@ -94,6 +94,8 @@ def _serve_parser(sub: Any) -> None:
         flag(f"--{name}-bytes", default=None, help=f"{name} tier capacity, e.g. 1GiB (KVSTORE_{name.upper()}_BYTES)")
     flag("--max-body-bytes", default=None, help="request body limit; more gets 413 (KVSTORE_MAX_BODY_BYTES)")
     flag("--no-colocated", action="store_true", help="do not offer the shared-memory path (KVSTORE_COLOCATED=0)")
+    flag("--flight-port", type=int, default=None,
+         help="also serve Arrow Flight on this port, 0 for a free one (KVSTORE_FLIGHT_PORT; default: none)")
     flag("--log-level", default=None, help="debug, info, warning (KVSTORE_LOG_LEVEL)")
 
 
@@ -222,7 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
         settings = ServerSettings.from_env(
             host=args.host, port=args.port, tokens_file=args.tokens_file, admin_token=args.admin_token,
             tier_codecs=args.tier_codecs, max_body_bytes=args.max_body_bytes, log_level=args.log_level,
-            colocated=False if args.no_colocated else None)
+            colocated=False if args.no_colocated else None, flight_port=args.flight_port)
     except KVStoreError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2

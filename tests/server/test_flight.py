@@ -293,3 +293,20 @@ def test_a_layer_stream_left_early_is_cancelled(fserver, spec):
         stream.close()
         assert first == 0
         assert len(list(m.get_kv_layers(spec, tokens))) == spec.num_layers  # the medium still works
+
+
+def test_kvstore_serve_flight_port_flag(tmp_path):
+    from tests.server.live import ServeProcess, small_env
+
+    proc = ServeProcess(small_env(tmp_path), "--flight-port", "0").start()
+    try:
+        with KVClient(proc.url, colocated=False) as client:
+            port = client.info()["media"]["flight"]["port"]
+            assert port > 0
+            spec = make_spec()
+            with FlightMedium("127.0.0.1", port) as m:
+                assert m.get_frames(block_hashes(spec, list(range(32)))) == [None, None]
+    finally:
+        proc.stop()
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass

@@ -201,3 +201,29 @@ def test_bad_reports_and_probes_get_4xx(server):
                           headers={"content-type": "application/json"})
         assert 400 <= resp.status_code < 500, resp.text
     assert httpx.get(url + "/healthz").status_code == 200
+
+
+def test_the_planner_counts_flight_among_its_media_and_moves_kv_over_it(serve_app):
+    srv = serve_app(flight_port=0)
+    kv = _kv(seed=10)
+    flight_only = {"action": "baseline", "policy": {"version": 7, "media": ["flight"]}}
+    with KVClient(srv.url, colocated=False) as client:
+        client.put_kv(SPEC, TOKS, kv)
+        assert set(client._planned().media) == {"http", "flight"}
+        assert httpx.post(srv.url + "/admin/policy", json=flight_only).status_code == 200
+        client._planner._refresh(force=True)
+        got, n = client.get_kv(SPEC, TOKS)
+        assert n == 512 and torch.equal(got, kv)
+        assert client.last_decision.choice == "flight" and client.last_decision.policy_version == 7
+
+
+def test_get_kv_layers_on_the_client_matches_get_kv(server):
+    kv = _kv(seed=11)
+    for colocated in (None, False):
+        with KVClient(server.url, colocated=colocated) as client:
+            client.put_kv(SPEC, TOKS, kv)
+            with client.get_kv_layers(SPEC, TOKS) as stream:
+                assert stream.n_tokens == 512
+                layers = list(stream)
+            assert [i for i, _ in layers] == list(range(SPEC.num_layers))
+            assert torch.equal(torch.stack([t for _, t in layers]), kv)
