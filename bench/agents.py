@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 from bench.agents_model import ROLES, DemoConfig
 from bench.report import header, publish
+from bench.serving import free_port, wait_http
 
 __all__ = ["DemoFailed", "DemoConfig", "run", "format_table"]
 
@@ -50,12 +50,6 @@ AGENT_TIMEOUT_S = 300.0
 
 class DemoFailed(RuntimeError):
     """The demo could not run: transformers is missing, the server did not start, or an agent failed."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child_env() -> dict[str, str]:
@@ -76,9 +70,7 @@ def _serving(workdir: Path, timeout_s: float = 60.0) -> Iterator[str]:
     Raises:
         DemoFailed: it exited or did not answer within ``timeout_s`` (the message has its log).
     """
-    import httpx
-
-    port = _free_port()
+    port = free_port()
     log_path = workdir / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port),
@@ -86,14 +78,10 @@ def _serving(workdir: Path, timeout_s: float = 60.0) -> Iterator[str]:
                                 env={**_child_env(), **_SERVE_ENV}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise DemoFailed(f"kvstore serve did not start:\n{log_path.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.05)
+        try:
+            wait_http(port, proc, timeout_s=timeout_s)
+        except RuntimeError:
+            raise DemoFailed(f"kvstore serve did not start:\n{log_path.read_text(errors='replace')[-2000:]}") from None
         yield url
     finally:
         if proc.poll() is None:

@@ -27,11 +27,8 @@ planner`` calls it). KV is fp16 ``[32, 2, 8, T, 128]``, 128 KiB a token: a
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -39,7 +36,8 @@ from typing import Callable
 import torch
 
 from bench.report import header, publish
-from bench.service import _child, _free_port, _rate  # the service bench's helpers
+from bench.service import _rate  # the service bench's GB/s summary
+from bench.serving import free_port, kvstore_serve
 
 __all__ = ["measure", "run", "format_table"]
 
@@ -149,19 +147,9 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
     if torch_threads:
         torch.set_num_threads(torch_threads)
     repeats = repeats or (3 if quick else 9)
-    workdir = tempfile.mkdtemp(prefix=".kvstore-bench-flight-", dir=".")
-    port, flight_port = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(KVSTORE_DATA_DIR=os.path.join(workdir, "data"), KVSTORE_SHM_BYTES="512MiB",
-               KVSTORE_CXL_BYTES="64MiB", KVSTORE_STAGING_BYTES="64MiB", KVSTORE_LOG_LEVEL="warning",
-               KVSTORE_FLIGHT_PORT=str(flight_port))
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_child([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port)],
-                                       port, env))
-            row = measure(f"http://127.0.0.1:{port}", flight_port, repeats=repeats, block_tokens=block_tokens)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    flight_port = free_port()
+    with kvstore_serve("flight", KVSTORE_FLIGHT_PORT=str(flight_port)) as url:
+        row = measure(url, flight_port, repeats=repeats, block_tokens=block_tokens)
     result = header("flight", repeats=repeats, client_torch_threads=torch.get_num_threads(),
                     unit="GB/s (1e9 B/s), median over samples (min-max)", **row)
     publish(result, format_table, out_dir)

@@ -27,12 +27,8 @@ over one medium, not the planner's choice.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -40,7 +36,7 @@ from typing import Callable
 import torch
 
 from bench.report import header, publish
-from bench.service import _child, _free_port
+from bench.serving import kvstore_serve
 
 __all__ = ["run", "format_table"]
 
@@ -131,20 +127,8 @@ def run(*, quick: bool = False, repeats: int | None = None, tokens: tuple[int, .
         torch.set_num_threads(torch_threads)
     repeats = repeats or (3 if quick else 9)
     sizes = (256,) if quick else tokens
-    workdir = tempfile.mkdtemp(prefix=".kvstore-bench-layers-", dir=".")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(KVSTORE_DATA_DIR=os.path.join(workdir, "data"), KVSTORE_SHM_BYTES="512MiB",
-               KVSTORE_CXL_BYTES="64MiB", KVSTORE_STAGING_BYTES="256MiB", KVSTORE_LOG_LEVEL="warning")
-    rows = []
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_child([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port)],
-                                       port, env))
-            for n in sizes:
-                rows.append(_measure(f"http://127.0.0.1:{port}", n, repeats))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with kvstore_serve("layers", KVSTORE_STAGING_BYTES="256MiB") as url:
+        rows = [_measure(url, n, repeats) for n in sizes]
     result = header("layers", repeats=repeats, client_torch_threads=torch.get_num_threads(),
                     unit="ms from the call to the row's event, median (min-max) over samples", rows=rows)
     result["machine"]["cpus"] = os.cpu_count()

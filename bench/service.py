@@ -34,21 +34,20 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
 from fastapi import Request
 
 from bench.report import header, publish
+from bench.serving import child, free_port
 
 __all__ = ["run", "bare_app", "bare_fastapi"]
 
@@ -57,41 +56,6 @@ _SCRUB_BYTES = 96 * MiB
 """``--caches cold`` reads and writes this much before each sample: three times this
 machine's 32 MiB L3, so no row starts with anything in cache."""
 TARGETS = {"shm": 0.7, "http": 0.6, "lookup": 0.7}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(port: int, proc: subprocess.Popen, path: str = "/healthz", timeout_s: float = 60) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code < 500:
-                return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise RuntimeError(f"server on port {port} did not start")
-
-
-@contextlib.contextmanager
-def _child(cmd: list[str], port: int, env: dict | None = None, path: str = "/healthz") -> Iterator[None]:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_http(port, proc, path)
-        yield
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # -- baseline servers (run as ``python -m bench.service bare|fastapi PORT NBYTES``) -------------
@@ -324,18 +288,18 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
     repeats = repeats or (3 if quick else 9)
     sizes = ["1MiB"] if quick else ["32MiB", "1MiB"]
     workdir = tempfile.mkdtemp(prefix=".kvstore-bench-service-", dir=".")
-    port, bare_port, fastapi_port = _free_port(), _free_port(), _free_port()
+    port, bare_port, fastapi_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(KVSTORE_DATA_DIR=os.path.join(workdir, "data"), KVSTORE_SHM_BYTES="512MiB",
                KVSTORE_CXL_BYTES="64MiB", KVSTORE_STAGING_BYTES="128MiB", KVSTORE_LOG_LEVEL="warning")
     rows, lookup = [], None
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_child([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port)],
+            stack.enter_context(child([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port)],
                                        port, env))
             biggest = max(_spec(s)[0].bytes_per_token * _spec(s)[1] for s in sizes)
             for kind, p in (("bare", bare_port), ("fastapi", fastapi_port)):
-                stack.enter_context(_child([sys.executable, "-m", "bench.service", kind, str(p), str(biggest)], p,
+                stack.enter_context(child([sys.executable, "-m", "bench.service", kind, str(p), str(biggest)], p,
                                            path="/healthz"))
             url = f"http://127.0.0.1:{port}"
             for size in sizes:

@@ -1,0 +1,79 @@
+"""Child processes for the benchmarks: free ports, waiting for health, ``kvstore serve`` sized for a run.
+
+Every bench that needs a server runs it as ``kvstore serve`` in a child
+process, so each row pays the same process boundary a user's client does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+__all__ = ["free_port", "wait_http", "child", "kvstore_serve"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(port: int, proc: subprocess.Popen, path: str = "/healthz", timeout_s: float = 60) -> None:
+    """Return once ``GET path`` answers below 500; raise if the child exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code < 500:
+                return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"server on port {port} did not start")
+
+
+@contextlib.contextmanager
+def child(cmd: list[str], port: int, env: dict | None = None, path: str = "/healthz") -> Iterator[None]:
+    """Run ``cmd`` while the block runs; SIGTERM (then kill) after."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(port, proc, path)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def kvstore_serve(name: str, **env: str) -> Iterator[str]:
+    """``kvstore serve`` on a free port with its data in a temp dir here; yields its URL.
+
+    Args:
+        name: names the temp dir (``.kvstore-bench-<name>-*``), removed after.
+        env: ``KVSTORE_*`` settings over the bench defaults (512 MiB shm, 64 MiB cxl and
+            staging, warnings only).
+    """
+    workdir = tempfile.mkdtemp(prefix=f".kvstore-bench-{name}-", dir=".")
+    port = free_port()
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    full.update(KVSTORE_DATA_DIR=os.path.join(workdir, "data"), KVSTORE_SHM_BYTES="512MiB",
+                KVSTORE_CXL_BYTES="64MiB", KVSTORE_STAGING_BYTES="64MiB", KVSTORE_LOG_LEVEL="warning")
+    full.update(env)
+    try:
+        with child([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port)], port, full):
+            yield f"http://127.0.0.1:{port}"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
