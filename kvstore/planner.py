@@ -55,13 +55,22 @@ class Option:
         return cls(medium, codec or "raw")
 
 
+_MEASURED_AFTER = 2  # real transfers of a size class before an option counts as measured there (one may be cold)
+_EXPLORE_WITHIN = 4.0  # explore an unmeasured option predicted at most this many times the best
+_PROBE_WEIGHT = 0.25  # a probe moves filler over a bare route: it counts, but less than a real transfer
+
+
 @dataclass(slots=True)
 class Estimate:
-    """EWMA latency and seconds per byte of one option.
+    """Latency and seconds per byte of one option: an exponentially weighted least-squares fit.
 
-    A sample of at most ``small_bytes`` updates latency; a larger one updates
-    seconds per byte from its time beyond the current latency, so one
-    number per sample is enough to learn both.
+    Each sample ``(bytes, seconds)`` enters sums that decay by ``1 - alpha`` per
+    sample (an EWMA of the fit's statistics), weighted by ``1 / seconds**2``
+    so that the fit minimizes relative, not absolute, error: a 64 KiB get
+    counts as much as a 64 MiB one. While the recent samples are all one size,
+    the intercept cannot be told from the slope; latency then stays where
+    earlier sizes (or the empty-round-trip probes) put it, and the slope alone
+    follows the samples.
     """
 
     latency_s: float | None = None
@@ -71,8 +80,20 @@ class Estimate:
     real_samples: int = 0
     """Samples from real transfers, not probes: filler over a bare link flatters a medium."""
     real_updated_s: float = -math.inf
+    real_by_class: dict[int, float] = field(default_factory=dict)
+    """Size class -> when a real transfer of that size last ran (exploration is per size class:
+    a fit learnt on 64 KiB gets extrapolates poorly to 64 MiB)."""
+    real_count_by_class: dict[int, int] = field(default_factory=dict)
+    s_per_byte_by_class: dict[int, float] = field(default_factory=dict)
+    """Size class -> EWMA of seconds per byte of its real transfers. A prediction inside a
+    measured class uses it; the fit across sizes is for classes not measured yet (one slow
+    small transfer, extrapolated, once made a 64 MiB get look 15x slower than it was)."""
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy
 
     def predict(self, nbytes: int) -> float | None:
+        local = self.s_per_byte_by_class.get(size_class(nbytes))
+        if local is not None and nbytes > 0:
+            return nbytes * local
         if self.latency_s is None or (self.s_per_byte is None and nbytes > 0):
             return None
         return self.latency_s + nbytes * (self.s_per_byte or 0.0)
@@ -85,21 +106,44 @@ class Estimate:
         if real and nbytes > small_bytes:
             self.real_samples += 1
             self.real_updated_s = now_s
-        if nbytes <= small_bytes or self.latency_s is None:
-            # A large first sample also seeds latency, so the estimate is usable at once.
-            sample = seconds if nbytes <= small_bytes else min(seconds, 2e-4)
-            self.latency_s = _ewma(self.latency_s, sample, alpha)
-            if nbytes <= small_bytes:
+            self.real_by_class[size_class(nbytes)] = now_s
+            cls = size_class(nbytes)
+            self.real_count_by_class[cls] = self.real_count_by_class.get(cls, 0) + 1
+            self.s_per_byte_by_class[cls] = _ewma(self.s_per_byte_by_class.get(cls), seconds / nbytes, alpha)
+        w = (1.0 if real else _PROBE_WEIGHT) / (seconds * seconds)
+        x = float(nbytes)
+        keep = 1.0 - alpha
+        sums = self._sums
+        for i, add in enumerate((w, w * x, w * seconds, w * x * x, w * x * seconds)):
+            sums[i] = sums[i] * keep + add
+        self._fit()
+
+    def _fit(self) -> None:
+        sw, sx, sy, sxx, sxy = self._sums
+        mean_x, mean_y = sx / sw, sy / sw
+        var_x = sxx / sw - mean_x * mean_x
+        if mean_x > 0 and var_x > 0.01 * mean_x * mean_x:  # sizes differ enough to separate the two
+            slope = (sxy / sw - mean_x * mean_y) / var_x
+            icpt = mean_y - slope * mean_x
+            if slope > 0 and icpt >= 0:
+                self.latency_s, self.s_per_byte = icpt, slope
                 return
-        if seconds < (self.latency_s or 0.0):  # faster than the fixed cost alone: that estimate was high
-            self.latency_s = _ewma(self.latency_s, seconds * 0.5, alpha)
-        per_byte = max(seconds - (self.latency_s or 0.0), seconds * 0.05) / nbytes
-        self.s_per_byte = _ewma(self.s_per_byte, per_byte, alpha)
+        if mean_x <= 0:  # empty round trips only: latency
+            self.latency_s = mean_y
+            return
+        lat = self.latency_s if self.latency_s is not None else 0.0
+        lat = min(lat, 0.5 * mean_y)  # faster than the fixed cost alone means that estimate was high
+        self.latency_s, self.s_per_byte = lat, max(mean_y - lat, 1e-12) / mean_x
 
     def to_dict(self) -> dict[str, Any]:
         bw = None if not self.s_per_byte else 1.0 / self.s_per_byte / 1e9
         return {"latency_ms": None if self.latency_s is None else self.latency_s * 1e3,
                 "bandwidth_gbps": bw, "samples": self.samples, "real_samples": self.real_samples}
+
+
+def size_class(nbytes: int) -> int:
+    """Payload sizes in classes of 4x: hysteresis and exploration work per class."""
+    return max(0, int(math.log2(max(nbytes, 1))) // 2)
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
@@ -159,13 +203,20 @@ class CostModel:
             rate = self.prefill_tps.get(fingerprint)
         return None if rate is None else tokens / rate
 
-    def age_s(self, op: str, option: str, *, real: bool = False) -> float:
-        """Seconds since the last sample (``real``: the last real transfer); inf if none."""
+    def age_s(self, op: str, option: str, *, real: bool = False, nbytes: int | None = None) -> float:
+        """Seconds since the last sample (``real``: the last real transfer, of ``nbytes``'s size
+        class when given); inf if none."""
         with self._lock:
             est = self.links.get(f"{op}:{option}")
             if est is None or not est.samples:
                 return math.inf
-            return self.clock() - (est.real_updated_s if real else est.updated_s)
+            if not real:
+                return self.clock() - est.updated_s
+            if nbytes is not None:
+                if est.real_count_by_class.get(size_class(nbytes), 0) < _MEASURED_AFTER:
+                    return math.inf
+                return self.clock() - est.real_by_class.get(size_class(nbytes), -math.inf)
+            return self.clock() - est.real_updated_s
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -269,6 +320,10 @@ class _Sticky:
     current: str
     challenger: str | None = None
     since_s: float = 0.0
+    provisional: bool = False
+    """Chosen before ``current`` had a real transfer of this size class (on probes or other
+    sizes' fits): the first real evidence against it is new information, not noise, so it
+    is acted on without waiting out the window."""
 
 
 class Planner:
@@ -285,6 +340,7 @@ class Planner:
         self.clock = clock
         self.log = log or DecisionLog()
         self._sticky: dict[tuple[int, str, int], _Sticky] = {}
+        self._explored: dict[tuple[str, str, int], list[float]] = {}
         self._lock = threading.Lock()
 
     def decide(self, op: str, options: Iterable[Option], *, nbytes: int, tokens: int, policy: Policy,
@@ -314,40 +370,49 @@ class Planner:
             rs = self.model.recompute_s(fingerprint, tokens)
             if rs is not None:
                 recompute = Candidate(RECOMPUTE, rs)
-                cands.append(recompute)
         known = [c for c in cands if c.feasible and c.predicted_s is not None]
+        everything = cands + ([recompute] if recompute else [])
         if not known:  # nothing measured yet: the policy's order decides
-            first = next((c for c in cands if c.feasible and c.option != RECOMPUTE), cands[0])
-            return self._record(op, nbytes, tokens, locality, cands, first.option,
+            first = next((c for c in cands if c.feasible), cands[0])
+            return self._record(op, nbytes, tokens, locality, everything, first.option,
                                 "no estimates yet: first available medium in the policy's order",
                                 policy, slo, free_bytes)
         best = min(known, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
-        explore = self._to_explore(op, policy, cands, best)
+        explore = self._to_explore(op, nbytes, policy, cands, best)
         if explore is not None:
-            return self._record(op, nbytes, tokens, locality, cands, explore.option,
+            return self._record(op, nbytes, tokens, locality, everything, explore.option,
                                 f"explore: no real {op} over {explore.option} in {policy.explore_after_s:g} s "
                                 f"(predicted {_ms(explore.predicted_s)}, best {best.option} {_ms(best.predicted_s)})",
                                 policy, slo, free_bytes)
         choice, reason = self._stable(op, nbytes, policy, cands, best)
-        return self._record(op, nbytes, tokens, locality, cands, choice, reason, policy, slo, free_bytes)
+        # Fetch or recompute is this request's question (its tokens, the caller's prefill rate),
+        # not a medium's state, so no hysteresis: recompute wins when it beats the best fetch.
+        if recompute is not None and recompute.predicted_s < best.predicted_s:  # type: ignore[operator]
+            choice, reason = RECOMPUTE, (f"recompute {tokens} tokens predicted {_ms(recompute.predicted_s)}, "
+                                         f"fetching at best over {best.option} {_ms(best.predicted_s)}")
+        return self._record(op, nbytes, tokens, locality, everything, choice, reason, policy, slo, free_bytes)
 
-    def _to_explore(self, op: str, policy: Policy, cands: list[Candidate], best: Candidate) -> Candidate | None:
-        """A medium whose estimate rests on probes alone (or is stale) gets one real transfer.
+    def _to_explore(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate],
+                    best: Candidate) -> Candidate | None:
+        """An option with no recent real transfer of this size class gets one.
 
-        Only when it is predicted within 2x of the best: a medium far behind is
-        not worth a real transfer, and the recompute answer is never explored.
+        Only when it is predicted within 4x of the best: a medium far behind is
+        not worth a real transfer. (Recompute is never a candidate here.)
         """
         if best.predicted_s is None:
             return None
         for c in cands:
-            if (c.option == RECOMPUTE or not c.feasible or c.predicted_s is None or c.option == best.option
-                    or c.predicted_s > 2.0 * best.predicted_s):
+            if (not c.feasible or c.predicted_s is None or c.option == best.option
+                    or c.predicted_s > _EXPLORE_WITHIN * best.predicted_s):
                 continue
-            if self.model.age_s(op, c.option, real=True) >= policy.explore_after_s:
-                with self._lock:  # one exploration per option per interval, even if it fails
-                    est = self.model.links.get(f"{op}:{c.option}")
-                    if est is not None:
-                        est.real_updated_s = self.clock()
+            if self.model.age_s(op, c.option, real=True, nbytes=nbytes) >= policy.explore_after_s:
+                now = self.clock()
+                with self._lock:  # at most _MEASURED_AFTER tries per option, class and interval, failed or not
+                    tries = [t for t in self._explored.get((op, c.option, size_class(nbytes)), [])
+                             if now - t < policy.explore_after_s]
+                    if len(tries) >= _MEASURED_AFTER:
+                        continue
+                    self._explored[(op, c.option, size_class(nbytes))] = tries + [now]
                 return c
         return None
 
@@ -365,22 +430,28 @@ class Planner:
     def _stable(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate], best: Candidate) -> tuple[str, str]:
         """Hysteresis: keep the current choice unless ``best`` beats it by the margin for the window."""
         by_name = {c.option: c for c in cands}
-        key = (policy.version, op, max(0, int(math.log2(max(nbytes, 1))) // 2))  # size classes of 4x
+        key = (policy.version, op, size_class(nbytes))
         now = self.clock()
         with self._lock:
             st = self._sticky.get(key)
             cur = by_name.get(st.current) if st else None
             if st is None or cur is None or not cur.feasible or cur.predicted_s is None:
                 gone = f"previous choice {st.current} is unavailable; " if st else ""
-                self._sticky[key] = _Sticky(best.option)
+                self._sticky[key] = _Sticky(best.option, provisional=self._unproven(op, best.option, nbytes))
                 return best.option, f"{gone}lowest predicted time ({_ms(best.predicted_s)})"
             if best.option == st.current:
                 st.challenger = None
+                st.provisional = st.provisional and self._unproven(op, st.current, nbytes)
                 return st.current, f"lowest predicted time ({_ms(best.predicted_s)})"
             if best.predicted_s > cur.predicted_s * (1.0 - policy.margin_frac):  # type: ignore[operator]
                 st.challenger = None
                 return st.current, (f"kept: {best.option} ({_ms(best.predicted_s)}) is not {policy.margin_frac:.0%} "
                                     f"better than {st.current} ({_ms(cur.predicted_s)})")
+            if st.provisional and not self._unproven(op, best.option, nbytes):
+                old = st.current
+                self._sticky[key] = _Sticky(best.option)
+                return best.option, (f"switched from {old}, chosen before any real transfer of this size: "
+                                     f"{best.option} measured {_ms(best.predicted_s)} against {_ms(cur.predicted_s)}")
             if st.challenger != best.option:
                 st.challenger, st.since_s = best.option, now
             held = now - st.since_s
@@ -391,6 +462,9 @@ class Planner:
             self._sticky[key] = _Sticky(best.option)
             return best.option, (f"switched from {old}: {best.option} predicted {_ms(best.predicted_s)} against "
                                  f"{_ms(cur.predicted_s)} for {held:.1f} s")
+
+    def _unproven(self, op: str, option: str, nbytes: int) -> bool:
+        return self.model.age_s(op, option, real=True, nbytes=nbytes) == math.inf
 
     def _record(self, op: str, nbytes: int, tokens: int, locality: str, cands: list[Candidate], choice: str,
                 reason: str, policy: Policy, slo: float | None, free_bytes: int | None) -> Decision:
