@@ -11,6 +11,7 @@
     kvstore bench codec [--quick] [--no-real] [--repeats N] [--out DIR]
     kvstore bench tiers [--quick] [--tiers shm,cxl,...] [--repeats N] [--redis-url URL] [--dir DIR] [--out DIR]
     kvstore bench service [--quick] [--repeats N] [--caches warm|cold] [--torch-threads N] [--out DIR]
+    kvstore bench planner|flight|layers [--quick] [--repeats N] [--torch-threads N] [--out DIR]
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
@@ -63,6 +64,17 @@ def _parser() -> argparse.ArgumentParser:
                          help="each sample right after the same call (warm, default) or after a 96 MiB scrub")
     service.add_argument("--torch-threads", type=int, default=1,
                          help="torch intra-op threads in the client process (default 1; 0: torch's default)")
+
+    for name, what in (("planner", "planner choices against an oracle over sizes, link bandwidths and prompts; "
+                                    "Flight vs HTTP; time to first layer"),
+                       ("flight", "Arrow Flight against HTTP for 32 MiB batches of frames and KV"),
+                       ("layers", "layer-wise get: time to the first layer against the whole KV")):
+        p = which.add_parser(name, help=what)
+        p.add_argument("--quick", action="store_true", help="a small sweep, few repeats (a smoke run)")
+        p.add_argument("--repeats", type=int, default=None, help="timed samples per row or option")
+        p.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
+        p.add_argument("--torch-threads", type=int, default=1,
+                       help="torch intra-op threads in the client process (default 1; 0: torch's default)")
 
     for name, what in (("placement", "placement policies replayed over traces, against LRU, LFU and Belady"),
                        ("write-policy", "Redis bytes and cross-node hit ratio per shared-tier write policy")):
@@ -161,6 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
     benches: dict[str, Callable[[argparse.Namespace], int]] = {
         "codec": _bench_codec, "tiers": _bench_tiers, "service": _bench_service,
         "placement": _bench_traces, "write-policy": _bench_traces,
+        "planner": _bench_module, "flight": _bench_module, "layers": _bench_module,
     }
     return benches[args.bench](args)
 
@@ -192,6 +205,14 @@ def _bench_traces(args: argparse.Namespace) -> int:
     else:
         from bench.write_policy import run
     run(quick=args.quick, out_dir=args.out, seed=args.seed)
+    return 0
+
+
+def _bench_module(args: argparse.Namespace) -> int:
+    import importlib
+
+    run = importlib.import_module(f"bench.{args.bench}").run
+    run(quick=args.quick, repeats=args.repeats, out_dir=args.out, torch_threads=args.torch_threads)
     return 0
 
 

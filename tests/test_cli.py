@@ -165,3 +165,21 @@ def test_bench_placement_and_write_policy_commands_run(tmp_path):
         assert res.returncode == 0, res.stderr
         assert list(tmp_path.glob(pattern)), bench
     assert list(tmp_path.glob("placement-*.png"))
+
+
+def test_bench_planner_quick_sweeps_and_scores_against_the_oracle(tmp_path):
+    res = run("bench", "planner", "--quick", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    (path,) = tmp_path.glob("planner-*.json")
+    result = json.loads(path.read_text())
+    assert result["summary"]["points"] == 8 and len(result["points"]) == 8
+    for p in result["points"]:
+        assert set(p["oracle_s"]) == {"http", "http+int8", "flight", "flight+int8", "recompute"}
+        assert p["choice"] in p["oracle_s"] and p["decisions"]
+    # 8 MiB at 0.1 GB/s from a 128-token prompt: every fetch option is slower than 75 ms of prefill
+    # except int8 (42 ms); the oracle must see that, whatever the planner chose.
+    slow = next(p for p in result["points"] if p["payload"] == 8 << 20 and p["gbps"] == 0.1 and p["tokens"] == 128)
+    assert slow["oracle_s"]["http"] > slow["oracle_s"]["recompute"] > slow["oracle_s"]["http+int8"]
+    assert 0 <= result["summary"]["agreement"] <= 1 and result["summary"]["median_abs_error"] is not None
+    assert result["flight"]["ratios"] and result["layers"]["ms"]
+    assert "agreement with the oracle" in res.stdout
