@@ -94,7 +94,7 @@ def test_resume_from_raw_kv_matches_a_full_recompute(servers, written):
     model, digest, prompt = build()
     assert written == {"digest": digest, "stored": [PREFIX, PREFIX]}
     spec = spec_for(model, fingerprint=digest[:16])
-    with KVClient(servers[0].url, namespace="agents") as c:
+    with KVClient(servers[0].url, namespace="agents", plan=False) as c:  # the shm path itself, not a plan
         kv, n = c.get_kv(spec, prompt[0])  # the whole prompt: the stored prefix comes back
         assert c.stats.last_medium == "shm"
     assert n == PREFIX
