@@ -52,7 +52,9 @@ class Policy:
     recompute: bool = True
     """Whether get_kv may answer "recompute" when fetching is predicted slower than prefill."""
     explore_after_s: float = 30.0
-    """Re-probe an option whose estimate is older than this (a bounded probe, not a real transfer)."""
+    """Probe a medium whose estimate is older than this (a bounded probe); give an option without two
+    real transfers of a size class in this long two of them (real transfers); set a failed medium
+    aside for this long."""
     probe_bytes: int = 2 << 20
     """Bytes a bandwidth probe moves: a few MB at most, a fraction of a second."""
     note: str = ""
@@ -108,7 +110,7 @@ def _check(value: Any, kind: type, name: str, *, lo: float | None = None, hi: fl
 
 
 def _names(value: Any, known: tuple[str, ...], name: str) -> tuple[str, ...]:
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value) or not value:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value) or not value:
         raise InvalidInput(f"policy.{name} must be a non-empty list of names from {list(known)}")
     bad = [v for v in value if v not in known]
     if bad or len(set(value)) != len(value):
@@ -165,11 +167,28 @@ class CanaryJudge:
     """
 
     def __init__(self, min_samples: int = 20, rollback_margin_frac: float = 0.25, keep: int = 2048) -> None:
-        self.min_samples = min_samples
-        self.rollback_margin_frac = rollback_margin_frac
+        self.min_samples = 1
+        self.rollback_margin_frac = 0.25
+        self.configure(min_samples=min_samples, rollback_margin_frac=rollback_margin_frac)
         self._times: dict[int, deque[float]] = {}
         self._errors: dict[int, deque[float]] = {}
         self._keep = keep
+
+    @staticmethod
+    def check(min_samples: Any = None, rollback_margin_frac: Any = None) -> None:
+        """Raise ``InvalidInput`` naming the first bad setting (nothing is changed)."""
+        if min_samples is not None and (isinstance(min_samples, bool) or not isinstance(min_samples, int)
+                                        or not 1 <= min_samples <= 1_000_000):
+            raise InvalidInput(f"min_samples must be an integer in [1, 1000000], got {min_samples!r}")
+        if rollback_margin_frac is not None:
+            _check(rollback_margin_frac, float, "rollback_margin_frac", lo=0.0, hi=100.0)
+
+    def configure(self, min_samples: Any = None, rollback_margin_frac: Any = None) -> None:
+        self.check(min_samples, rollback_margin_frac)
+        if min_samples is not None:
+            self.min_samples = min_samples
+        if rollback_margin_frac is not None:
+            self.rollback_margin_frac = float(rollback_margin_frac)
 
     def observe(self, version: int, actual_s: float, error: float | None) -> None:
         """One measured transfer of ``version``; ``error`` is |actual/predicted - 1| when known."""

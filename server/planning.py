@@ -32,7 +32,8 @@ from fastapi.responses import Response
 
 from client_sdk.protocol import MalformedRequest
 from kvstore.errors import InvalidInput
-from kvstore.policy import CanaryJudge, Policy, PolicySet
+from kvstore.planner import RECOMPUTE
+from kvstore.policy import CODECS, MEDIA, CanaryJudge, Policy, PolicySet
 from server.admin import admin
 from server.auth import Principal
 from server.data import principal, svc_of
@@ -51,31 +52,50 @@ _NUMBERS = ("time_s", "bytes", "tokens", "policy_version")
 _OPTIONAL_NUMBERS = ("predicted_s", "actual_s", "actual_bytes", "predicted_actual_s", "slo_s", "free_bytes")
 
 
-class PlanState:
-    """The policies, the decision ring and the canary judge of one server."""
+_OPTIONS = frozenset({RECOMPUTE} | set(MEDIA) | {f"{m}+{c}" for m in MEDIA for c in CODECS if c != "raw"})
+"""Choices a label may name; anything else a client reports is counted as "other" (series stay few)."""
 
-    def __init__(self, ring: int = 4096) -> None:
+
+class PlanState:
+    """The policies, the decision rings and the canary judge of one server.
+
+    Each tenant has its own ring of ``ring`` records, so one tenant's reports
+    cannot push another's out of ``/admin/decisions``.
+    """
+
+    def __init__(self, ring: int = 1024) -> None:
         self.policies = PolicySet()
         self.judge = CanaryJudge()
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=ring)
+        self.rings: dict[str, deque[dict[str, Any]]] = {}
+        self.ring = ring
         self.rollbacks: list[dict[str, Any]] = []
         self.received = 0
 
+    def decisions(self) -> list[dict[str, Any]]:
+        """Every tenant's kept records, in the order they arrived."""
+        return sorted((d for ring in self.rings.values() for d in ring), key=lambda d: d["seq"])
+
     def record(self, svc: Service, who: str, namespace: str, records: list[dict[str, Any]]) -> str | None:
-        """Take a batch of reports; returns the reason when it rolled the candidate back."""
+        """Take a batch of checked reports; returns the reason when it rolled the candidate back.
+
+        Only records made under the policy this namespace is routed to count for
+        the canary: a tenant cannot judge a version it does not run.
+        """
+        ring = self.rings.setdefault(who, deque(maxlen=self.ring))
+        routed = self.policies.for_key(namespace).version
         for d in records:
-            d["tenant"], d["namespace"] = who, namespace
-            self.decisions.append(d)
             self.received += 1
-            choice = d["choice"]
+            d.update(tenant=who, namespace=namespace, seq=self.received)
+            ring.append(d)
+            choice = d["choice"] if d["choice"] in _OPTIONS else "other"
             svc.metrics.decisions.labels(d["op"], choice).inc()
-            if d.get("error") or d.get("actual_s") is None or choice == "recompute":
+            if d["error"] or d["actual_s"] is None or choice in (RECOMPUTE, "other"):
                 continue
-            ratio = d.get("ratio")
-            if isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0:
+            ratio = d["ratio"]
+            if ratio is not None:
                 svc.metrics.prediction.labels(choice.partition("+")[0]).observe(ratio)
-            self.judge.observe(d["policy_version"], d["actual_s"],
-                               abs(ratio - 1.0) if isinstance(ratio, (int, float)) else None)
+            if d["policy_version"] == routed:
+                self.judge.observe(routed, d["actual_s"], None if ratio is None else abs(ratio - 1.0))
         cand = self.policies.candidate
         if cand is None:
             return None
@@ -123,26 +143,54 @@ async def get_policy(request: Request, p: Principal = Depends(principal)) -> dic
     return plan_state(svc_of(request)).policies.to_dict()
 
 
+def _number(d: dict, name: str, where: str, *, optional: bool, integer: bool = False) -> Any:
+    v = d.get(name)
+    if v is None and optional:
+        return None
+    if (isinstance(v, bool) or not isinstance(v, int if integer else (int, float))
+            or not math.isfinite(v) or v < 0):
+        kind = "a non-negative integer" if integer else "a finite number >= 0"
+        raise MalformedRequest(f"{where}.{name} must be {kind}{' or null' if optional else ''}")
+    return v
+
+
+def _text(d: dict, name: str, where: str, limit: int) -> str | None:
+    v = d.get(name)
+    if v is not None and (not isinstance(v, str) or len(v) > limit):
+        raise MalformedRequest(f"{where}.{name} must be a string of at most {limit} characters")
+    return v
+
+
 def _check_record(i: int, d: Any) -> dict[str, Any]:
+    """A checked copy of one reported record: known fields only, types and ranges enforced."""
     where = f"decisions[{i}]"
     if not isinstance(d, dict):
         raise MalformedRequest(f"{where} must be an object")
     if d.get("op") not in ("get", "put") or not isinstance(d.get("choice"), str) or len(d["choice"]) > 64:
         raise MalformedRequest(f"{where}: op must be get or put and choice a short string")
-    for name in _NUMBERS:
-        v = d.get(name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            raise MalformedRequest(f"{where}.{name} must be a finite number")
-    for name in _OPTIONAL_NUMBERS:
-        v = d.get(name)
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
-            raise MalformedRequest(f"{where}.{name} must be a finite number or null")
-    if not isinstance(d.get("candidates", []), list) or len(d.get("candidates", [])) > 32:
+    out: dict[str, Any] = {"op": d["op"], "choice": d["choice"]}
+    for name in ("time_s", "bytes", "tokens"):
+        out[name] = _number(d, name, where, optional=False)
+    out["policy_version"] = _number(d, "policy_version", where, optional=False, integer=True)
+    for name in ("predicted_s", "actual_s", "actual_bytes", "predicted_actual_s", "slo_s", "free_bytes"):
+        out[name] = _number(d, name, where, optional=True)
+    out["id"] = _number(d, "id", where, optional=True, integer=True)
+    for name, limit in (("reason", 2000), ("locality", 32), ("error", 2000)):
+        out[name] = _text(d, name, where, limit)
+    cands = d.get("candidates", [])
+    if not isinstance(cands, list) or len(cands) > 32:
         raise MalformedRequest(f"{where}.candidates must be a list of at most 32")
-    for name in ("reason", "locality", "error"):
-        if d.get(name) is not None and (not isinstance(d[name], str) or len(d[name]) > 2000):
-            raise MalformedRequest(f"{where}.{name} must be a string of at most 2000 characters")
-    return d
+    out["candidates"] = []
+    for j, c in enumerate(cands):
+        cw = f"{where}.candidates[{j}]"
+        if not isinstance(c, dict) or not isinstance(c.get("option"), str) or len(c["option"]) > 64:
+            raise MalformedRequest(f"{cw} must be an object with a short option string")
+        out["candidates"].append({"option": c["option"], "predicted_s": _number(c, "predicted_s", cw, optional=True),
+                                  "feasible": bool(c.get("feasible", True)), "why": _text(c, "why", cw, 500)})
+    # The server works the ratio out itself rather than trusting the client's.
+    actual, predicted = out["actual_s"], out["predicted_actual_s"]
+    out["ratio"] = actual / predicted if actual and predicted else None
+    return out
 
 
 @router.post("/v1/decisions")
@@ -170,7 +218,7 @@ async def admin_decisions(request: Request, limit: int = Query(100, ge=1, le=409
                           choice: str | None = None, namespace: str | None = None) -> dict:
     """The newest decision records (oldest first), optionally filtered."""
     state = plan_state(svc_of(request))
-    rows = [d for d in state.decisions if (op is None or d["op"] == op) and (choice is None or d["choice"] == choice)
+    rows = [d for d in state.decisions() if (op is None or d["op"] == op) and (choice is None or d["choice"] == choice)
             and (namespace is None or d.get("namespace") == namespace)]
     return {"decisions": rows[-limit:], "total": len(rows), "received": state.received}
 
@@ -191,14 +239,12 @@ async def admin_set_policy(request: Request, p: Principal = Depends(principal)) 
     try:
         if action == "candidate":
             cand = Policy.from_dict(require(data, "policy", dict))
-            state.policies = PolicySet(ps.baseline, cand, data.get("fraction", 0.1))
+            settings = {k: data.get(k) for k in ("min_samples", "rollback_margin_frac")}
+            state.judge.check(**settings)  # all checked before anything changes
+            policies = PolicySet(ps.baseline, cand, data.get("fraction", 0.1))
+            state.policies = policies
             state.judge.forget(cand.version)
-            for name in ("min_samples", "rollback_margin_frac"):
-                if name in data:
-                    value = data[name]
-                    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                        raise InvalidInput(f"{name} must be a non-negative number")
-                    setattr(state.judge, name, int(value) if name == "min_samples" else float(value))
+            state.judge.configure(**settings)
         elif action == "fraction":
             if ps.candidate is None:
                 raise InvalidInput("there is no candidate to give traffic to")
