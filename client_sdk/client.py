@@ -336,6 +336,8 @@ class KVClient:
         if self._reporter is not None:
             self._reporter.join()
         self._report_accesses()
+        if self._planner is not None:
+            self._planner.close()  # Flight channels, Redis pools
         with self._conns_lock:
             for conn in self._conns:
                 conn.close()

@@ -138,6 +138,7 @@ class Throttled(Medium):
         self.name = inner.name  # type: ignore[misc]
         self.remote = inner.remote  # type: ignore[misc]
         self.codecs = inner.codecs  # type: ignore[misc]
+        self.puts = inner.puts  # type: ignore[misc]
         self.namespace = inner.namespace
         self.latency_s = latency_s
         self.bandwidth_Bps = bandwidth_Bps

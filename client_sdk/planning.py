@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from client_sdk.media import Medium
+from client_sdk.protocol import ConnectionFailed
 from kvstore.errors import InvalidInput, KVStoreError
 from kvstore.planner import RECOMPUTE, Decision, Option, Planner
 from kvstore.policy import Policy, PolicySet
@@ -71,6 +72,8 @@ class ClientPlanner:
         self.policies = PolicySet()
         self._fetched_s = -1e18
         self._probing = threading.Lock()
+        self._down: dict[str, float] = {}
+        """Medium -> monotonic time until which it is set aside after a failure."""
         self.last: Decision | None = None
         self._report = report
         self._report_every = report_every
@@ -94,7 +97,7 @@ class ClientPlanner:
             data = self.fetch_policies()
             if data is not None:
                 self.policies = PolicySet.from_dict(data)
-        except (KVStoreError, ValueError) as exc:  # keep the last good policies
+        except (KVStoreError, ValueError, TypeError) as exc:  # keep the last good policies
             log.debug("policy refresh failed: %s", exc)
 
     # -- estimates -----------------------------------------------------------------------------
@@ -140,20 +143,30 @@ class ClientPlanner:
                 except KVStoreError as exc:
                     log.info("probe of %s failed: %s", option.name, exc)
                     self.planner.forget_choice(option.name)
+                    if option.medium != "http":  # set aside; retried after explore_after_s, not every get
+                        self._down[option.medium] = time.monotonic() + policy.explore_after_s
 
     def _calibrate_codecs(self) -> None:
-        """Seed int8 encode/decode seconds per byte from one small block (the server encodes alike)."""
+        """Seed int8 encode/decode seconds per byte from a small block (the server encodes alike).
+
+        The least of three after an untimed round: a process's first int8 encode pays for
+        torch's lazy set-up (about 0.2 s here), which once made int8 look 100x slower than it is.
+        """
         from kvstore import codec as codec_mod
 
         kv = torch.randn(4, 2, 4, 64, 128).to(torch.float16)  # 512 KiB
-        t0 = time.perf_counter()
-        frame = codec_mod.encode(kv, "int8")
-        t1 = time.perf_counter()
-        codec_mod.decode(frame)
-        t2 = time.perf_counter()
+        codec_mod.decode(codec_mod.encode(kv, "int8"))
+        enc, dec = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            frame = codec_mod.encode(kv, "int8")
+            t1 = time.perf_counter()
+            codec_mod.decode(frame)
+            enc.append(t1 - t0)
+            dec.append(time.perf_counter() - t1)
         raw = kv.numel() * kv.element_size()
-        self.planner.model.observe_codec("int8", "encode", raw, t1 - t0)
-        self.planner.model.observe_codec("int8", "decode", raw, t2 - t1)
+        self.planner.model.observe_codec("int8", "encode", raw, min(enc))
+        self.planner.model.observe_codec("int8", "decode", raw, min(dec))
 
     def set_prefill_rate(self, spec: KVSpec, tokens_per_s: float) -> None:
         self.planner.model.set_prefill_rate(spec.fingerprint(), tokens_per_s)
@@ -161,62 +174,97 @@ class ClientPlanner:
     # -- transfers ----------------------------------------------------------------------------------
 
     def get_kv(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None) -> tuple[torch.Tensor, int]:
-        policy = self.policy()
-        options = self._options("get", policy)
-        if not options:
-            raise InvalidInput(f"policy v{policy.version} allows none of this client's media {sorted(self.media)}")
-        self._explore("get", options, policy)
         n_tokens = spec.full_blocks(len(toks)) * spec.block_tokens
-        d = self.planner.decide("get", options, nbytes=n_tokens * spec.bytes_per_token, tokens=n_tokens,
-                                policy=policy, fingerprint=spec.fingerprint(), locality=self.locality,
-                                slo_s=slo_s, free_bytes=free_memory_bytes() if out is None else _capacity(out))
-        self.last = d
-        if d.choice == RECOMPUTE:
-            self.planner.finish(d, policy, actual_s=0.0, actual_bytes=0)
+        for attempt in range(2):  # a medium that fails is set aside and the transfer tried once more
+            policy = self.policy()
+            options = self._usable("get", policy)
+            d = self.planner.decide("get", options, nbytes=n_tokens * spec.bytes_per_token, tokens=n_tokens,
+                                    policy=policy, fingerprint=spec.fingerprint(), locality=self.locality,
+                                    slo_s=slo_s, free_bytes=free_memory_bytes() if out is None else _capacity(out))
+            self.last = d
+            if d.choice == RECOMPUTE:
+                self.planner.finish(d, policy, actual_s=0.0, actual_bytes=0)
+                self._finished_one()
+                return spec.empty_kv(0), 0
+            option = d.option
+            assert option is not None
+            t0 = time.perf_counter()
+            try:
+                kv, n = self.media[option.medium].get_kv(spec, toks, out,
+                                                         codec=None if option.codec == "raw" else option.codec)
+            except KVStoreError as exc:
+                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
+                continue
+            elapsed = time.perf_counter() - t0
+            raw = n * spec.bytes_per_token
+            codec_s = 0.0
+            if option.codec != "raw":
+                model = self.planner.model.codec_s_per_byte
+                codec_s = raw * (model.get((option.codec, "encode"), 0.0) + model.get((option.codec, "decode"), 0.0))
+            self.planner.finish(d, policy, actual_s=elapsed, actual_bytes=raw, codec_s=min(codec_s, elapsed * 0.9))
             self._finished_one()
-            return spec.empty_kv(0), 0
-        option = d.option
-        assert option is not None
-        medium = self.media[option.medium]
-        t0 = time.perf_counter()
-        try:
-            kv, n = medium.get_kv(spec, toks, out, codec=None if option.codec == "raw" else option.codec)
-        except KVStoreError as exc:
-            self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=0, error=repr(exc))
-            self.planner.forget_choice(option.name)
-            raise
-        elapsed = time.perf_counter() - t0
-        raw = n * spec.bytes_per_token
-        codec_s = 0.0
-        if option.codec != "raw":
-            model = self.planner.model.codec_s_per_byte
-            codec_s = raw * (model.get((option.codec, "encode"), 0.0) + model.get((option.codec, "decode"), 0.0))
-        self.planner.finish(d, policy, actual_s=elapsed, actual_bytes=raw, codec_s=min(codec_s, elapsed * 0.9))
-        self._finished_one()
-        return kv, n
+            return kv, n
+        raise AssertionError("unreachable: the second failure raises")
 
     def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor, slo_s: float | None) -> int:
-        policy = self.policy()
-        options = self._options("put", policy)
+        nbytes = spec.full_blocks(len(toks)) * spec.block_nbytes
+        for attempt in range(2):
+            policy = self.policy()
+            options = self._usable("put", policy)
+            d = self.planner.decide("put", options, nbytes=nbytes, tokens=0, policy=policy,
+                                    fingerprint=spec.fingerprint(), locality=self.locality, slo_s=slo_s)
+            self.last = d
+            option = d.option
+            assert option is not None
+            t0 = time.perf_counter()
+            try:
+                n = self.media[option.medium].put_kv(spec, toks, kv)
+            except KVStoreError as exc:
+                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
+                continue
+            self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=n * spec.bytes_per_token)
+            self._finished_one()
+            return n
+        raise AssertionError("unreachable: the second failure raises")
+
+    def _usable(self, op: str, policy: Policy) -> list[Option]:
+        """The policy's options on media that are not set aside, probed where needed.
+
+        Raises:
+            InvalidInput: the policy allows none of this client's media.
+            ConnectionFailed: every allowed medium failed within ``explore_after_s``.
+        """
+        options = self._options(op, policy)
         if not options:
             raise InvalidInput(f"policy v{policy.version} allows none of this client's media {sorted(self.media)}")
-        self._explore("put", options, policy)
-        nbytes = spec.full_blocks(len(toks)) * spec.block_nbytes
-        d = self.planner.decide("put", options, nbytes=nbytes, tokens=0, policy=policy,
-                                fingerprint=spec.fingerprint(), locality=self.locality, slo_s=slo_s)
-        self.last = d
-        option = d.option
-        assert option is not None
-        t0 = time.perf_counter()
-        try:
-            n = self.media[option.medium].put_kv(spec, toks, kv)
-        except KVStoreError as exc:
-            self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=0, error=repr(exc))
-            self.planner.forget_choice(option.name)
-            raise
-        self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=n * spec.bytes_per_token)
-        self._finished_one()
-        return n
+        now = time.monotonic()
+        up = [o for o in options if self._down.get(o.medium, 0.0) <= now]
+        if not up:
+            raise ConnectionFailed(f"every medium the policy allows failed lately: {sorted(self._down)}")
+        self._explore(op, up, policy)
+        up = [o for o in up if self._down.get(o.medium, 0.0) <= time.monotonic()]
+        if not up:
+            raise ConnectionFailed(f"every medium the policy allows failed its probe: {sorted(self._down)}")
+        return up
+
+    def _failed(self, d: Decision, policy: Policy, option: Option, t0: float, exc: KVStoreError, *,
+                retry: bool) -> None:
+        """Record a failed transfer; set its medium aside and return for one retry, or raise.
+
+        The caller's own mistakes (bad input, a refused token) fail the same on any
+        medium and are raised at once.
+        """
+        self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=0, error=repr(exc))
+        self.planner.forget_choice(option.name)
+        if isinstance(exc, (InvalidInput, PermissionError)) or not retry:
+            raise exc
+        self._set_aside(option.medium, policy, exc)
+
+    def _set_aside(self, medium: str, policy: Policy, exc: Exception) -> None:
+        if medium == "http":  # the medium every other one falls back to; its errors are the caller's answer
+            raise exc
+        log.warning("medium %s failed (%s); not used for %g s", medium, exc, policy.explore_after_s)
+        self._down[medium] = time.monotonic() + policy.explore_after_s
 
     def _finished_one(self) -> None:
         self._finished += 1

@@ -81,17 +81,21 @@ class RedisDirectMedium(Medium):
         return self.client._put_http(spec, c.tokens_of(tokens), kv)
 
     def probe(self, nbytes: int) -> None:
-        """A PING, or a GET of this client's own probe value (set once, expiring in a minute)."""
+        """A PING, or a GET of this client's own probe value.
+
+        The value (``probe_bytes``, 2 MiB) is this client's one write to Redis, under
+        ``kv:<keyspace>:probe:<random>``, expiring in a minute; it is set again when it expired.
+        """
         try:
             client = self.tier._connect()
             if nbytes == 0:
                 client.ping()
                 return
-            if self._probe_len != nbytes:
+            if self._probe_len != nbytes or client.get(self._probe_key) is None:  # new size, or expired
                 client.set(self._probe_key, bytes(nbytes), px=_PROBE_TTL_MS)
                 self._probe_len = nbytes
-            if client.get(self._probe_key) is None:
-                self._probe_len = 0
+                if client.get(self._probe_key) is None:
+                    raise TierUnavailable("redis probe value vanished right after it was set")
         except redis.RedisError as exc:
             raise TierUnavailable(f"redis probe failed: {exc}") from exc
 
