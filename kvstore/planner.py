@@ -90,8 +90,9 @@ class Estimate:
     small transfer, extrapolated, once made a 64 MiB get look 15x slower than it was)."""
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy
 
-    def predict(self, nbytes: int) -> float | None:
-        local = self.s_per_byte_by_class.get(size_class(nbytes))
+    def predict(self, nbytes: int, class_bytes: int | None = None) -> float | None:
+        """Seconds for ``nbytes`` on the wire; ``class_bytes``: the raw KV bytes that name the size class."""
+        local = self.s_per_byte_by_class.get(size_class(nbytes if class_bytes is None else class_bytes))
         if local is not None and nbytes > 0:
             return nbytes * local
         if self.latency_s is None or (self.s_per_byte is None and nbytes > 0):
@@ -99,17 +100,22 @@ class Estimate:
         return self.latency_s + nbytes * (self.s_per_byte or 0.0)
 
     def observe(self, nbytes: int, seconds: float, alpha: float, small_bytes: int, now_s: float,
-                real: bool = True) -> None:
+                real: bool = True, class_bytes: int | None = None) -> None:
+        """One sample of ``nbytes`` on the wire; ``class_bytes`` (raw KV bytes) names its size class,
+        as the planner's lookups do: an int8 get moves half its raw bytes."""
         seconds = max(seconds, 1e-9)
         self.samples += 1
         self.updated_s = now_s
         if real and nbytes > small_bytes:
             self.real_samples += 1
             self.real_updated_s = now_s
-            self.real_by_class[size_class(nbytes)] = now_s
-            cls = size_class(nbytes)
-            self.real_count_by_class[cls] = self.real_count_by_class.get(cls, 0) + 1
-            self.s_per_byte_by_class[cls] = _ewma(self.s_per_byte_by_class.get(cls), seconds / nbytes, alpha)
+            cls = size_class(nbytes if class_bytes is None else class_bytes)
+            self.real_by_class[cls] = now_s
+            count = self.real_count_by_class[cls] = self.real_count_by_class.get(cls, 0) + 1
+            old, spb = self.s_per_byte_by_class.get(cls), seconds / nbytes
+            # The first transfer of a size is often cold (new shapes, first pages): of the first
+            # two, the faster stands; after that, the EWMA.
+            self.s_per_byte_by_class[cls] = min(old, spb) if count == 2 and old else _ewma(old, spb, alpha)
         w = (1.0 if real else _PROBE_WEIGHT) / (seconds * seconds)
         x = float(nbytes)
         keep = 1.0 - alpha
@@ -163,11 +169,16 @@ class CostModel:
         """Spec fingerprint -> the caller's prefill rate, tokens per second."""
 
     def observe(self, op: str, option: str, nbytes: int, seconds: float, policy: Policy, *,
-                real: bool = True) -> None:
-        """One timed transfer (``real``) or probe of ``op`` ("get" or "put") over ``option``."""
+                real: bool = True, raw_bytes: int | None = None) -> None:
+        """One timed transfer (``real``) or probe of ``op`` ("get" or "put") over ``option``.
+
+        Args:
+            nbytes: bytes on the wire.
+            raw_bytes: the KV bytes they carry, when a codec made them fewer (names the size class).
+        """
         with self._lock:
             self.links.setdefault(f"{op}:{option}", Estimate()).observe(
-                nbytes, seconds, policy.ewma_alpha, policy.small_bytes, self.clock(), real)
+                nbytes, seconds, policy.ewma_alpha, policy.small_bytes, self.clock(), real, raw_bytes)
 
     def observe_codec(self, codec: str, direction: str, raw_bytes: int, seconds: float, alpha: float = 0.3) -> None:
         if raw_bytes <= 0:
@@ -189,7 +200,7 @@ class CostModel:
             if est is None:
                 return None
             wire = raw_bytes if option.codec == "raw" else int(raw_bytes * _INT8_WIRE_FRAC)
-            link = est.predict(wire)
+            link = est.predict(wire, raw_bytes)
             if link is None:
                 return None
             if option.codec == "raw":
@@ -372,8 +383,11 @@ class Planner:
                 recompute = Candidate(RECOMPUTE, rs)
         known = [c for c in cands if c.feasible and c.predicted_s is not None]
         everything = cands + ([recompute] if recompute else [])
+        if not any(c.feasible for c in cands):  # the transfer fails where it lands, with the typed error
+            return self._record(op, nbytes, tokens, locality, everything, cands[0].option,
+                                f"no option fits: {cands[0].why}", policy, slo, free_bytes)
         if not known:  # nothing measured yet: the policy's order decides
-            first = next((c for c in cands if c.feasible), cands[0])
+            first = next(c for c in cands if c.feasible)
             return self._record(op, nbytes, tokens, locality, everything, first.option,
                                 "no estimates yet: first available medium in the policy's order",
                                 policy, slo, free_bytes)
@@ -402,7 +416,7 @@ class Planner:
         if best.predicted_s is None:
             return None
         for c in cands:
-            if (not c.feasible or c.predicted_s is None or c.option == best.option
+            if (not c.feasible or c.why or c.predicted_s is None or c.option == best.option
                     or c.predicted_s > _EXPLORE_WITHIN * best.predicted_s):
                 continue
             if self.model.age_s(op, c.option, real=True, nbytes=nbytes) >= policy.explore_after_s:
@@ -420,9 +434,8 @@ class Planner:
                    free_bytes: int | None) -> Candidate:
         predicted = self.model.predict(op, option, nbytes)
         cand = Candidate(option.name, predicted)
-        need = nbytes * (2 if option.medium in ("flight", "redis") else 1)  # frames land before decoding
-        if free_bytes is not None and need > free_bytes:
-            cand.feasible, cand.why = False, f"needs {need} B of buffer, receiver has {free_bytes}"
+        if free_bytes is not None and nbytes > free_bytes:
+            cand.feasible, cand.why = False, f"needs {nbytes} B of buffer, receiver has {free_bytes}"
         elif slo is not None and predicted is not None and predicted > slo:
             cand.why = f"predicted {predicted * 1e3:.2f} ms is over the SLO of {slo * 1e3:.2f} ms"
         return cand
@@ -434,6 +447,8 @@ class Planner:
         now = self.clock()
         with self._lock:
             st = self._sticky.get(key)
+            if st is not None and st.provisional:
+                st.provisional = self._unproven(op, st.current, nbytes)
             cur = by_name.get(st.current) if st else None
             if st is None or cur is None or not cur.feasible or cur.predicted_s is None:
                 gone = f"previous choice {st.current} is unavailable; " if st else ""
@@ -441,7 +456,6 @@ class Planner:
                 return best.option, f"{gone}lowest predicted time ({_ms(best.predicted_s)})"
             if best.option == st.current:
                 st.challenger = None
-                st.provisional = st.provisional and self._unproven(op, st.current, nbytes)
                 return st.current, f"lowest predicted time ({_ms(best.predicted_s)})"
             if best.predicted_s > cur.predicted_s * (1.0 - policy.margin_frac):  # type: ignore[operator]
                 st.challenger = None
@@ -489,7 +503,8 @@ class Planner:
         if option is not None and error is None:
             decision.predicted_actual_s = self.model.predict(decision.op, option, actual_bytes)
             wire = actual_bytes if option.codec == "raw" else int(actual_bytes * _INT8_WIRE_FRAC)
-            self.model.observe(decision.op, option.name, wire, max(actual_s - codec_s, 1e-9), policy)
+            self.model.observe(decision.op, option.name, wire, max(actual_s - codec_s, 1e-9), policy,
+                               raw_bytes=actual_bytes)
         self.log.finished(decision)
 
     def forget_choice(self, option: str) -> None:

@@ -66,10 +66,12 @@ def test_buffer_space_rules_out_an_option():
     for name, gbps in (("flight", 5.0), ("http", 1.0)):
         planner.model.observe("get", name, 0, 0.0001, policy)
         planner.model.observe("get", name, 64 * MB, 64 * MB / (gbps * 1e9), policy)
-    d = planner.decide("get", [Option("flight"), Option("http")], nbytes=32 * MB, tokens=512, policy=policy,
-                       free_bytes=40 * MB)
-    assert d.choice == "http"
-    assert not next(c for c in d.candidates if c.option == "flight").feasible
+    opts = [Option("flight"), Option("http")]
+    d = planner.decide("get", opts, nbytes=32 * MB, tokens=512, policy=policy, free_bytes=40 * MB)
+    assert d.choice == "flight" and all(c.feasible for c in d.candidates)
+    d = planner.decide("get", opts, nbytes=32 * MB, tokens=512, policy=policy, free_bytes=16 * MB)
+    assert not any(c.feasible for c in d.candidates)
+    assert d.reason.startswith("no option fits: needs 33554432 B of buffer, receiver has 16777216")
 
 
 class Link:
