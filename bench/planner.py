@@ -9,12 +9,13 @@ latency per call and the point's bandwidth as a cap (a medium slower than the ca
 
 At each point:
 
-- **the oracle** times every fetch option for real (``repeats`` samples each, interleaved),
+- **the oracle** times every fetch option for real (``repeats`` samples each, interleaved, each
+  right after an untimed call of the same option),
   and takes recompute as ``tokens / prefill rate`` at the rate the caller registers (1,700
   tokens/s: the seeded 8-layer CPU Llama of ``../shared/BASELINES.md``);
 - **the planner** (the same client, planning on, one client per bandwidth kept across the
   bandwidth's points as a long-lived agent would) answers ``warmup`` gets to learn, for at
-  least twice the policy's switch window (shortened to 0.5 s here, so that every point reaches
+  least three times the policy's switch window (shortened to 0.5 s here, so that every point reaches
   its steady state in about a second), then ``decisions`` more whose choices and predictions
   are recorded.
 
@@ -92,10 +93,11 @@ def _point(url: str, client, writer, payload: int, gbps: float, tokens: int, rep
     try:
         media = client._planned().media
         oracle: dict[str, list[float]] = {o.name: [] for o in _options()}
-        for o in _options():  # untimed: a first call pays for connections and shapes
-            _timed(media[o.medium], spec, toks, o.codec, tokens)
         for _ in range(repeats):
             for o in _options():
+                # Each sample follows an untimed call of the same option, as a planner's repeated
+                # choice runs: right after another option's call, a 1 MiB get measured up to 1.6x slower.
+                _timed(media[o.medium], spec, toks, o.codec, tokens)
                 oracle[o.name].append(_timed(media[o.medium], spec, toks, o.codec, tokens))
         measured = {name: statistics.median(ts) for name, ts in oracle.items()}
         measured["recompute"] = tokens / PREFILL_TPS
@@ -104,8 +106,8 @@ def _point(url: str, client, writer, payload: int, gbps: float, tokens: int, rep
         records = []
         t0 = time.perf_counter()
         i = 0
-        # Learn for at least ``warmup`` gets and twice the policy's switch window, then record.
-        while i < warmup or time.perf_counter() - t0 < 2 * WINDOW_S:
+        # Learn for at least ``warmup`` gets and three times the policy's switch window, then record.
+        while i < warmup or time.perf_counter() - t0 < 3 * WINDOW_S:
             client.get_kv(spec, toks)
             i += 1
         for _ in range(decisions):
