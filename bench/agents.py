@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 from bench.agents_model import ROLES, DemoConfig
 from bench.report import header, publish
-from bench.serving import free_port, wait_http
+from bench.serving import free_port, stop, wait_http
 
 __all__ = ["DemoFailed", "DemoConfig", "run", "format_table"]
 
@@ -84,13 +83,7 @@ def _serving(workdir: Path, timeout_s: float = 60.0) -> Iterator[str]:
             raise DemoFailed(f"kvstore serve did not start:\n{log_path.read_text(errors='replace')[-2000:]}") from None
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
 
 
 def _spawn_agent(job: dict[str, Any], workdir: Path, step: Callable[[str], None]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Iterator
 
-__all__ = ["free_port", "wait_http", "child", "kvstore_serve"]
+__all__ = ["free_port", "wait_http", "child", "stop", "kvstore_serve"]
 
 
 def free_port() -> int:
@@ -49,12 +49,19 @@ def child(cmd: list[str], port: int, env: dict | None = None, path: str = "/heal
         wait_http(port, proc, path)
         yield
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM, then kill after ``timeout_s``; returns once the child is gone."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager

@@ -454,19 +454,24 @@ class KVClient:
         arena.handles.remember(blocks)
         kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
         missing = arena.fill_from_handles(blocks, kv, bt, self.stats)
-        good = len(blocks)
-        if missing:
-            want = {blocks[i]["key"]: i for i in missing}
-            body = self._send_raw("POST", "/v1/blocks/get", {"keys": list(want)})
-            arrived = c.fill_from_batch(body, want, kv, bt, {})
-            self.stats.shm_blocks_fetched_over_http += len(arrived)
-            lost = sorted(set(missing) - arrived)
-            good = lost[0] if lost else good  # a prefix: stop at the first block that is gone
+        good = self._fill_missing(blocks, missing, kv, bt)
         self.stats.shm_gets += 1
         self.stats.last_medium = "shm"
         if good < len(blocks):
             kv = kv[:, :, :, :good * bt].clone() if out is None else c.result_tensor(spec, good * bt, out)
         return kv, good * bt
+
+    def _fill_missing(self, blocks: Sequence[dict], missing: Sequence[int], kv: torch.Tensor, bt: int) -> int:
+        """Fetch over HTTP the blocks of a co-located get the arena did not have; returns how many
+        blocks of the prefix are now in ``kv`` (it stops at the first that is gone)."""
+        if not missing:
+            return len(blocks)
+        want = {blocks[i]["key"]: i for i in missing}
+        body = self._send_raw("POST", "/v1/blocks/get", {"keys": list(want)})
+        arrived = c.fill_from_batch(body, want, kv, bt, {})
+        self.stats.shm_blocks_fetched_over_http += len(arrived)
+        lost = sorted(set(missing) - arrived)
+        return lost[0] if lost else len(blocks)
 
     def _frames_shm(self, keys: Sequence[BlockHash]) -> list[Any]:
         """Frames of ``keys``: read from the arena where it holds them (and they are this

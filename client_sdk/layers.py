@@ -201,14 +201,7 @@ def iter_layers_shm(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStrea
     blocks = answer["blocks"]
     arena.handles.remember(blocks)
     kv, sources, missing = _prepare(arena, blocks, spec, client._pool, client.stats)
-    good = len(blocks)
-    if missing:
-        want = {blocks[i]["key"]: i for i in missing}
-        body = client._send_raw("POST", "/v1/blocks/get", {"keys": list(want)})
-        arrived = c.fill_from_batch(body, want, kv, bt, {})
-        client.stats.shm_blocks_fetched_over_http += len(arrived)
-        lost = sorted(set(missing) - arrived)
-        good = lost[0] if lost else good  # a prefix: stop at the first block that is gone
+    good = client._fill_missing(blocks, missing, kv, bt)
     client.stats.shm_gets += 1
     client.stats.last_medium = "shm"
     if good < len(blocks):  # rare: a block vanished; keep the result one contiguous tensor
