@@ -71,6 +71,8 @@ def normalize_tokens(tokens: Any) -> np.ndarray:
     Raises:
         InvalidTokens: for floats, bools, nested lists, or ids outside [0, 2**32).
     """
+    if type(tokens) is np.ndarray and tokens.dtype == _TOKEN_DTYPE and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        return tokens  # already normalized (a caller's layer passing ids on): nothing to check or copy
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InvalidTokens(f"token ids must be integers, got a tensor of {tokens.dtype}")
