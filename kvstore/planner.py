@@ -79,7 +79,6 @@ class Estimate:
     updated_s: float = 0.0
     real_samples: int = 0
     """Samples from real transfers, not probes: filler over a bare link flatters a medium."""
-    real_updated_s: float = -math.inf
     real_by_class: dict[int, float] = field(default_factory=dict)
     """Size class -> when a real transfer of that size last ran (exploration is per size class:
     a fit learnt on 64 KiB gets extrapolates poorly to 64 MiB)."""
@@ -108,7 +107,6 @@ class Estimate:
         self.updated_s = now_s
         if real and nbytes > small_bytes:
             self.real_samples += 1
-            self.real_updated_s = now_s
             cls = size_class(nbytes if class_bytes is None else class_bytes)
             self.real_by_class[cls] = now_s
             count = self.real_count_by_class[cls] = self.real_count_by_class.get(cls, 0) + 1
@@ -214,20 +212,18 @@ class CostModel:
             rate = self.prefill_tps.get(fingerprint)
         return None if rate is None else tokens / rate
 
-    def age_s(self, op: str, option: str, *, real: bool = False, nbytes: int | None = None) -> float:
-        """Seconds since the last sample (``real``: the last real transfer, of ``nbytes``'s size
-        class when given); inf if none."""
+    def age_s(self, op: str, option: str, *, nbytes: int | None = None) -> float:
+        """Seconds since the last sample, probe or real; with ``nbytes``, since the last real transfer
+        of its size class (inf until that class has ``_MEASURED_AFTER`` of them)."""
         with self._lock:
             est = self.links.get(f"{op}:{option}")
             if est is None or not est.samples:
                 return math.inf
-            if not real:
+            if nbytes is None:
                 return self.clock() - est.updated_s
-            if nbytes is not None:
-                if est.real_count_by_class.get(size_class(nbytes), 0) < _MEASURED_AFTER:
-                    return math.inf
-                return self.clock() - est.real_by_class.get(size_class(nbytes), -math.inf)
-            return self.clock() - est.real_updated_s
+            if est.real_count_by_class.get(size_class(nbytes), 0) < _MEASURED_AFTER:
+                return math.inf
+            return self.clock() - est.real_by_class[size_class(nbytes)]
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -419,7 +415,7 @@ class Planner:
             if (not c.feasible or c.why or c.predicted_s is None or c.option == best.option
                     or c.predicted_s > _EXPLORE_WITHIN * best.predicted_s):
                 continue
-            if self.model.age_s(op, c.option, real=True, nbytes=nbytes) >= policy.explore_after_s:
+            if self.model.age_s(op, c.option, nbytes=nbytes) >= policy.explore_after_s:
                 now = self.clock()
                 with self._lock:  # at most _MEASURED_AFTER tries per option, class and interval, failed or not
                     tries = [t for t in self._explored.get((op, c.option, size_class(nbytes)), [])
@@ -478,7 +474,7 @@ class Planner:
                                  f"{_ms(cur.predicted_s)} for {held:.1f} s")
 
     def _unproven(self, op: str, option: str, nbytes: int) -> bool:
-        return self.model.age_s(op, option, real=True, nbytes=nbytes) == math.inf
+        return self.model.age_s(op, option, nbytes=nbytes) == math.inf
 
     def _record(self, op: str, nbytes: int, tokens: int, locality: str, cands: list[Candidate], choice: str,
                 reason: str, policy: Policy, slo: float | None, free_bytes: int | None) -> Decision:
