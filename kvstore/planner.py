@@ -10,10 +10,11 @@ updated from every real transfer's measured time; codec costs are EWMAs of
 measured encode and decode seconds per byte.
 
 Stability: the planner keeps a current choice per (operation, size class). It
-moves to another option only when that option is predicted better by
-``margin_frac`` for ``window_s`` without a break; a choice that becomes
-unavailable is left at once. Payloads of at most ``small_bytes`` take the first
-available medium in the policy's order without deliberation.
+moves to another option only when that option has been the predicted best for
+``window_s`` without a break, better by ``margin_frac`` when the window starts
+and when it ends; a choice that becomes unavailable is left at once. Payloads
+of at most ``small_bytes`` take the first available medium in the policy's
+order without deliberation.
 
 Every decision is a ``Decision`` record (inputs, candidates with predictions,
 choice, reason, then the actual cost), kept in a bounded ``DecisionLog``.
@@ -55,22 +56,36 @@ class Option:
         return cls(medium, codec or "raw")
 
 
-_MEASURED_AFTER = 2  # real transfers of a size class before an option counts as measured there (one may be cold)
+_BURST_MAX = 5
+_BURST_GAIN = 0.9
+_BURST_CLOSE = 1.5
+"""An option explored for a size class gets a burst of real transfers in a row, and only the
+fastest of them is learnt: a medium warms up over its first transfers after other media's
+(1 MiB HTTP gets measured 1.31, 1.00, 0.84, 0.78, 0.73, then 0.72-0.78 ms; a first 8 MiB int8
+get 12x its later ones). A contender within ``_BURST_CLOSE`` of the best option gets all
+``_BURST_MAX`` (a close call needs the warm figure, and trying it costs little); one further
+behind stops once a transfer is no longer ``_BURST_GAIN`` times faster than the fastest before
+it: a 670 ms transfer, twice the best, is not repeated five times."""
 _EXPLORE_WITHIN = 4.0  # explore an unmeasured option predicted at most this many times the best
+_SPIKE = 2.0  # a real transfer's seconds per byte counts as at most this many times its class's estimate
 _PROBE_WEIGHT = 0.25  # a probe moves filler over a bare route: it counts, but less than a real transfer
 
 
 @dataclass(slots=True)
 class Estimate:
-    """Latency and seconds per byte of one option: an exponentially weighted least-squares fit.
+    """What one option costs: per size class, an EWMA of seconds per byte; across sizes, a fit.
 
-    Each sample ``(bytes, seconds)`` enters sums that decay by ``1 - alpha`` per
-    sample (an EWMA of the fit's statistics), weighted by ``1 / seconds**2``
-    so that the fit minimizes relative, not absolute, error: a 64 KiB get
-    counts as much as a 64 MiB one. While the recent samples are all one size,
-    the intercept cannot be told from the slope; latency then stays where
-    earlier sizes (or the empty-round-trip probes) put it, and the slope alone
-    follows the samples.
+    A size class (4x wide) with a real transfer learnt predicts from its own
+    EWMA. A class not measured yet takes a line fitted to the classes that are:
+    a weighted least-squares fit of ``latency + bytes / bandwidth`` through one
+    point per class (its latest size at its EWMA's rate), the empty round trips,
+    and the probe's transfer where no real one of its size exists (a probe
+    moves filler over a bare route: it counts a quarter). Points weigh
+    ``1 / seconds**2``, so the fit minimizes relative error: a 64 KiB class
+    counts as much as a 64 MiB one. One point per class, not per transfer:
+    thousands of 64 KiB gets must not erase what a 2 MiB probe said about
+    bandwidth (they did, when the fit decayed per sample; extrapolated from
+    64 KiB alone, 1 MiB looked 8x slower than it was).
     """
 
     latency_s: float | None = None
@@ -80,14 +95,16 @@ class Estimate:
     real_samples: int = 0
     """Samples from real transfers, not probes: filler over a bare link flatters a medium."""
     real_by_class: dict[int, float] = field(default_factory=dict)
-    """Size class -> when a real transfer of that size last ran (exploration is per size class:
-    a fit learnt on 64 KiB gets extrapolates poorly to 64 MiB)."""
-    real_count_by_class: dict[int, int] = field(default_factory=dict)
+    """Size class -> when a real transfer of that size (or an exploration burst) was last learnt
+    (exploration is per size class: a fit learnt on 64 KiB gets extrapolates poorly to 64 MiB)."""
     s_per_byte_by_class: dict[int, float] = field(default_factory=dict)
-    """Size class -> EWMA of seconds per byte of its real transfers. A prediction inside a
-    measured class uses it; the fit across sizes is for classes not measured yet (one slow
-    small transfer, extrapolated, once made a 64 MiB get look 15x slower than it was)."""
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy
+    """Size class -> EWMA of seconds per byte of its real transfers."""
+    _bytes_by_class: dict[int, int] = field(default_factory=dict)
+    """Size class -> wire bytes of its latest real transfer (where its point sits in the fit)."""
+    _probes: dict[int, list[float]] = field(default_factory=dict)
+    """Size class -> [bytes, seconds] EWMA of probe transfers; key -1: empty round trips."""
+    _bursts: dict[int, list[float]] = field(default_factory=dict)
+    """Size class -> [transfers, fastest seconds per byte] of an exploration burst under way."""
 
     def predict(self, nbytes: int, class_bytes: int | None = None) -> float | None:
         """Seconds for ``nbytes`` on the wire; ``class_bytes``: the raw KV bytes that name the size class."""
@@ -99,45 +116,75 @@ class Estimate:
         return self.latency_s + nbytes * (self.s_per_byte or 0.0)
 
     def observe(self, nbytes: int, seconds: float, alpha: float, small_bytes: int, now_s: float,
-                real: bool = True, class_bytes: int | None = None) -> None:
+                real: bool = True, class_bytes: int | None = None, burst_best_s: float | None = None) -> None:
         """One sample of ``nbytes`` on the wire; ``class_bytes`` (raw KV bytes) names its size class,
-        as the planner's lookups do: an int8 get moves half its raw bytes."""
+        as the planner's lookups do: an int8 get moves half its raw bytes. ``burst_best_s``: set for
+        a transfer of an exploration burst (only the burst's fastest is learnt, when it ends), the
+        seconds the best option was predicted to take for the same KV."""
         seconds = max(seconds, 1e-9)
         self.samples += 1
         self.updated_s = now_s
+        cls = size_class(nbytes if class_bytes is None else class_bytes)
         if real and nbytes > small_bytes:
             self.real_samples += 1
-            cls = size_class(nbytes if class_bytes is None else class_bytes)
-            self.real_by_class[cls] = now_s
-            count = self.real_count_by_class[cls] = self.real_count_by_class.get(cls, 0) + 1
-            old, spb = self.s_per_byte_by_class.get(cls), seconds / nbytes
-            # The first transfer of a size is often cold (new shapes, first pages): of the first
-            # two, the faster stands; after that, the EWMA.
-            self.s_per_byte_by_class[cls] = min(old, spb) if count == 2 and old else _ewma(old, spb, alpha)
-        w = (1.0 if real else _PROBE_WEIGHT) / (seconds * seconds)
-        x = float(nbytes)
-        keep = 1.0 - alpha
-        sums = self._sums
-        for i, add in enumerate((w, w * x, w * seconds, w * x * x, w * x * seconds)):
-            sums[i] = sums[i] * keep + add
+            spb = seconds / nbytes
+            if burst_best_s is None:
+                self._learn(cls, nbytes, spb, alpha, now_s)
+            else:
+                b = self._bursts.setdefault(cls, [0, spb])
+                warm = b[0] >= 1 and spb >= _BURST_GAIN * b[1]
+                b[0], b[1] = b[0] + 1, min(b[1], spb)
+                close = b[1] * nbytes <= _BURST_CLOSE * burst_best_s
+                if b[0] >= _BURST_MAX or (warm and not close):
+                    del self._bursts[cls]
+                    self._learn(cls, nbytes, b[1], alpha, now_s)
+        elif not real or nbytes == 0:  # a probe, or an empty round trip (latency alone)
+            key = cls if nbytes > 0 else -1
+            old = self._probes.get(key)
+            self._probes[key] = [float(nbytes), seconds] if old is None else [
+                float(nbytes), _ewma(old[1] * nbytes / old[0] if old[0] else old[1], seconds, alpha)]
+        else:
+            return  # a small real transfer: the default medium's, not the planner's to learn from
         self._fit()
 
+    def _learn(self, cls: int, nbytes: int, spb: float, alpha: float, now_s: float) -> None:
+        """One real measurement of a size class: into its EWMA, capped at ``_SPIKE`` times the
+        estimate. A lone stall (a 4 ms get among 0.8 ms ones) then moves it by at most
+        alpha x (_SPIKE - 1) instead of flipping the choice, while a lasting slowdown still
+        raises it by that factor per transfer (10x in about nine transfers at the default alpha)."""
+        self.real_by_class[cls] = now_s
+        self._bytes_by_class[cls] = nbytes
+        old = self.s_per_byte_by_class.get(cls)
+        self.s_per_byte_by_class[cls] = _ewma(old, spb if old is None else min(spb, _SPIKE * old), alpha)
+
     def _fit(self) -> None:
-        sw, sx, sy, sxx, sxy = self._sums
-        mean_x, mean_y = sx / sw, sy / sw
-        var_x = sxx / sw - mean_x * mean_x
-        if mean_x > 0 and var_x > 0.01 * mean_x * mean_x:  # sizes differ enough to separate the two
-            slope = (sxy / sw - mean_x * mean_y) / var_x
-            icpt = mean_y - slope * mean_x
-            if slope > 0 and icpt >= 0:
-                self.latency_s, self.s_per_byte = icpt, slope
-                return
-        if mean_x <= 0:  # empty round trips only: latency
-            self.latency_s = mean_y
+        pts = [(float(x), self.s_per_byte_by_class[c] * x, 1.0) for c, x in self._bytes_by_class.items()]
+        pts += [(x, t, 1.0 if x == 0 else _PROBE_WEIGHT) for c, (x, t) in self._probes.items()
+                if c not in self._bytes_by_class]
+        sized = [p for p in pts if p[0] > 0]
+        if not sized:
+            if pts:  # empty round trips only: latency
+                self.latency_s = pts[0][1]
             return
-        lat = self.latency_s if self.latency_s is not None else 0.0
-        lat = min(lat, 0.5 * mean_y)  # faster than the fixed cost alone means that estimate was high
-        self.latency_s, self.s_per_byte = lat, max(mean_y - lat, 1e-12) / mean_x
+        rtt = self._probes.get(-1)
+        if len({p[0] for p in pts}) >= 2:
+            sw = sx = sy = sxx = sxy = 0.0
+            for x, t, weight in pts:
+                w = weight / (t * t)
+                sw, sx, sy, sxx, sxy = sw + w, sx + w * x, sy + w * t, sxx + w * x * x, sxy + w * x * t
+            var_x = sxx / sw - (sx / sw) ** 2
+            if var_x > 0:
+                slope = (sxy / sw - (sx / sw) * (sy / sw)) / var_x
+                icpt = sy / sw - slope * sx / sw
+                if slope > 0 and icpt >= 0:
+                    self.latency_s, self.s_per_byte = icpt, slope
+                    return
+        # One size, or points no line with a non-negative latency fits: latency from the empty
+        # round trips (at most half the fastest point: faster than the fixed cost alone means
+        # that estimate was high), the rest as bandwidth, by the largest point.
+        x, t, _ = max(sized)
+        lat = min(rtt[1] if rtt else 0.0, 0.5 * min(p[1] for p in sized))
+        self.latency_s, self.s_per_byte = lat, max(t - lat, 1e-12) / x
 
     def to_dict(self) -> dict[str, Any]:
         bw = None if not self.s_per_byte else 1.0 / self.s_per_byte / 1e9
@@ -167,16 +214,18 @@ class CostModel:
         """Spec fingerprint -> the caller's prefill rate, tokens per second."""
 
     def observe(self, op: str, option: str, nbytes: int, seconds: float, policy: Policy, *,
-                real: bool = True, raw_bytes: int | None = None) -> None:
+                real: bool = True, raw_bytes: int | None = None, burst_best_s: float | None = None) -> None:
         """One timed transfer (``real``) or probe of ``op`` ("get" or "put") over ``option``.
 
         Args:
             nbytes: bytes on the wire.
             raw_bytes: the KV bytes they carry, when a codec made them fewer (names the size class).
+            burst_best_s: for a transfer of an exploration burst, the best option's predicted
+                seconds for the same KV (``Estimate.observe``).
         """
         with self._lock:
             self.links.setdefault(f"{op}:{option}", Estimate()).observe(
-                nbytes, seconds, policy.ewma_alpha, policy.small_bytes, self.clock(), real, raw_bytes)
+                nbytes, seconds, policy.ewma_alpha, policy.small_bytes, self.clock(), real, raw_bytes, burst_best_s)
 
     def observe_codec(self, codec: str, direction: str, raw_bytes: int, seconds: float, alpha: float = 0.3) -> None:
         if raw_bytes <= 0:
@@ -214,16 +263,15 @@ class CostModel:
 
     def age_s(self, op: str, option: str, *, nbytes: int | None = None) -> float:
         """Seconds since the last sample, probe or real; with ``nbytes``, since the last real transfer
-        of its size class (inf until that class has ``_MEASURED_AFTER`` of them)."""
+        (or exploration burst) of its size class was learnt (inf before any)."""
         with self._lock:
             est = self.links.get(f"{op}:{option}")
             if est is None or not est.samples:
                 return math.inf
             if nbytes is None:
                 return self.clock() - est.updated_s
-            if est.real_count_by_class.get(size_class(nbytes), 0) < _MEASURED_AFTER:
-                return math.inf
-            return self.clock() - est.real_by_class[size_class(nbytes)]
+            learnt = est.real_by_class.get(size_class(nbytes))
+            return math.inf if learnt is None else self.clock() - learnt
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -272,6 +320,8 @@ class Decision:
     """The model's prediction for the bytes that actually moved (a get may hit fewer than asked)."""
     error: str | None = None
     """Set when the chosen transfer failed."""
+    explore: bool = False
+    """The choice is an exploration: the option gets real transfers to be measured, not because it is best."""
 
     @property
     def option(self) -> Option | None:
@@ -290,7 +340,8 @@ class Decision:
                 "candidates": [c.to_dict() for c in self.candidates], "choice": self.choice, "reason": self.reason,
                 "policy_version": self.policy_version, "predicted_s": self.predicted_s,
                 "actual_s": self.actual_s, "actual_bytes": self.actual_bytes,
-                "predicted_actual_s": self.predicted_actual_s, "ratio": self.ratio, "error": self.error}
+                "predicted_actual_s": self.predicted_actual_s, "ratio": self.ratio, "error": self.error,
+                "explore": self.explore}
 
 
 class DecisionLog:
@@ -388,12 +439,14 @@ class Planner:
                                 "no estimates yet: first available medium in the policy's order",
                                 policy, slo, free_bytes)
         best = min(known, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
-        explore = self._to_explore(op, nbytes, policy, cands, best)
+        explore = self._to_explore(op, nbytes, policy, cands, best, recompute)
         if explore is not None:
-            return self._record(op, nbytes, tokens, locality, everything, explore.option,
-                                f"explore: no real {op} over {explore.option} in {policy.explore_after_s:g} s "
-                                f"(predicted {_ms(explore.predicted_s)}, best {best.option} {_ms(best.predicted_s)})",
-                                policy, slo, free_bytes)
+            d = self._record(op, nbytes, tokens, locality, everything, explore.option,
+                             f"explore: no real {op} over {explore.option} in {policy.explore_after_s:g} s "
+                             f"(predicted {_ms(explore.predicted_s)}, best {best.option} {_ms(best.predicted_s)})",
+                             policy, slo, free_bytes)
+            d.explore = True
+            return d
         choice, reason = self._stable(op, nbytes, policy, cands, best)
         # Fetch or recompute is this request's question (its tokens, the caller's prefill rate),
         # not a medium's state, so no hysteresis: recompute wins when it beats the best fetch.
@@ -403,27 +456,36 @@ class Planner:
         return self._record(op, nbytes, tokens, locality, everything, choice, reason, policy, slo, free_bytes)
 
     def _to_explore(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate],
-                    best: Candidate) -> Candidate | None:
-        """An option with no recent real transfer of this size class gets one.
+                    best: Candidate, recompute: Candidate | None) -> Candidate | None:
+        """An option with no real transfer of this size class learnt in ``explore_after_s`` gets
+        a burst of them (``_BURST_MAX``).
 
-        Only when it is predicted within 4x of the best: a medium far behind is
-        not worth a real transfer. (Recompute is never a candidate here.)
+        A burst starts only when the option is predicted within 4x of the best
+        way to get the KV, recompute included: a medium far behind is not worth
+        real transfers. Once started, it goes on unless the option is then over
+        16x: a first transfer of a size is often several times slower (a first
+        8 MiB int8 get measured 12x its later ones), and one cold sample must not
+        stand as the option's estimate until the next interval.
         """
-        if best.predicted_s is None:
+        ref = best.predicted_s
+        if ref is None:
             return None
+        if recompute is not None and recompute.predicted_s is not None:
+            ref = min(ref, recompute.predicted_s)
+        now = self.clock()
         for c in cands:
-            if (not c.feasible or c.why or c.predicted_s is None or c.option == best.option
-                    or c.predicted_s > _EXPLORE_WITHIN * best.predicted_s):
+            if not c.feasible or c.why or c.predicted_s is None or c.option == best.option:
                 continue
-            if self.model.age_s(op, c.option, nbytes=nbytes) >= policy.explore_after_s:
-                now = self.clock()
-                with self._lock:  # at most _MEASURED_AFTER tries per option, class and interval, failed or not
-                    tries = [t for t in self._explored.get((op, c.option, size_class(nbytes)), [])
-                             if now - t < policy.explore_after_s]
-                    if len(tries) >= _MEASURED_AFTER:
-                        continue
-                    self._explored[(op, c.option, size_class(nbytes))] = tries + [now]
-                return c
+            if self.model.age_s(op, c.option, nbytes=nbytes) < policy.explore_after_s:
+                continue
+            key = (op, c.option, size_class(nbytes))
+            with self._lock:  # at most _BURST_MAX tries per option, class and interval, failed or not
+                tries = [t for t in self._explored.get(key, []) if now - t < policy.explore_after_s]
+                within = _EXPLORE_WITHIN * (_EXPLORE_WITHIN if tries else 1.0) * ref
+                if len(tries) >= _BURST_MAX or c.predicted_s > within:
+                    continue
+                self._explored[key] = tries + [now]
+            return c
         return None
 
     def _candidate(self, op: str, option: Option, nbytes: int, slo: float | None,
@@ -437,7 +499,8 @@ class Planner:
         return cand
 
     def _stable(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate], best: Candidate) -> tuple[str, str]:
-        """Hysteresis: keep the current choice unless ``best`` beats it by the margin for the window."""
+        """Hysteresis: keep the current choice unless ``best`` has been best for the window,
+        beating it by the margin when the window started and now."""
         by_name = {c.option: c for c in cands}
         key = (policy.version, op, size_class(nbytes))
         now = self.clock()
@@ -454,7 +517,11 @@ class Planner:
                 st.challenger = None
                 return st.current, f"lowest predicted time ({_ms(best.predicted_s)})"
             if best.predicted_s > cur.predicted_s * (1.0 - policy.margin_frac):  # type: ignore[operator]
-                st.challenger = None
+                # A challenger that stays the predicted best keeps its window while noise dips it
+                # under the margin (sub-millisecond estimates jitter by about that much); another
+                # option becoming best, or the current one again, starts over.
+                if st.challenger != best.option:
+                    st.challenger = None
                 return st.current, (f"kept: {best.option} ({_ms(best.predicted_s)}) is not {policy.margin_frac:.0%} "
                                     f"better than {st.current} ({_ms(cur.predicted_s)})")
             if st.provisional and not self._unproven(op, best.option, nbytes):
@@ -499,8 +566,12 @@ class Planner:
         if option is not None and error is None:
             decision.predicted_actual_s = self.model.predict(decision.op, option, actual_bytes)
             wire = actual_bytes if option.codec == "raw" else int(actual_bytes * _INT8_WIRE_FRAC)
+            best_s = None
+            if decision.explore:  # what the best option was predicted to take for the KV that moved
+                preds = [c.predicted_s for c in decision.candidates if c.option != RECOMPUTE and c.predicted_s]
+                best_s = min(preds, default=math.inf) * actual_bytes / max(decision.nbytes, 1)
             self.model.observe(decision.op, option.name, wire, max(actual_s - codec_s, 1e-9), policy,
-                               raw_bytes=actual_bytes)
+                               raw_bytes=actual_bytes, burst_best_s=best_s)
         self.log.finished(decision)
 
     def forget_choice(self, option: str) -> None:

@@ -175,6 +175,7 @@ def _check_record(i: int, d: Any) -> dict[str, Any]:
     for name in ("predicted_s", "actual_s", "actual_bytes", "predicted_actual_s", "slo_s", "free_bytes"):
         out[name] = _number(d, name, where, optional=True)
     out["id"] = _number(d, "id", where, optional=True, integer=True)
+    out["explore"] = d.get("explore") is True
     for name, limit in (("reason", 2000), ("locality", 32), ("error", 2000)):
         out[name] = _text(d, name, where, limit)
     cands = d.get("candidates", [])
