@@ -18,7 +18,11 @@ pytest.importorskip("transformers")
 from client_sdk import KVClient  # noqa: E402
 from kvstore import KVStore  # noqa: E402
 from kvstore.errors import InvalidKV  # noqa: E402
-from kvstore.integrations.hf import cache_from_kv, cache_kwargs, kv_from_cache, out_cache, spec_for  # noqa: E402
+from kvstore.errors import InvalidSpec  # noqa: E402
+from kvstore.integrations.hf import (  # noqa: E402
+    cache_from_kv, cache_kwargs, kv_from_cache, measure_prefill_rate, out_cache, spec_for)
+from kvstore.planner import RECOMPUTE, Option, Planner  # noqa: E402
+from kvstore.policy import Policy  # noqa: E402
 from server import ServerSettings, create_app  # noqa: E402
 from tests.server.live import ThreadServer  # noqa: E402
 from tiers.memory import MemoryTier  # noqa: E402
@@ -138,3 +142,23 @@ def test_cache_conversion_checks_its_input():
     assert kv.shape == (4, 2, 2, 5, 64) and kv[:, 1].eq(1).all() and kv[:, 0].eq(0).all()
     assert hashlib.sha256(kv.numpy().tobytes()).hexdigest() == hashlib.sha256(
         kv_from_cache(cache_from_kv(kv)).numpy().tobytes()).hexdigest()
+
+
+def test_measured_prefill_rate_feeds_the_planners_recompute_cost():
+    model, digest, _ = build()
+    rate = measure_prefill_rate(model, 64, repeats=1)
+    assert 0 < rate < float("inf")
+    spec = spec_for(model, fingerprint=digest[:16])
+    planner = Planner()
+    planner.model.set_prefill_rate(spec.fingerprint(), rate)
+    assert planner.model.recompute_s(spec.fingerprint(), 64) == pytest.approx(64 / rate)
+    # A fetch predicted slower than that prefill is answered "recompute".
+    policy = Policy(media=("http",), explore_after_s=86400.0)
+    planner.model.observe("get", "http", 0, 0.001, policy)
+    planner.model.observe("get", "http", 1 << 20, 1000 * 64 / rate, policy)
+    d = planner.decide("get", [Option("http")], nbytes=1 << 20, tokens=64,
+                       policy=policy, fingerprint=spec.fingerprint())
+    assert d.choice == RECOMPUTE
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidSpec, match="tokens"):
+            measure_prefill_rate(model, bad)

@@ -21,6 +21,7 @@ refused.
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from kvstore.errors import InvalidKV, InvalidSpec
 from kvstore.spec import KVSpec
 
-__all__ = ["spec_for", "kv_from_cache", "cache_from_kv", "cache_kwargs", "out_cache"]
+__all__ = ["spec_for", "kv_from_cache", "cache_from_kv", "cache_kwargs", "out_cache", "measure_prefill_rate"]
 
 
 def _config(model_or_config: Any) -> Any:
@@ -134,3 +135,34 @@ def out_cache(output: Any) -> Any:
         if cache is not None:
             return cache
     raise InvalidKV("the model output carries no cache (call the model with use_cache=True)")
+
+
+def measure_prefill_rate(model: Any, tokens: int = 512, *, repeats: int = 2, vocab: int | None = None) -> float:
+    """The model's prefill rate here, in tokens per second: what recomputing a prefix costs.
+
+    Hand it to ``KVClient.set_prefill_rate(spec, rate)`` so the planner can weigh fetching
+    against recomputing. Times a prefill of ``tokens`` random ids, best of ``repeats`` after
+    one untimed run (a first call pays for allocations), with gradients off.
+
+    Raises:
+        InvalidSpec: ``tokens`` or ``repeats`` is not a positive integer, or the model has no vocabulary size.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise InvalidSpec(f"tokens must be a positive integer, got {tokens!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
+        raise InvalidSpec(f"repeats must be a positive integer, got {repeats!r}")
+    size = vocab or getattr(_config(model), "vocab_size", None)
+    if not size:
+        raise InvalidSpec("the model config has no vocab_size; pass vocab=")
+    device = next(iter(model.parameters())).device
+    ids = torch.randint(0, int(size), (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    best = float("inf")
+    with torch.inference_mode():
+        model(ids)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+    return tokens / best
