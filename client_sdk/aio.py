@@ -1,8 +1,10 @@
 """``AsyncKVClient``: ``KVClient``'s API as coroutines, for agents on an event loop.
 
-Same media and wire as ``KVClient``: shm when co-located, else raw bytes over
-a pool of plain-TCP connections driven by the loop's ``sock_*`` calls (httpx
-streams instead for ``https``). Copies in and out of the shm arena run in a
+Same wire as ``KVClient``: shm when co-located, raw bytes over a pool of
+plain-TCP connections driven by the loop's ``sock_*`` calls (httpx streams
+instead for ``https``). The planner picks between them per transfer, or
+answers "recompute" (``client_sdk.aio_planning``); with ``plan=False``, shm
+when co-located, else HTTP. Copies in and out of the shm arena run in a
 worker thread so the loop stays responsive.
 """
 
@@ -19,10 +21,12 @@ import torch
 
 from client_sdk import _common as c
 from client_sdk._http import AsyncConnection, BrokenConnection, Endpoint
+from client_sdk.aio_planning import AsyncClientPlanner, AsyncHttpMedium, AsyncMedium, AsyncShmMedium
 from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, ConnectionFailed, Forbidden, RequestTimeout, ServiceError,
                                  error_from, host_id)
 from kvstore.errors import KVStoreError, TierFull
 from kvstore.keys import BlockHash, check_key, validate_namespace
+from kvstore.planner import Decision, Planner
 from kvstore.spec import KVSpec
 
 log = logging.getLogger("kvstore.client")
@@ -34,12 +38,18 @@ _THREAD_COPY_BYTES = 1 << 20  # copies larger than this leave the loop
 
 
 class AsyncKVClient:
-    """The asynchronous client. Arguments as ``KVClient``'s; ``max_connections`` bounds the socket pool."""
+    """The asynchronous client. Arguments as ``KVClient``'s; ``max_connections`` bounds the socket pool.
+
+    ``plan`` (default on) lets the transfer planner pick shm or HTTP per transfer, or answer
+    "recompute" (``client_sdk.aio_planning``); ``wrap_media`` wraps each of its media (tests and
+    benchmarks inject a slow link with ``AsyncThrottled``).
+    """
 
     def __init__(self, url: str, token: str | None = None, namespace: str = "default", *,
                  timeout_s: float | None = 60.0, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.05, colocated: bool | None = None,
-                 buffer_pool_bytes: int = 512 << 20, max_connections: int = 8) -> None:
+                 buffer_pool_bytes: int = 512 << 20, max_connections: int = 8, plan: bool = True,
+                 slo_s: float | None = None, wrap_media: Callable[[AsyncMedium], AsyncMedium] | None = None) -> None:
         self.url = url.rstrip("/")
         self.endpoint = Endpoint.parse(self.url)
         self.token = token
@@ -56,8 +66,15 @@ class AsyncKVClient:
         self._arena: c.Arena | None = None
         self._medium: str | None = None
         self._medium_lock = asyncio.Lock()
+        self._plan_lock = asyncio.Lock()
         self._reporting: asyncio.Task | None = None
-        """The access report in flight, if any."""
+        """The access (and decision) report in flight, if any."""
+        self.plan = plan
+        self.slo_s = slo_s
+        self._wrap_media = wrap_media
+        self._decider = Planner()
+        """The planner's estimates and log: built now, so a prefill rate can be set before any transfer."""
+        self._planner: AsyncClientPlanner | None = None
         self._http = httpx.AsyncClient(base_url=self.url,
                                        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
                                        headers=c.headers_for(token, self.namespace))
@@ -68,24 +85,91 @@ class AsyncKVClient:
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
         kv = c.validate_put(spec, toks, kv)
+        if self.plan:
+            return await (await self._planned()).put_kv(spec, toks, kv, self.slo_s)
         if await self._use_shm():
             got = await self._put_shm(spec, toks, kv)
             if got is not None:
                 return got
+        return await self._put_http(spec, toks, kv)
+
+    async def _put_http(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
         answer = await self._send("POST", "/v1/kv/put", c.kv_parts(spec, toks, kv), KV_MEDIA)
         self.stats.http_puts += 1
         self.stats.last_medium = "http"
         return int(answer["stored_tokens"])
 
-    async def get_kv(self, spec: KVSpec, tokens: Any, *, out: Any = None) -> tuple[torch.Tensor, int]:
+    async def get_kv(self, spec: KVSpec, tokens: Any, *, out: Any = None,
+                     slo_s: float | None = None) -> tuple[torch.Tensor, int]:
+        """As ``KVClient.get_kv``: with planning on, ``n`` is 0 when recomputing is predicted faster."""
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
+        if self.plan:
+            return await (await self._planned()).get_kv(spec, toks, out, self.slo_s if slo_s is None else slo_s)
         if await self._use_shm():
             return await self._get_shm(spec, toks, out)
+        return await self._get_http(spec, toks, out)
+
+    async def _get_http(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
         parts = c.kv_parts(spec, toks, None)
         if self.endpoint.tls:
             return await self._get_httpx(spec, parts, out)
         return await self._retrying(lambda: self._get_once(spec, parts, out))
+
+    async def _probe_http(self, nbytes: int) -> None:
+        """``GET /v1/probe``: ``nbytes`` of filler, read and dropped."""
+        path = f"/v1/probe?bytes={int(nbytes)}"
+        if self.endpoint.tls:
+            resp = await self._request_http("GET", path)
+            if resp.status_code != 200:
+                raise error_from(resp.status_code, resp.content)
+            return
+
+        async def use(conn: AsyncConnection) -> None:
+            head = await conn.request("GET", path, self._headers())
+            body = await conn.read_body()
+            if head.status != 200:
+                raise error_from(head.status, body)
+        await self._retrying(lambda: self._with_conn(use))
+
+    # -- the planner -----------------------------------------------------------------------------
+
+    def set_prefill_rate(self, spec: KVSpec, tokens_per_s: float) -> None:
+        """The caller's prefill speed for ``spec``: the planner answers "recompute" when that is faster."""
+        self._decider.model.set_prefill_rate(c.check_spec(spec).fingerprint(), tokens_per_s)
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The planner's latest decision (inputs, candidates, choice, reason, actual cost)."""
+        return None if self._planner is None else self._planner.last
+
+    def decisions(self, limit: int = 100) -> list[dict]:
+        """This client's newest decision records, oldest first."""
+        return [d.to_dict() for d in self._decider.log.records(limit)]
+
+    async def _planned(self) -> AsyncClientPlanner:
+        if self._planner is None:
+            async with self._plan_lock:
+                if self._planner is None:
+                    self._planner = await self._build_planner()
+        return self._planner
+
+    async def _build_planner(self) -> AsyncClientPlanner:
+        colocated = await self._use_shm()
+        built: dict[str, AsyncMedium] = {}
+        if colocated:
+            built["shm"] = AsyncShmMedium(self)
+        built["http"] = AsyncHttpMedium(self)
+        if self._wrap_media is not None:
+            built = {k: self._wrap_media(m) for k, m in built.items()}
+        return await AsyncClientPlanner.create(
+            built, fetch_policies=lambda: self._json("GET", "/v1/policy"), routing_key=self.namespace,
+            locality="colocated" if colocated else "remote", planner=self._decider, report=self._report_soon)
+
+    def _report_soon(self) -> None:
+        """Send pending access and decision reports in a task of their own: no transfer waits on it."""
+        if self._reporting is None or self._reporting.done():
+            self._reporting = asyncio.get_running_loop().create_task(self._report_accesses())
 
     async def lookup(self, spec: KVSpec, tokens: Any) -> int:
         return int((await self.lookup_blocks(spec, tokens))["tokens"])
@@ -186,17 +270,28 @@ class AsyncKVClient:
         return await self._json("GET", "/readyz")
 
     async def _report_accesses(self) -> None:
-        """Send the reads served from remembered handles (heat is advisory: a failed report is dropped)."""
+        """Send the reads served from remembered handles, and finished planner decisions.
+
+        Both are advisory (heat, the decision log): a failed report is dropped.
+        """
         while self._arena is not None and (report := self._arena.accesses.drain()) is not None:
             try:
                 await self._json("POST", "/v1/kv/touch", report)
             except KVStoreError as exc:
                 log.debug("access report dropped: %s", exc)
+        while records := self._decider.log.drain(256):
+            try:
+                await self._json("POST", "/v1/decisions", {"decisions": [d.to_dict() for d in records]})
+            except KVStoreError as exc:
+                log.debug("decision report dropped: %s", exc)
+                break
 
     async def aclose(self) -> None:
         if self._reporting is not None:
             await self._reporting
         await self._report_accesses()
+        if self._planner is not None:
+            self._planner.close()
         for conn in self._idle:
             conn.close()
         self._idle.clear()

@@ -31,7 +31,7 @@ from kvstore.spec import KVSpec
 
 log = logging.getLogger("kvstore.client")
 
-__all__ = ["ClientPlanner", "free_memory_bytes"]
+__all__ = ["PlanCore", "ClientPlanner", "free_memory_bytes"]
 
 
 _MEMINFO_TTL_S = 1.0
@@ -60,12 +60,13 @@ def free_memory_bytes() -> int | None:
     return value
 
 
-class ClientPlanner:
-    """The planner as one client uses it.
+class PlanCore:
+    """What the sync and async planners share: policies, options, set-aside media, the
+    bookkeeping of decisions and reports. No I/O: the subclasses fetch, probe and transfer.
 
     Args:
-        media: what this client can reach, by name.
-        fetch_policies: returns the server's ``PolicySet`` JSON (None: keep the defaults).
+        media: what this client can reach, by name (``Medium``s, or the async client's media:
+            anything with ``name``, ``puts`` and ``codecs``).
         routing_key: what the canary hashes (the client's namespace).
         locality: "colocated" or "remote", recorded in every decision.
         refresh_s: how often the policies are fetched again.
@@ -73,20 +74,17 @@ class ClientPlanner:
             every ``report_every`` of them, or ``report_after_s`` after the last report.
     """
 
-    def __init__(self, media: dict[str, Medium], *, fetch_policies: Callable[[], Any] | None = None,
-                 routing_key: str = "default", locality: str = "remote", refresh_s: float = 5.0,
-                 planner: Planner | None = None, report: Callable[[], None] | None = None,
+    def __init__(self, media: dict[str, Any], *, routing_key: str = "default", locality: str = "remote",
+                 refresh_s: float = 5.0, planner: Planner | None = None, report: Callable[[], None] | None = None,
                  report_every: int = 64, report_after_s: float = 1.0) -> None:
         self.media = media
         self.planner = planner or Planner()
-        self.fetch_policies = fetch_policies
         self.routing_key = routing_key
         self.locality = locality
         self.refresh_s = refresh_s
         self.policies = PolicySet()
         self._option_cache: dict[tuple[str, int], list[Option]] = {}
         self._fetched_s = -1e18
-        self._probing = threading.Lock()
         self._down: dict[str, float] = {}
         """Medium -> monotonic time until which it is set aside after a failure."""
         self.last: Decision | None = None
@@ -95,26 +93,23 @@ class ClientPlanner:
         self._report_after_s = report_after_s
         self._finished = 0
         self._reported_s = time.monotonic()
-        self._refresh(force=True)
-        self._calibrate_codecs()
 
     # -- policies ----------------------------------------------------------------------------
 
-    def policy(self) -> Policy:
-        self._refresh()
-        return self.policies.for_key(self.routing_key)
-
-    def _refresh(self, force: bool = False) -> None:
-        if self.fetch_policies is None or (not force and time.monotonic() - self._fetched_s < self.refresh_s):
-            return
+    def _refresh_due(self, force: bool = False) -> bool:
+        if not force and time.monotonic() - self._fetched_s < self.refresh_s:
+            return False
         self._fetched_s = time.monotonic()
+        return True
+
+    def _apply_policies(self, data: Any) -> None:
+        """The server's ``/v1/policy`` answer; a malformed one keeps the last good policies."""
         try:
-            data = self.fetch_policies()
             if data is not None:
                 policies = PolicySet.from_dict(data)
                 if policies != self.policies:
                     self.policies, self._option_cache = policies, {}
-        except (KVStoreError, ValueError, TypeError) as exc:  # keep the last good policies
+        except (KVStoreError, ValueError, TypeError) as exc:
             log.debug("policy refresh failed: %s", exc)
 
     # -- estimates -----------------------------------------------------------------------------
@@ -140,34 +135,25 @@ class ClientPlanner:
         self._option_cache[key] = out
         return out
 
-    def _explore(self, op: str, options: list[Option], policy: Policy) -> None:
-        """Probe every option whose estimate for ``op`` is missing or older than ``explore_after_s``.
+    def _stale(self, op: str, options: list[Option], policy: Policy) -> list[Option]:
+        """The options whose estimate for ``op`` is missing or older than ``explore_after_s``: to probe."""
+        return [o for o in options if self.planner.model.age_s(op, o.name) >= policy.explore_after_s]
 
-        A probe moves filler the way a get does; it seeds a put's estimate too, until real puts refine it.
-        """
-        with self._probing:
-            for option in options:
-                if self.planner.model.age_s(op, option.name) < policy.explore_after_s:
-                    continue
-                medium = self.media[option.medium]
-                try:
-                    rtt = []
-                    for _ in range(3):  # the least of three: the first may pay for a connect
-                        t0 = time.perf_counter()
-                        medium.probe(0)
-                        rtt.append(time.perf_counter() - t0)
-                    self.planner.model.observe(op, option.name, 0, min(rtt), policy, real=False)
-                    wire = policy.probe_bytes if option.codec == "raw" else policy.probe_bytes // 2
-                    if wire:
-                        t0 = time.perf_counter()
-                        medium.probe(wire)
-                        self.planner.model.observe(op, option.name, wire, time.perf_counter() - t0, policy,
-                                                   real=False)
-                except KVStoreError as exc:
-                    log.info("probe of %s failed: %s", option.name, exc)
-                    self.planner.forget_choice(option.name)
-                    if option.medium != "http":  # set aside; retried after explore_after_s, not every get
-                        self._down[option.medium] = time.monotonic() + policy.explore_after_s
+    def _probed(self, op: str, option: Option, policy: Policy, rtt_s: float, wire: int, wire_s: float) -> None:
+        self.planner.model.observe(op, option.name, 0, rtt_s, policy, real=False)
+        if wire:
+            self.planner.model.observe(op, option.name, wire, wire_s, policy, real=False)
+
+    def _probe_failed(self, option: Option, policy: Policy, exc: KVStoreError) -> None:
+        log.info("probe of %s failed: %s", option.name, exc)
+        self.planner.forget_choice(option.name)
+        if option.medium != "http":  # set aside; retried after explore_after_s, not every get
+            self._down[option.medium] = time.monotonic() + policy.explore_after_s
+
+    @staticmethod
+    def _probe_wire(option: Option, policy: Policy) -> int:
+        """A probe moves filler the way a get does; it seeds a put's estimate too, until real puts refine it."""
+        return policy.probe_bytes if option.codec == "raw" else policy.probe_bytes // 2
 
     def _calibrate_codecs(self) -> None:
         """Seed int8 encode/decode seconds per byte from a small block (the server encodes alike).
@@ -196,62 +182,8 @@ class ClientPlanner:
 
     # -- transfers ----------------------------------------------------------------------------------
 
-    def get_kv(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None) -> tuple[torch.Tensor, int]:
-        n_tokens = spec.full_blocks(len(toks)) * spec.block_tokens
-        for attempt in range(2):  # a medium that fails is set aside and the transfer tried once more
-            policy = self.policy()
-            options = self._usable("get", policy)
-            d = self.planner.decide("get", options, nbytes=n_tokens * spec.bytes_per_token, tokens=n_tokens,
-                                    policy=policy, fingerprint=spec.fingerprint(), locality=self.locality,
-                                    slo_s=slo_s, free_bytes=free_memory_bytes() if out is None else _capacity(out))
-            self.last = d
-            if d.choice == RECOMPUTE:
-                self.planner.finish(d, policy, actual_s=0.0, actual_bytes=0)
-                self._finished_one()
-                return spec.empty_kv(0), 0
-            option = d.option
-            assert option is not None
-            t0 = time.perf_counter()
-            try:
-                kv, n = self.media[option.medium].get_kv(spec, toks, out,
-                                                         codec=None if option.codec == "raw" else option.codec)
-            except KVStoreError as exc:
-                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
-                continue
-            elapsed = time.perf_counter() - t0
-            raw = n * spec.bytes_per_token
-            codec_s = 0.0
-            if option.codec != "raw":
-                model = self.planner.model.codec_s_per_byte
-                codec_s = raw * (model.get((option.codec, "encode"), 0.0) + model.get((option.codec, "decode"), 0.0))
-            self.planner.finish(d, policy, actual_s=elapsed, actual_bytes=raw, codec_s=min(codec_s, elapsed * 0.9))
-            self._finished_one()
-            return kv, n
-        raise AssertionError("unreachable: the second failure raises")
-
-    def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor, slo_s: float | None) -> int:
-        nbytes = spec.full_blocks(len(toks)) * spec.block_nbytes
-        for attempt in range(2):
-            policy = self.policy()
-            options = self._usable("put", policy)
-            d = self.planner.decide("put", options, nbytes=nbytes, tokens=0, policy=policy,
-                                    fingerprint=spec.fingerprint(), locality=self.locality, slo_s=slo_s)
-            self.last = d
-            option = d.option
-            assert option is not None
-            t0 = time.perf_counter()
-            try:
-                n = self.media[option.medium].put_kv(spec, toks, kv)
-            except KVStoreError as exc:
-                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
-                continue
-            self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=n * spec.bytes_per_token)
-            self._finished_one()
-            return n
-        raise AssertionError("unreachable: the second failure raises")
-
-    def _usable(self, op: str, policy: Policy) -> list[Option]:
-        """The policy's options on media that are not set aside, probed where needed.
+    def _up(self, op: str, policy: Policy) -> list[Option]:
+        """The policy's options on media that are not set aside.
 
         Raises:
             InvalidInput: the policy allows none of this client's media.
@@ -264,11 +196,46 @@ class ClientPlanner:
         up = [o for o in options if self._down.get(o.medium, 0.0) <= now]
         if not up:
             raise ConnectionFailed(f"every medium the policy allows failed lately: {sorted(self._down)}")
-        self._explore(op, up, policy)
+        return up
+
+    def _still_up(self, up: list[Option]) -> list[Option]:
         up = [o for o in up if self._down.get(o.medium, 0.0) <= time.monotonic()]
         if not up:
             raise ConnectionFailed(f"every medium the policy allows failed its probe: {sorted(self._down)}")
         return up
+
+    def _decide_get(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None, policy: Policy,
+                    options: list[Option]) -> Decision:
+        n_tokens = spec.full_blocks(len(toks)) * spec.block_tokens
+        d = self.planner.decide("get", options, nbytes=n_tokens * spec.bytes_per_token, tokens=n_tokens,
+                                policy=policy, fingerprint=spec.fingerprint(), locality=self.locality,
+                                slo_s=slo_s, free_bytes=free_memory_bytes() if out is None else _capacity(out))
+        self.last = d
+        if d.choice == RECOMPUTE:
+            self.planner.finish(d, policy, actual_s=0.0, actual_bytes=0)
+            self._finished_one()
+        return d
+
+    def _finish_get(self, d: Decision, policy: Policy, option: Option, spec: KVSpec, n: int, elapsed: float) -> None:
+        raw = n * spec.bytes_per_token
+        codec_s = 0.0
+        if option.codec != "raw":
+            model = self.planner.model.codec_s_per_byte
+            codec_s = raw * (model.get((option.codec, "encode"), 0.0) + model.get((option.codec, "decode"), 0.0))
+        self.planner.finish(d, policy, actual_s=elapsed, actual_bytes=raw, codec_s=min(codec_s, elapsed * 0.9))
+        self._finished_one()
+
+    def _decide_put(self, spec: KVSpec, toks: Any, slo_s: float | None, policy: Policy,
+                    options: list[Option]) -> Decision:
+        nbytes = spec.full_blocks(len(toks)) * spec.block_nbytes
+        d = self.planner.decide("put", options, nbytes=nbytes, tokens=0, policy=policy,
+                                fingerprint=spec.fingerprint(), locality=self.locality, slo_s=slo_s)
+        self.last = d
+        return d
+
+    def _finish_put(self, d: Decision, policy: Policy, spec: KVSpec, n: int, elapsed: float) -> None:
+        self.planner.finish(d, policy, actual_s=elapsed, actual_bytes=n * spec.bytes_per_token)
+        self._finished_one()
 
     def _failed(self, d: Decision, policy: Policy, option: Option, t0: float, exc: KVStoreError, *,
                 retry: bool) -> None:
@@ -303,6 +270,98 @@ class ClientPlanner:
                 medium.close()
             except Exception:  # noqa: BLE001 - closing the rest matters more
                 log.debug("closing medium %s failed", medium.name, exc_info=True)
+
+
+class ClientPlanner(PlanCore):
+    """The planner as one (synchronous) client uses it.
+
+    Args:
+        media: what this client can reach, by name.
+        fetch_policies: returns the server's ``PolicySet`` JSON (None: keep the defaults).
+        Others: as ``PlanCore``'s.
+    """
+
+    def __init__(self, media: dict[str, Medium], *, fetch_policies: Callable[[], Any] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(media, **kwargs)
+        self.fetch_policies = fetch_policies
+        self._probing = threading.Lock()
+        self._refresh(force=True)
+        self._calibrate_codecs()
+
+    def policy(self) -> Policy:
+        self._refresh()
+        return self.policies.for_key(self.routing_key)
+
+    def _refresh(self, force: bool = False) -> None:
+        if self.fetch_policies is None or not self._refresh_due(force):
+            return
+        try:
+            data = self.fetch_policies()
+        except (KVStoreError, ValueError, TypeError) as exc:  # keep the last good policies
+            log.debug("policy refresh failed: %s", exc)
+            return
+        self._apply_policies(data)
+
+    def _explore(self, op: str, options: list[Option], policy: Policy) -> None:
+        """Probe every option whose estimate for ``op`` is missing or older than ``explore_after_s``."""
+        with self._probing:
+            for option in self._stale(op, options, policy):
+                medium = self.media[option.medium]
+                try:
+                    rtt = []
+                    for _ in range(3):  # the least of three: the first may pay for a connect
+                        t0 = time.perf_counter()
+                        medium.probe(0)
+                        rtt.append(time.perf_counter() - t0)
+                    wire, took = self._probe_wire(option, policy), 0.0
+                    if wire:
+                        t0 = time.perf_counter()
+                        medium.probe(wire)
+                        took = time.perf_counter() - t0
+                    self._probed(op, option, policy, min(rtt), wire, took)
+                except KVStoreError as exc:
+                    self._probe_failed(option, policy, exc)
+
+    def _usable(self, op: str, policy: Policy) -> list[Option]:
+        up = self._up(op, policy)
+        self._explore(op, up, policy)
+        return self._still_up(up)
+
+    def get_kv(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None) -> tuple[torch.Tensor, int]:
+        for attempt in range(2):  # a medium that fails is set aside and the transfer tried once more
+            policy = self.policy()
+            d = self._decide_get(spec, toks, out, slo_s, policy, self._usable("get", policy))
+            if d.choice == RECOMPUTE:
+                return spec.empty_kv(0), 0
+            option = d.option
+            assert option is not None
+            t0 = time.perf_counter()
+            try:
+                kv, n = self.media[option.medium].get_kv(spec, toks, out,
+                                                         codec=None if option.codec == "raw" else option.codec)
+            except KVStoreError as exc:
+                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
+                continue
+            self._finish_get(d, policy, option, spec, n, time.perf_counter() - t0)
+            return kv, n
+        raise AssertionError("unreachable: the second failure raises")
+
+    def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor, slo_s: float | None) -> int:
+        for attempt in range(2):
+            policy = self.policy()
+            d = self._decide_put(spec, toks, slo_s, policy, self._usable("put", policy))
+            option = d.option
+            assert option is not None
+            t0 = time.perf_counter()
+            try:
+                n = self.media[option.medium].put_kv(spec, toks, kv)
+            except KVStoreError as exc:
+                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
+                continue
+            self._finish_put(d, policy, spec, n, time.perf_counter() - t0)
+            return n
+        raise AssertionError("unreachable: the second failure raises")
 
 
 def _capacity(out: Any) -> int | None:

@@ -1,0 +1,231 @@
+"""``AsyncKVClient``'s planner: ``client_sdk.planning``'s decisions, with probes and transfers awaited.
+
+Its media are the async client's own paths, behind ``AsyncMedium``: ``shm``
+(co-located arena slots) and ``http`` (raw KV over the loop's sockets), raw
+codec only. Flight and direct Redis are the synchronous client's: their
+libraries block, and a thread hop per transfer would cost what they save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import torch
+
+from client_sdk.planning import PlanCore
+from kvstore.errors import KVStoreError
+from kvstore.planner import RECOMPUTE, Option
+from kvstore.policy import Policy
+from kvstore.spec import KVSpec
+
+if TYPE_CHECKING:
+    from client_sdk.aio import AsyncKVClient
+
+__all__ = ["AsyncMedium", "AsyncHttpMedium", "AsyncShmMedium", "AsyncThrottled", "AsyncClientPlanner"]
+
+
+class AsyncMedium(ABC):
+    """One way the async client moves KV: ``get_kv``/``put_kv`` of a token prefix, and a probe."""
+
+    name: str = "?"
+    remote: bool = True
+    puts: bool = True
+    codecs: tuple = (None, "raw")
+
+    @abstractmethod
+    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]: ...
+
+    @abstractmethod
+    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int: ...
+
+    @abstractmethod
+    async def probe(self, nbytes: int) -> None:
+        """Move ``nbytes`` of filler the way a get would (0: one empty round trip)."""
+
+    def close(self) -> None:
+        """Nothing to release by default: the client owns the sockets and the arena."""
+
+
+class AsyncHttpMedium(AsyncMedium):
+    name = "http"
+
+    def __init__(self, client: "AsyncKVClient") -> None:
+        self.client = client
+
+    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]:
+        return await self.client._get_http(spec, toks, out)
+
+    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
+        return await self.client._put_http(spec, toks, kv)
+
+    async def probe(self, nbytes: int) -> None:
+        await self.client._probe_http(nbytes)
+
+
+class AsyncShmMedium(AsyncMedium):
+    name = "shm"
+    remote = False
+
+    def __init__(self, client: "AsyncKVClient") -> None:
+        self.client = client
+        self._buf: memoryview | None = None
+
+    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]:
+        return await self.client._get_shm(spec, toks, out)
+
+    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
+        got = await self.client._put_shm(spec, toks, kv)
+        return await self.client._put_http(spec, toks, kv) if got is None else got
+
+    async def probe(self, nbytes: int) -> None:
+        """A read of one slot's generation, or a copy of ``nbytes`` out of the arena's mapping
+        (off the loop when large, as the real copies are)."""
+        arena = self.client._arena
+        assert arena is not None
+        if nbytes == 0:
+            int(arena.reader._words[0])
+            return
+        view = arena.reader._view
+        n = min(nbytes, len(view))
+        if self._buf is None or len(self._buf) < n:
+            self._buf = memoryview(bytearray(n))
+        buf = self._buf
+
+        def copy() -> None:
+            buf[:n] = view[:n]
+        await self.client._off_loop(n, copy)
+
+
+class AsyncThrottled(AsyncMedium):
+    """An async medium behind an injected link (``client_sdk.media.Throttled``'s twin): extra
+    latency per call and a bandwidth cap, waited with ``asyncio.sleep``."""
+
+    def __init__(self, inner: AsyncMedium, *, latency_s: float = 0.0, bandwidth_Bps: float | None = None) -> None:
+        self.inner = inner
+        self.name, self.remote, self.puts, self.codecs = inner.name, inner.remote, inner.puts, inner.codecs
+        self.latency_s = latency_s
+        self.bandwidth_Bps = bandwidth_Bps
+
+    async def _hold(self, started: float, nbytes: int) -> None:
+        floor = self.latency_s + (nbytes / self.bandwidth_Bps if self.bandwidth_Bps else 0.0)
+        left = started + floor - time.perf_counter()
+        if left > 0:
+            await asyncio.sleep(left)
+
+    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]:
+        t0 = time.perf_counter()
+        kv, n = await self.inner.get_kv(spec, toks, out)
+        await self._hold(t0, n * spec.bytes_per_token)
+        return kv, n
+
+    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
+        t0 = time.perf_counter()
+        n = await self.inner.put_kv(spec, toks, kv)
+        await self._hold(t0, n * spec.bytes_per_token)
+        return n
+
+    async def probe(self, nbytes: int) -> None:
+        t0 = time.perf_counter()
+        await self.inner.probe(nbytes)
+        await self._hold(t0, nbytes)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class AsyncClientPlanner(PlanCore):
+    """The planner as one ``AsyncKVClient`` uses it. Build it with ``await AsyncClientPlanner.create(...)``.
+
+    Args:
+        media: the async client's media, by name.
+        fetch_policies: awaits the server's ``PolicySet`` JSON (None: keep the defaults).
+        Others: as ``PlanCore``'s.
+    """
+
+    def __init__(self, media: dict[str, AsyncMedium], *,
+                 fetch_policies: Callable[[], Awaitable[Any]] | None = None, **kwargs: Any) -> None:
+        super().__init__(media, **kwargs)
+        self.fetch_policies = fetch_policies
+        self._probing = asyncio.Lock()
+
+    @classmethod
+    async def create(cls, media: dict[str, AsyncMedium], **kwargs: Any) -> "AsyncClientPlanner":
+        self = cls(media, **kwargs)
+        await self._refresh(force=True)
+        await asyncio.to_thread(self._calibrate_codecs)  # about 0.2 s of torch set-up: off the loop
+        return self
+
+    async def policy(self) -> Policy:
+        await self._refresh()
+        return self.policies.for_key(self.routing_key)
+
+    async def _refresh(self, force: bool = False) -> None:
+        if self.fetch_policies is None or not self._refresh_due(force):
+            return
+        try:
+            data = await self.fetch_policies()
+        except (KVStoreError, ValueError, TypeError):  # keep the last good policies
+            return
+        self._apply_policies(data)
+
+    async def _explore(self, op: str, options: list[Option], policy: Policy) -> None:
+        """Probe every option whose estimate for ``op`` is missing or older than ``explore_after_s``."""
+        async with self._probing:
+            for option in self._stale(op, options, policy):
+                medium = self.media[option.medium]
+                try:
+                    rtt = []
+                    for _ in range(3):  # the least of three: the first may pay for a connect
+                        t0 = time.perf_counter()
+                        await medium.probe(0)
+                        rtt.append(time.perf_counter() - t0)
+                    wire, took = self._probe_wire(option, policy), 0.0
+                    if wire:
+                        t0 = time.perf_counter()
+                        await medium.probe(wire)
+                        took = time.perf_counter() - t0
+                    self._probed(op, option, policy, min(rtt), wire, took)
+                except KVStoreError as exc:
+                    self._probe_failed(option, policy, exc)
+
+    async def _usable(self, op: str, policy: Policy) -> list[Option]:
+        up = self._up(op, policy)
+        await self._explore(op, up, policy)
+        return self._still_up(up)
+
+    async def get_kv(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None) -> tuple[torch.Tensor, int]:
+        for attempt in range(2):  # a medium that fails is set aside and the transfer tried once more
+            policy = await self.policy()
+            d = self._decide_get(spec, toks, out, slo_s, policy, await self._usable("get", policy))
+            if d.choice == RECOMPUTE:
+                return spec.empty_kv(0), 0
+            option = d.option
+            assert option is not None
+            t0 = time.perf_counter()
+            try:
+                kv, n = await self.media[option.medium].get_kv(spec, toks, out)
+            except KVStoreError as exc:
+                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
+                continue
+            self._finish_get(d, policy, option, spec, n, time.perf_counter() - t0)
+            return kv, n
+        raise AssertionError("unreachable: the second failure raises")
+
+    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor, slo_s: float | None) -> int:
+        for attempt in range(2):
+            policy = await self.policy()
+            d = self._decide_put(spec, toks, slo_s, policy, await self._usable("put", policy))
+            option = d.option
+            assert option is not None
+            t0 = time.perf_counter()
+            try:
+                n = await self.media[option.medium].put_kv(spec, toks, kv)
+            except KVStoreError as exc:
+                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
+                continue
+            self._finish_put(d, policy, spec, n, time.perf_counter() - t0)
+            return n
+        raise AssertionError("unreachable: the second failure raises")

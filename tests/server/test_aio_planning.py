@@ -1,0 +1,113 @@
+"""The async client plans too: shm or HTTP per transfer, or recompute; records reach the server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from client_sdk import AsyncKVClient
+from client_sdk.aio_planning import AsyncThrottled
+from client_sdk.protocol import ConnectionFailed
+from kvstore.spec import KVSpec
+from tests.server.conftest import ADMIN, TOKENS
+
+SPEC = KVSpec("aio-planner-test", fingerprint="rev-1", num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16",
+              block_tokens=16)
+TOKS = np.arange(512, dtype=np.uint32)  # 512 tokens: 256 KiB of KV
+
+
+def _kv(seed: int) -> torch.Tensor:
+    return torch.randn(SPEC.kv_shape(512), generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+
+
+def _slow(bandwidth_Bps: float):
+    return lambda m: AsyncThrottled(m, latency_s=0.0005, bandwidth_Bps=bandwidth_Bps)
+
+
+def test_colocated_async_client_plans_over_shm_and_reports_its_decisions(serve_app):
+    srv = serve_app(tokens=json.dumps(TOKENS), admin_token=ADMIN)
+    acme = next(t for t, g in TOKENS.items() if g["tenant"] == "acme")
+    kv = _kv(1)
+
+    async def main() -> list[dict]:
+        async with AsyncKVClient(srv.url, token=acme, namespace="acme") as client:
+            assert await client.put_kv(SPEC, TOKS, kv) == 512
+            for _ in range(3):
+                got, n = await client.get_kv(SPEC, TOKS)
+                assert n == 512 and torch.equal(got, kv)
+            d = client.last_decision
+            assert d.locality == "colocated" and {c.option for c in d.candidates} >= {"shm", "http"}
+            assert d.choice == "shm", d.reason  # a 256 KiB copy out of the arena beats a socket
+            return client.decisions()
+
+    local = asyncio.run(main())
+    assert [d["op"] for d in local] == ["put", "get", "get", "get"]
+    assert all(d["predicted_s"] is not None and d["actual_s"] > 0 for d in local)
+    rows = httpx.get(srv.url + "/admin/decisions", headers={"Authorization": f"Bearer {ADMIN}"}).json()["decisions"]
+    assert len(rows) == 4 and {r["namespace"] for r in rows} == {"acme"}  # sent by aclose at the latest
+    assert all(r["actual_s"] > 0 and r["candidates"] for r in rows)
+
+
+def test_async_recompute_under_an_injected_bandwidth_cap_and_fetch_otherwise(server):
+    kv = _kv(2)
+
+    async def main() -> None:
+        async with AsyncKVClient(server.url, colocated=False, plan=False) as plain:
+            await plain.put_kv(SPEC, TOKS, kv)
+        # 256 KiB at 2 MB/s is ~0.13 s, against 0.05 s of prefill at 10k tokens/s.
+        async with AsyncKVClient(server.url, colocated=False, wrap_media=_slow(2e6)) as slow:
+            slow.set_prefill_rate(SPEC, 10_000.0)
+            got, n = await slow.get_kv(SPEC, TOKS)
+            d = slow.last_decision
+            assert n == 0 and got.shape[3] == 0
+            assert d.choice == "recompute" and "recompute 512 tokens" in d.reason
+            assert next(c for c in d.candidates if c.option == "recompute").predicted_s == pytest.approx(0.0512)
+        async with AsyncKVClient(server.url, colocated=False, wrap_media=_slow(2e9)) as fast:
+            fast.set_prefill_rate(SPEC, 10_000.0)
+            got, n = await fast.get_kv(SPEC, TOKS)
+            assert n == 512 and torch.equal(got, kv)
+            assert fast.last_decision.choice == "http" and fast.last_decision.locality == "remote"
+
+    asyncio.run(main())
+
+
+def test_async_failing_medium_is_set_aside_and_the_transfer_retried_over_http(server):
+    kv = _kv(3)
+
+    async def main() -> None:
+        async with AsyncKVClient(server.url) as client:
+            await client.put_kv(SPEC, TOKS, kv)
+            planner = await client._planned()
+            assert client.last_decision.choice == "shm"
+
+            async def broken(*args, **kwargs):
+                raise ConnectionFailed("injected: the arena is gone")
+
+            planner.media["shm"].get_kv = broken  # a fault, injected
+            for _ in range(3):
+                got, n = await client.get_kv(SPEC, TOKS)
+                assert n == 512 and torch.equal(got, kv)
+            assert "shm" in planner._down
+            gets = [d for d in client.decisions() if d["op"] == "get"]
+            assert len([d for d in gets if d["error"]]) == 1  # tried once, then set aside
+            assert [d["choice"] for d in gets[1:]] == ["http"] * 3
+
+    asyncio.run(main())
+
+
+def test_async_plan_false_keeps_the_fixed_medium(server):
+    kv = _kv(4)
+
+    async def main() -> None:
+        async with AsyncKVClient(server.url, plan=False) as client:
+            await client.put_kv(SPEC, TOKS, kv)
+            got, n = await client.get_kv(SPEC, TOKS)
+            assert n == 512 and torch.equal(got, kv)
+            assert client.stats.last_medium == "shm" and client.last_decision is None and client.decisions() == []
+
+    asyncio.run(main())
