@@ -67,6 +67,11 @@ get 12x its later ones). A contender within ``_BURST_CLOSE`` of the best option 
 behind stops once a transfer is no longer ``_BURST_GAIN`` times faster than the fastest before
 it: a 670 ms transfer, twice the best, is not repeated five times."""
 _EXPLORE_WITHIN = 4.0  # explore an unmeasured option predicted at most this many times the best
+_EXPLORE_SHARE = 0.25
+"""Exploring is paid for by exploiting: each size class earns this fraction of its chosen
+transfers' time as exploration budget, and a burst starts only when the budget covers one
+transfer of the explored option. An agent that gets once gets the best option, not a try of
+another (a demo agent's only get once went to HTTP at 2.7x shm's predicted time)."""
 _SPIKE = 2.0  # a real transfer's seconds per byte counts as at most this many times its class's estimate
 _PROBE_WEIGHT = 0.25  # a probe moves filler over a bare route: it counts, but less than a real transfer
 
@@ -399,6 +404,8 @@ class Planner:
         self.log = log or DecisionLog()
         self._sticky: dict[tuple[int, str, int], _Sticky] = {}
         self._explored: dict[tuple[str, str, int], list[float]] = {}
+        self._budget: dict[tuple[str, int], float] = {}
+        """(op, size class) -> seconds of exploration earned and not spent (``_EXPLORE_SHARE``)."""
         self._lock = threading.Lock()
 
     def decide(self, op: str, options: Iterable[Option], *, nbytes: int, tokens: int, policy: Policy,
@@ -461,8 +468,9 @@ class Planner:
         a burst of them (``_BURST_MAX``).
 
         A burst starts only when the option is predicted within 4x of the best
-        way to get the KV, recompute included: a medium far behind is not worth
-        real transfers. Once started, it goes on unless the option is then over
+        way to get the KV, recompute included (a medium far behind is not worth
+        real transfers), and when the class's exploration budget covers one
+        transfer of it (``_EXPLORE_SHARE``). Once started, it goes on unless the option is then over
         16x: a first transfer of a size is often several times slower (a first
         8 MiB int8 get measured 12x its later ones), and one cold sample must not
         stand as the option's estimate until the next interval.
@@ -484,6 +492,8 @@ class Planner:
                 within = _EXPLORE_WITHIN * (_EXPLORE_WITHIN if tries else 1.0) * ref
                 if len(tries) >= _BURST_MAX or c.predicted_s > within:
                     continue
+                if not tries and self._budget.get((op, key[2]), 0.0) < c.predicted_s:
+                    continue  # a new burst waits until exploiting has paid for a transfer of it
                 self._explored[key] = tries + [now]
             return c
         return None
@@ -563,6 +573,11 @@ class Planner:
         """
         option = decision.option
         decision.actual_s, decision.actual_bytes, decision.error = actual_s, actual_bytes, error
+        if option is not None:
+            key = (decision.op, size_class(decision.nbytes))
+            with self._lock:
+                earned = -actual_s if decision.explore else (0.0 if error else _EXPLORE_SHARE * actual_s)
+                self._budget[key] = self._budget.get(key, 0.0) + earned
         if option is not None and error is None:
             decision.predicted_actual_s = self.model.predict(decision.op, option, actual_bytes)
             wire = actual_bytes if option.codec == "raw" else int(actual_bytes * _INT8_WIRE_FRAC)

@@ -178,12 +178,22 @@ def test_a_failed_choice_is_left_at_once():
     assert d.choice == "http" and "unavailable" in d.reason
 
 
-def test_an_option_known_only_from_probes_gets_a_burst_of_real_transfers():
+def _exploit(planner: Planner, policy: Policy, opts: list, nbytes: int, actual_s: float, times: int, **kw) -> None:
+    """Transfers over the best option: what earns a size class its exploration budget."""
+    for _ in range(times):
+        d = planner.decide("get", opts, nbytes=nbytes, policy=policy, **kw)
+        assert not d.explore and d.choice != RECOMPUTE, d.reason
+        planner.finish(d, policy, actual_s=actual_s, actual_bytes=nbytes)
+
+
+def test_an_option_known_only_from_probes_gets_a_burst_of_real_transfers_once_paid_for():
     policy = Policy(media=("shm", "http"), explore_after_s=30.0)
     planner, clock = _planner(policy)
     planner.model.observe("get", "shm", 4 * MB, 0.001, policy)
     planner.model.observe("get", "http", 4 * MB, 0.0015, policy, real=False)  # a probe
     opts = [Option("shm"), Option("http")]
+    # Exploring is paid for by exploiting: a quarter of shm's 1 ms per get, so six gets before http's 1.5 ms.
+    _exploit(planner, policy, opts, 4 * MB, 0.001, 6, tokens=1)
     # Five real transfers in a row (a medium warms up over its first few): http is a close call,
     # within 1.5x of shm, so the burst runs on after it stops getting faster. The fastest is learnt;
     # a cold first one at 6x shm neither ends the burst nor stands alone.
@@ -194,19 +204,32 @@ def test_an_option_known_only_from_probes_gets_a_burst_of_real_transfers():
     assert planner.model.predict("get", Option("http"), 4 * MB) == pytest.approx(0.0014)
     d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
     assert d.choice == "shm" and not d.explore
-    # Another size class is explored on its own; there http is far behind shm (50 ms against a
-    # predicted 16), so a second transfer as slow as the first ends the burst.
+    # Another size class is explored on its own, once it has paid; there http is far behind shm
+    # (50 ms against a predicted 16), so a second transfer as slow as the first ends the burst.
+    _exploit(planner, policy, opts, 64 * MB, 0.016, 6, tokens=1)
     for _ in range(2):
         d = planner.decide("get", opts, nbytes=64 * MB, tokens=1, policy=policy)
         assert d.explore
         planner.finish(d, policy, actual_s=0.05, actual_bytes=64 * MB)
     assert not planner.decide("get", opts, nbytes=64 * MB, tokens=1, policy=policy).explore
     # A failing medium is not tried more than five times an interval.
+    _exploit(planner, policy, opts, 1024 * MB, 0.256, 13, tokens=1)  # http there: 0.8 s predicted
     for _ in range(5):
         assert planner.decide("get", opts, nbytes=1024 * MB, tokens=1, policy=policy).explore
     assert not planner.decide("get", opts, nbytes=1024 * MB, tokens=1, policy=policy).explore
     clock.now += 31
+    # The burst cost 12.5 ms, against 1.5 earned: 50 more 1 ms gets pay it back and earn http's 1.4 ms.
+    _exploit(planner, policy, opts, 4 * MB, 0.001, 50, tokens=1)
     assert planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy).explore
+
+
+def test_an_agent_that_gets_once_gets_the_best_option_not_an_exploration():
+    policy = Policy(media=("shm", "http"), explore_after_s=30.0)
+    planner, _ = _planner(policy)
+    planner.model.observe("get", "shm", 4 * MB, 0.001, policy, real=False)
+    planner.model.observe("get", "http", 4 * MB, 0.003, policy, real=False)
+    d = planner.decide("get", [Option("shm"), Option("http")], nbytes=4 * MB, tokens=1, policy=policy)
+    assert d.choice == "shm" and not d.explore
 
 
 def test_no_exploration_when_recompute_is_far_cheaper():
@@ -217,6 +240,7 @@ def test_no_exploration_when_recompute_is_far_cheaper():
     planner.model.observe("get", "http", 64 * MB, 0.60, policy, real=False)  # a probe: within 4x of shm
     planner.model.set_prefill_rate("fp", 1700.0)
     opts = [Option("shm"), Option("http")]
+    _exploit(planner, policy, opts, 64 * MB, 0.30, 8, tokens=1024, fingerprint="fp")  # budget: 0.6 s
     far = planner.decide("get", opts, nbytes=64 * MB, tokens=128, policy=policy, fingerprint="fp")  # 75 ms
     assert far.choice == RECOMPUTE, far.reason  # http at 600 ms is 8x recompute: not worth a try
     near = planner.decide("get", opts, nbytes=64 * MB, tokens=1024, policy=policy, fingerprint="fp")  # 602 ms

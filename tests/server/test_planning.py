@@ -250,7 +250,9 @@ def test_reports_keep_known_fields_and_labels_stay_few(server):
 def test_a_failing_medium_is_set_aside_and_the_get_retried_over_http(serve_app):
     srv = serve_app(flight_port=0)
     kv = _kv(seed=12)
-    with KVClient(srv.url, colocated=False) as client:
+    # HTTP behind 50 ms of injected latency: Flight is the planner's choice until it fails.
+    slow_http = lambda m: Throttled(m, latency_s=0.05) if m.name == "http" else m  # noqa: E731
+    with KVClient(srv.url, colocated=False, wrap_media=slow_http) as client:
         client.put_kv(SPEC, TOKS, kv)
         flight = client._planned().media["flight"]
 
