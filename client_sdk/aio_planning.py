@@ -206,7 +206,8 @@ class AsyncClientPlanner(PlanCore):
             assert option is not None
             t0 = time.perf_counter()
             try:
-                kv, n = await self.media[option.medium].get_kv(spec, toks, out)
+                with self._in_flight(option, d.nbytes):
+                    kv, n = await self.media[option.medium].get_kv(spec, toks, out)
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue
@@ -222,7 +223,8 @@ class AsyncClientPlanner(PlanCore):
             assert option is not None
             t0 = time.perf_counter()
             try:
-                n = await self.media[option.medium].put_kv(spec, toks, kv)
+                with self._in_flight(option, d.nbytes):
+                    n = await self.media[option.medium].put_kv(spec, toks, kv)
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue

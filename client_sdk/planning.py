@@ -18,14 +18,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
 from client_sdk.media import Medium
 from client_sdk.protocol import ConnectionFailed
 from kvstore.errors import InvalidInput, KVStoreError
-from kvstore.planner import RECOMPUTE, Decision, Option, Planner
+from kvstore.planner import RECOMPUTE, Decision, Option, Planner, wire_bytes
 from kvstore.policy import Policy, PolicySet
 from kvstore.spec import KVSpec
 
@@ -93,6 +94,9 @@ class PlanCore:
         self._report_after_s = report_after_s
         self._finished = 0
         self._reported_s = time.monotonic()
+        self._inflight: dict[str, int] = {}
+        """Medium -> wire bytes of this client's transfers in flight over it (the receiver's queue)."""
+        self._inflight_lock = threading.Lock()
 
     # -- policies ----------------------------------------------------------------------------
 
@@ -182,6 +186,22 @@ class PlanCore:
 
     # -- transfers ----------------------------------------------------------------------------------
 
+    def _queued(self) -> dict[str, int]:
+        with self._inflight_lock:
+            return {m: b for m, b in self._inflight.items() if b}
+
+    @contextmanager
+    def _in_flight(self, option: Option, raw_bytes: int) -> Iterator[None]:
+        """Count a transfer's wire bytes as in flight over its medium while it runs."""
+        wire = wire_bytes(option, raw_bytes)
+        with self._inflight_lock:
+            self._inflight[option.medium] = self._inflight.get(option.medium, 0) + wire
+        try:
+            yield
+        finally:
+            with self._inflight_lock:
+                self._inflight[option.medium] -= wire
+
     def _up(self, op: str, policy: Policy) -> list[Option]:
         """The policy's options on media that are not set aside.
 
@@ -209,7 +229,8 @@ class PlanCore:
         n_tokens = spec.full_blocks(len(toks)) * spec.block_tokens
         d = self.planner.decide("get", options, nbytes=n_tokens * spec.bytes_per_token, tokens=n_tokens,
                                 policy=policy, fingerprint=spec.fingerprint(), locality=self.locality,
-                                slo_s=slo_s, free_bytes=free_memory_bytes() if out is None else _capacity(out))
+                                slo_s=slo_s, free_bytes=free_memory_bytes() if out is None else _capacity(out),
+                                queued=self._queued())
         self.last = d
         if d.choice == RECOMPUTE:
             self.planner.finish(d, policy, actual_s=0.0, actual_bytes=0)
@@ -229,7 +250,8 @@ class PlanCore:
                     options: list[Option]) -> Decision:
         nbytes = spec.full_blocks(len(toks)) * spec.block_nbytes
         d = self.planner.decide("put", options, nbytes=nbytes, tokens=0, policy=policy,
-                                fingerprint=spec.fingerprint(), locality=self.locality, slo_s=slo_s)
+                                fingerprint=spec.fingerprint(), locality=self.locality, slo_s=slo_s,
+                                queued=self._queued())
         self.last = d
         return d
 
@@ -338,8 +360,9 @@ class ClientPlanner(PlanCore):
             assert option is not None
             t0 = time.perf_counter()
             try:
-                kv, n = self.media[option.medium].get_kv(spec, toks, out,
-                                                         codec=None if option.codec == "raw" else option.codec)
+                with self._in_flight(option, d.nbytes):
+                    kv, n = self.media[option.medium].get_kv(spec, toks, out,
+                                                             codec=None if option.codec == "raw" else option.codec)
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue
@@ -355,7 +378,8 @@ class ClientPlanner(PlanCore):
             assert option is not None
             t0 = time.perf_counter()
             try:
-                n = self.media[option.medium].put_kv(spec, toks, kv)
+                with self._in_flight(option, d.nbytes):
+                    n = self.media[option.medium].put_kv(spec, toks, kv)
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue

@@ -4,7 +4,9 @@ Cost model, per option (a medium, and for gets a wire codec):
 
     predicted = latency + wire_bytes / bandwidth + codec_cost_per_byte * raw_bytes
 
-against ``recompute = tokens / prefill_rate`` for the caller's spec. Latency and
+plus, where this client already has transfers in flight over the same medium,
+the wait behind them (``shared_wire``), against ``recompute = tokens /
+prefill_rate`` for the caller's spec. Latency and
 bandwidth are EWMAs per option, seeded by a bounded probe at connect and
 updated from every real transfer's measured time; codec costs are EWMAs of
 measured encode and decode seconds per byte.
@@ -197,6 +199,17 @@ class Estimate:
                 "bandwidth_gbps": bw, "samples": self.samples, "real_samples": self.real_samples}
 
 
+def wire_bytes(option: Option, raw_bytes: int) -> int:
+    """Bytes ``raw_bytes`` of KV take on the wire over ``option``."""
+    return raw_bytes if option.codec == "raw" else int(raw_bytes * _INT8_WIRE_FRAC)
+
+
+def shared_wire(wire: int, queued_wire: int) -> int:
+    """What a transfer of ``wire`` bytes costs, in bytes' time, with ``queued_wire`` already in
+    flight on its link (a fair share: both at half speed until the shorter is done)."""
+    return wire + min(max(queued_wire, 0), wire)
+
+
 def size_class(nbytes: int) -> int:
     """Payload sizes in classes of 4x: hysteresis and exploration work per class."""
     return max(0, int(math.log2(max(nbytes, 1))) // 2)
@@ -245,14 +258,19 @@ class CostModel:
         with self._lock:
             self.prefill_tps[fingerprint] = float(tokens_per_s)
 
-    def predict(self, op: str, option: Option, raw_bytes: int) -> float | None:
-        """Seconds to ``op`` ``raw_bytes`` of KV over ``option``; None before any estimate exists."""
+    def predict(self, op: str, option: Option, raw_bytes: int, queued_wire: int = 0) -> float | None:
+        """Seconds to ``op`` ``raw_bytes`` of KV over ``option``; None before any estimate exists.
+
+        ``queued_wire``: bytes this client already has in flight over the same medium. They share
+        the link: until the shorter of the two is done, each moves at half speed, so the transfer
+        takes ``wire + min(queued, wire)`` bytes' time (``shared_wire``).
+        """
         with self._lock:
             est = self.links.get(f"{op}:{option.name}")
             if est is None:
                 return None
-            wire = raw_bytes if option.codec == "raw" else int(raw_bytes * _INT8_WIRE_FRAC)
-            link = est.predict(wire, raw_bytes)
+            wire = wire_bytes(option, raw_bytes)
+            link = est.predict(shared_wire(wire, queued_wire), raw_bytes)
             if link is None:
                 return None
             if option.codec == "raw":
@@ -291,9 +309,14 @@ class Candidate:
     predicted_s: float | None
     feasible: bool = True
     why: str = ""
+    queued_bytes: int = 0
+    """Wire bytes this client had in flight over the option's medium when it was weighed."""
+    wait_s: float = 0.0
+    """Of ``predicted_s``, the time those queued bytes add (the link is shared)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"option": self.option, "predicted_s": self.predicted_s, "feasible": self.feasible, "why": self.why}
+        return {"option": self.option, "predicted_s": self.predicted_s, "feasible": self.feasible, "why": self.why,
+                "queued_bytes": self.queued_bytes, "wait_s": self.wait_s}
 
 
 _ids = itertools.count(1)
@@ -410,7 +433,7 @@ class Planner:
 
     def decide(self, op: str, options: Iterable[Option], *, nbytes: int, tokens: int, policy: Policy,
                fingerprint: str = "", locality: str = "remote", slo_s: float | None = None,
-               free_bytes: int | None = None) -> Decision:
+               free_bytes: int | None = None, queued: dict[str, int] | None = None) -> Decision:
         """Pick an option for one transfer (``op`` "get" or "put"), or "recompute" for a get.
 
         Args:
@@ -419,6 +442,7 @@ class Planner:
             tokens: tokens the caller would recompute instead.
             slo_s: this transfer's latency bound (default: the policy's).
             free_bytes: the receiver's free buffer space; an option needing more is infeasible.
+            queued: medium -> wire bytes this client has in flight over it (their wait is predicted).
         """
         opts = [o for o in options if o.medium in policy.media and (op == "put" or o.codec in policy.codecs)]
         if not opts:
@@ -429,7 +453,7 @@ class Planner:
             return self._record(op, nbytes, tokens, locality, [Candidate(first.name, self.model.predict(op, first, nbytes))],
                                 first.name, f"payload of {nbytes} B is at most small_bytes: default medium",
                                 policy, slo, free_bytes)
-        cands = [self._candidate(op, o, nbytes, slo, free_bytes) for o in opts]
+        cands = [self._candidate(op, o, nbytes, slo, free_bytes, (queued or {}).get(o.medium, 0)) for o in opts]
         recompute = None
         if op == "get" and policy.recompute and tokens > 0:
             rs = self.model.recompute_s(fingerprint, tokens)
@@ -499,9 +523,12 @@ class Planner:
         return None
 
     def _candidate(self, op: str, option: Option, nbytes: int, slo: float | None,
-                   free_bytes: int | None) -> Candidate:
-        predicted = self.model.predict(op, option, nbytes)
-        cand = Candidate(option.name, predicted)
+                   free_bytes: int | None, queued_wire: int = 0) -> Candidate:
+        predicted = self.model.predict(op, option, nbytes, queued_wire)
+        cand = Candidate(option.name, predicted, queued_bytes=queued_wire)
+        if queued_wire and predicted is not None:
+            alone = self.model.predict(op, option, nbytes)
+            cand.wait_s = max(0.0, predicted - (alone or 0.0))
         if free_bytes is not None and nbytes > free_bytes:
             cand.feasible, cand.why = False, f"needs {nbytes} B of buffer, receiver has {free_bytes}"
         elif slo is not None and predicted is not None and predicted > slo:
@@ -579,8 +606,10 @@ class Planner:
                 earned = -actual_s if decision.explore else (0.0 if error else _EXPLORE_SHARE * actual_s)
                 self._budget[key] = self._budget.get(key, 0.0) + earned
         if option is not None and error is None:
-            decision.predicted_actual_s = self.model.predict(decision.op, option, actual_bytes)
-            wire = actual_bytes if option.codec == "raw" else int(actual_bytes * _INT8_WIRE_FRAC)
+            queued = next((c.queued_bytes for c in decision.candidates if c.option == decision.choice), 0)
+            decision.predicted_actual_s = self.model.predict(decision.op, option, actual_bytes, queued)
+            # What moved shared the link with what was queued: learnt as that many bytes' time.
+            wire = shared_wire(wire_bytes(option, actual_bytes), queued)
             best_s = None
             if decision.explore:  # what the best option was predicted to take for the KV that moved
                 preds = [c.predicted_s for c in decision.candidates if c.option != RECOMPUTE and c.predicted_s]

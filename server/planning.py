@@ -187,7 +187,9 @@ def _check_record(i: int, d: Any) -> dict[str, Any]:
         if not isinstance(c, dict) or not isinstance(c.get("option"), str) or len(c["option"]) > 64:
             raise MalformedRequest(f"{cw} must be an object with a short option string")
         out["candidates"].append({"option": c["option"], "predicted_s": _number(c, "predicted_s", cw, optional=True),
-                                  "feasible": bool(c.get("feasible", True)), "why": _text(c, "why", cw, 500)})
+                                  "feasible": bool(c.get("feasible", True)), "why": _text(c, "why", cw, 500),
+                                  "queued_bytes": _number(c, "queued_bytes", cw, optional=True, integer=True),
+                                  "wait_s": _number(c, "wait_s", cw, optional=True)})
     # The server works the ratio out itself rather than trusting the client's.
     actual, predicted = out["actual_s"], out["predicted_actual_s"]
     out["ratio"] = actual / predicted if actual and predicted else None

@@ -166,6 +166,25 @@ def test_a_challenger_that_stays_best_keeps_its_window_through_jitter_under_the_
     assert [step(0.0010, 0.00085) for _ in range(3)] == ["shm", "shm", "http"]  # 5 s after it started over
 
 
+def test_bytes_in_flight_on_a_medium_are_waited_for_and_learnt_as_shared():
+    policy = Policy(media=("shm", "http"), explore_after_s=86400.0)
+    planner, _ = _planner(policy)
+    for _ in range(3):
+        planner.model.observe("get", "shm", 4 * MB, 0.001, policy)
+        planner.model.observe("get", "http", 4 * MB, 0.0015, policy)
+    opts = [Option("shm"), Option("http")]
+    # 4 MiB already in flight over shm: a new 4 MiB get there shares it, 2 ms, so http's 1.5 ms wins.
+    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy, queued={"shm": 4 * MB})
+    shm = next(c for c in d.candidates if c.option == "shm")
+    assert shm.queued_bytes == 4 * MB and shm.wait_s == pytest.approx(0.001) and shm.predicted_s == pytest.approx(0.002)
+    assert d.choice == "http" and d.to_dict()["candidates"][0]["wait_s"] == pytest.approx(0.001)
+    # A shm get that ran beside 4 MiB and took 2 ms is learnt as 8 MiB's time: the estimate holds.
+    d = planner.decide("get", [Option("shm")], nbytes=4 * MB, tokens=1, policy=policy, queued={"shm": 4 * MB})
+    planner.finish(d, policy, actual_s=0.002, actual_bytes=4 * MB)
+    assert planner.model.predict("get", Option("shm"), 4 * MB) == pytest.approx(0.001)
+    assert d.ratio == pytest.approx(1.0)
+
+
 def test_a_failed_choice_is_left_at_once():
     policy = Policy(media=("shm", "http"), explore_after_s=86400.0)
     planner, _ = _planner(policy)

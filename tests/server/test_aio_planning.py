@@ -18,7 +18,7 @@ from tests.server.conftest import ADMIN, TOKENS
 
 SPEC = KVSpec("aio-planner-test", fingerprint="rev-1", num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16",
               block_tokens=16)
-TOKS = np.arange(512, dtype=np.uint32)  # 512 tokens: 256 KiB of KV
+TOKS = np.arange(512, dtype=np.uint32)  # 512 tokens: 512 KiB of KV
 
 
 def _kv(seed: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def test_colocated_async_client_plans_over_shm_and_reports_its_decisions(serve_a
                 assert n == 512 and torch.equal(got, kv)
             d = client.last_decision
             assert d.locality == "colocated" and {c.option for c in d.candidates} >= {"shm", "http"}
-            assert d.choice == "shm", d.reason  # a 256 KiB copy out of the arena beats a socket
+            assert d.choice == "shm", d.reason  # a 512 KiB copy out of the arena beats a socket
             return client.decisions()
 
     local = asyncio.run(main())
@@ -59,7 +59,7 @@ def test_async_recompute_under_an_injected_bandwidth_cap_and_fetch_otherwise(ser
     async def main() -> None:
         async with AsyncKVClient(server.url, colocated=False, plan=False) as plain:
             await plain.put_kv(SPEC, TOKS, kv)
-        # 256 KiB at 2 MB/s is ~0.13 s, against 0.05 s of prefill at 10k tokens/s.
+        # 512 KiB at 2 MB/s is ~0.26 s, against 0.05 s of prefill at 10k tokens/s.
         async with AsyncKVClient(server.url, colocated=False, wrap_media=_slow(2e6)) as slow:
             slow.set_prefill_rate(SPEC, 10_000.0)
             got, n = await slow.get_kv(SPEC, TOKS)
@@ -109,5 +109,25 @@ def test_async_plan_false_keeps_the_fixed_medium(server):
             got, n = await client.get_kv(SPEC, TOKS)
             assert n == 512 and torch.equal(got, kv)
             assert client.stats.last_medium == "shm" and client.last_decision is None and client.decisions() == []
+
+    asyncio.run(main())
+
+
+def test_concurrent_async_gets_wait_for_each_other_on_a_shared_link(server):
+    kv = _kv(5)
+
+    async def main() -> None:
+        async with AsyncKVClient(server.url, colocated=False, plan=False) as plain:
+            await plain.put_kv(SPEC, TOKS, kv)
+        async with AsyncKVClient(server.url, colocated=False, wrap_media=_slow(1e9)) as client:
+            await client.get_kv(SPEC, TOKS)  # the planner is built and the link probed
+            results = await asyncio.gather(*(client.get_kv(SPEC, TOKS) for _ in range(3)))
+            assert all(n == 512 and torch.equal(got, kv) for got, n in results)
+            gets = client.decisions()[-3:]
+            queued = [next(c for c in d["candidates"] if c["option"] == "http")["queued_bytes"] for d in gets]
+            # Each decides before the transfers ahead of it have finished: 0, then one, then two gets queued.
+            assert queued == [0, 512 << 10, 1024 << 10]
+            waits = [next(c for c in d["candidates"] if c["option"] == "http")["wait_s"] for d in gets]
+            assert waits[0] == 0 and 0 < waits[1] <= waits[2]
 
     asyncio.run(main())

@@ -96,7 +96,7 @@ def test_recompute_under_an_injected_bandwidth_cap_and_fetch_otherwise(server):
     kv = _kv(seed=7)
     with KVClient(server.url, colocated=False) as plain:
         plain.put_kv(SPEC, TOKS, kv)
-    # 512 tokens are 256 KiB here; at 2 MB/s that is ~0.13 s, against 0.05 s of prefill at 10k tokens/s.
+    # 512 tokens are 512 KiB here; at 2 MB/s that is ~0.26 s, against 0.05 s of prefill at 10k tokens/s.
     with KVClient(server.url, colocated=False, wrap_media=_slow(2e6)) as slow:
         slow.set_prefill_rate(SPEC, 10_000.0)
         got, n = slow.get_kv(SPEC, TOKS)
