@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import torch
 
 from client_sdk.planning import PlanCore
+from client_sdk.rest_media import shm_probe
 from kvstore.errors import KVStoreError
 from kvstore.planner import RECOMPUTE, Option
 from kvstore.policy import Policy
@@ -81,22 +82,9 @@ class AsyncShmMedium(AsyncMedium):
         return await self.client._put_http(spec, toks, kv) if got is None else got
 
     async def probe(self, nbytes: int) -> None:
-        """A read of one slot's generation, or a copy of ``nbytes`` out of the arena's mapping
-        (off the loop when large, as the real copies are)."""
+        """``shm_probe``, off the loop when large, as the real copies are."""
         arena = self.client._arena
-        assert arena is not None
-        if nbytes == 0:
-            int(arena.reader._words[0])
-            return
-        view = arena.reader._view
-        n = min(nbytes, len(view))
-        if self._buf is None or len(self._buf) < n:
-            self._buf = memoryview(bytearray(n))
-        buf = self._buf
-
-        def copy() -> None:
-            buf[:n] = view[:n]
-        await self.client._off_loop(n, copy)
+        self._buf = await self.client._off_loop(nbytes, shm_probe, arena, self._buf, nbytes)
 
 
 class AsyncThrottled(AsyncMedium):

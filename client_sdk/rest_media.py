@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.client")
 
-__all__ = ["HttpMedium", "ShmMedium", "InprocMedium", "side_media"]
+__all__ = ["HttpMedium", "ShmMedium", "InprocMedium", "side_media", "shm_probe"]
 
 
 class HttpMedium(Medium):
@@ -92,17 +92,7 @@ class ShmMedium(Medium):
         return self.client._put_http(spec, toks, kv) if got is None else got
 
     def probe(self, nbytes: int) -> None:
-        """A read of one slot's generation (a get from remembered handles asks the server
-        nothing), or a copy of ``nbytes`` out of the arena's own mapping."""
-        arena = self.client._arena
-        assert arena is not None
-        if nbytes == 0:
-            int(arena.reader._words[0])
-            return
-        view = arena.reader._view
-        n = min(nbytes, len(view))
-        self._buf = _scratch(self._buf, n)
-        self._buf[:n] = view[:n]
+        self._buf = shm_probe(self.client._arena, self._buf, nbytes)
 
 
 class InprocMedium(Medium):
@@ -153,6 +143,21 @@ class InprocMedium(Medium):
             self._src = src
             self._buf = _scratch(self._buf, nbytes)
             self._buf[:nbytes] = memoryview(src.numpy())[:nbytes]
+
+
+def shm_probe(arena: Any, buf: memoryview | None, nbytes: int) -> memoryview | None:
+    """The shm medium's probe: a read of one slot's generation (a get from remembered handles
+    asks the server nothing), or a copy of ``nbytes`` out of the arena's own mapping into
+    ``buf`` (reused; returned, grown if it was short)."""
+    assert arena is not None
+    if nbytes == 0:
+        int(arena.reader._words[0])
+        return buf
+    view = arena.reader._view
+    n = min(nbytes, len(view))
+    buf = _scratch(buf, n)
+    buf[:n] = view[:n]
+    return buf
 
 
 def _scratch(buf: memoryview | None, nbytes: int) -> memoryview:
