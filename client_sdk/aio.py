@@ -75,6 +75,8 @@ class AsyncKVClient:
         self._decider = Planner()
         """The planner's estimates and log: built now, so a prefill rate can be set before any transfer."""
         self._planner: AsyncClientPlanner | None = None
+        self._report_wanted = False
+        self._closing = False
         self._http = httpx.AsyncClient(base_url=self.url,
                                        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
                                        headers=c.headers_for(token, self.namespace))
@@ -167,9 +169,21 @@ class AsyncKVClient:
             locality="colocated" if colocated else "remote", planner=self._decider, report=self._report_soon)
 
     def _report_soon(self) -> None:
-        """Send pending access and decision reports in a task of their own: no transfer waits on it."""
+        """Send pending access and decision reports in a task of their own: no transfer waits on it.
+
+        One task at a time; what is asked for while it runs goes in its next round. Nothing
+        starts once the client is closing (``aclose`` sends what is left itself).
+        """
+        if self._closing:
+            return
+        self._report_wanted = True
         if self._reporting is None or self._reporting.done():
-            self._reporting = asyncio.get_running_loop().create_task(self._report_accesses())
+            self._reporting = asyncio.get_running_loop().create_task(self._report_rounds())
+
+    async def _report_rounds(self) -> None:
+        while self._report_wanted and not self._closing:
+            self._report_wanted = False
+            await self._report_accesses()
 
     async def lookup(self, spec: KVSpec, tokens: Any) -> int:
         return int((await self.lookup_blocks(spec, tokens))["tokens"])
@@ -277,19 +291,26 @@ class AsyncKVClient:
         while self._arena is not None and (report := self._arena.accesses.drain()) is not None:
             try:
                 await self._json("POST", "/v1/kv/touch", report)
-            except KVStoreError as exc:
+            except (KVStoreError, ValueError) as exc:
                 log.debug("access report dropped: %s", exc)
         while records := self._decider.log.drain(256):
             try:
                 await self._json("POST", "/v1/decisions", {"decisions": [d.to_dict() for d in records]})
-            except KVStoreError as exc:
+            except (KVStoreError, ValueError) as exc:
                 log.debug("decision report dropped: %s", exc)
                 break
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._reporting is not None:
-            await self._reporting
-        await self._report_accesses()
+            try:
+                await self._reporting
+            except Exception:  # noqa: BLE001 - reports are advisory; closing the rest matters more
+                log.debug("a report failed", exc_info=True)
+        try:
+            await self._report_accesses()
+        except Exception:  # noqa: BLE001 - as above
+            log.debug("the last report failed", exc_info=True)
         if self._planner is not None:
             self._planner.close()
         for conn in self._idle:
@@ -353,8 +374,8 @@ class AsyncKVClient:
             nbytes = spec.bytes_per_token * len(cached) * bt
             if not await self._off_loop(nbytes, arena.fill_from_handles, cached, kv, bt, self.stats):
                 arena.served_from_cache(cached, bt, self.stats)
-                if arena.accesses.due() and (self._reporting is None or self._reporting.done()):
-                    self._reporting = asyncio.create_task(self._report_accesses())  # no get waits on it
+                if arena.accesses.due():
+                    self._report_soon()  # no get waits on it
                 return kv, len(cached) * bt
             arena.handles.forget(cached)
         answer = await self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)

@@ -9,6 +9,7 @@ libraries block, and a thread hop per transfer would cost what they save.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -24,6 +25,8 @@ from kvstore.spec import KVSpec
 
 if TYPE_CHECKING:
     from client_sdk.aio import AsyncKVClient
+
+log = logging.getLogger("kvstore.client")
 
 __all__ = ["AsyncMedium", "AsyncHttpMedium", "AsyncShmMedium", "AsyncThrottled", "AsyncClientPlanner"]
 
@@ -143,7 +146,7 @@ class AsyncClientPlanner(PlanCore):
     async def create(cls, media: dict[str, AsyncMedium], **kwargs: Any) -> "AsyncClientPlanner":
         self = cls(media, **kwargs)
         await self._refresh(force=True)
-        await asyncio.to_thread(self._calibrate_codecs)  # about 0.2 s of torch set-up: off the loop
+        await asyncio.to_thread(self._calibrate_codecs)  # where int8 is offered, torch set-up: off the loop
         return self
 
     async def policy(self) -> Policy:
@@ -155,7 +158,8 @@ class AsyncClientPlanner(PlanCore):
             return
         try:
             data = await self.fetch_policies()
-        except (KVStoreError, ValueError, TypeError):  # keep the last good policies
+        except (KVStoreError, ValueError, TypeError) as exc:  # keep the last good policies
+            log.debug("policy refresh failed: %s", exc)
             return
         self._apply_policies(data)
 
@@ -199,6 +203,9 @@ class AsyncClientPlanner(PlanCore):
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue
+            except BaseException as exc:  # cancelled, or a bug: recorded, and raised as it is
+                self._abandoned(d, policy, t0, exc)
+                raise
             self._finish_get(d, policy, option, spec, n, time.perf_counter() - t0)
             return kv, n
         raise AssertionError("unreachable: the second failure raises")
@@ -216,6 +223,9 @@ class AsyncClientPlanner(PlanCore):
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue
+            except BaseException as exc:  # cancelled, or a bug: recorded, and raised as it is
+                self._abandoned(d, policy, t0, exc)
+                raise
             self._finish_put(d, policy, spec, n, time.perf_counter() - t0)
             return n
         raise AssertionError("unreachable: the second failure raises")

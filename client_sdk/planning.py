@@ -94,8 +94,8 @@ class PlanCore:
         self._report_after_s = report_after_s
         self._finished = 0
         self._reported_s = time.monotonic()
-        self._inflight: dict[str, int] = {}
-        """Medium -> wire bytes of this client's transfers in flight over it (the receiver's queue)."""
+        self._inflight: dict[str, list[int]] = {}
+        """Medium -> wire bytes of each of this client's transfers in flight over it (the receiver's queue)."""
         self._inflight_lock = threading.Lock()
 
     # -- policies ----------------------------------------------------------------------------
@@ -167,6 +167,8 @@ class PlanCore:
         """
         from kvstore import codec as codec_mod
 
+        if not any("int8" in m.codecs for m in self.media.values()):
+            return  # no medium here carries int8 frames (the async client's): nothing to weigh
         kv = torch.randn(4, 2, 4, 64, 128).to(torch.float16)  # 512 KiB
         codec_mod.decode(codec_mod.encode(kv, "int8"))
         enc, dec = [], []
@@ -186,21 +188,21 @@ class PlanCore:
 
     # -- transfers ----------------------------------------------------------------------------------
 
-    def _queued(self) -> dict[str, int]:
+    def _queued(self) -> dict[str, tuple[int, ...]]:
         with self._inflight_lock:
-            return {m: b for m, b in self._inflight.items() if b}
+            return {m: tuple(sizes) for m, sizes in self._inflight.items() if sizes}
 
     @contextmanager
     def _in_flight(self, option: Option, raw_bytes: int) -> Iterator[None]:
         """Count a transfer's wire bytes as in flight over its medium while it runs."""
         wire = wire_bytes(option, raw_bytes)
         with self._inflight_lock:
-            self._inflight[option.medium] = self._inflight.get(option.medium, 0) + wire
+            self._inflight.setdefault(option.medium, []).append(wire)
         try:
             yield
         finally:
             with self._inflight_lock:
-                self._inflight[option.medium] -= wire
+                self._inflight[option.medium].remove(wire)
 
     def _up(self, op: str, policy: Policy) -> list[Option]:
         """The policy's options on media that are not set aside.
@@ -266,11 +268,16 @@ class PlanCore:
         The caller's own mistakes (bad input, a refused token) fail the same on any
         medium and are raised at once.
         """
-        self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=0, error=repr(exc))
+        self._abandoned(d, policy, t0, exc)
         self.planner.forget_choice(option.name)
         if isinstance(exc, (InvalidInput, PermissionError)) or not retry:
             raise exc
         self._set_aside(option.medium, policy, exc)
+
+    def _abandoned(self, d: Decision, policy: Policy, t0: float, exc: BaseException) -> None:
+        """Finish the record of a transfer that did not complete (nothing is learnt from it)."""
+        self.planner.finish(d, policy, actual_s=time.perf_counter() - t0, actual_bytes=0, error=repr(exc))
+        self._finished_one()
 
     def _set_aside(self, medium: str, policy: Policy, exc: Exception) -> None:
         if medium == "http":  # the medium every other one falls back to; its errors are the caller's answer
@@ -366,6 +373,9 @@ class ClientPlanner(PlanCore):
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue
+            except BaseException as exc:  # cancelled, or a bug: recorded, and raised as it is
+                self._abandoned(d, policy, t0, exc)
+                raise
             self._finish_get(d, policy, option, spec, n, time.perf_counter() - t0)
             return kv, n
         raise AssertionError("unreachable: the second failure raises")
@@ -383,6 +393,9 @@ class ClientPlanner(PlanCore):
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue
+            except BaseException as exc:  # cancelled, or a bug: recorded, and raised as it is
+                self._abandoned(d, policy, t0, exc)
+                raise
             self._finish_put(d, policy, spec, n, time.perf_counter() - t0)
             return n
         raise AssertionError("unreachable: the second failure raises")

@@ -6,17 +6,22 @@ Cost model, per option (a medium, and for gets a wire codec):
 
 plus, where this client already has transfers in flight over the same medium,
 the wait behind them (``shared_wire``), against ``recompute = tokens /
-prefill_rate`` for the caller's spec. Latency and
-bandwidth are EWMAs per option, seeded by a bounded probe at connect and
-updated from every real transfer's measured time; codec costs are EWMAs of
-measured encode and decode seconds per byte.
+prefill_rate`` for the caller's spec. Per option and payload size class, an
+EWMA of seconds per byte from every real transfer (``Estimate``); sizes not
+measured yet take a line fitted through the measured classes and a bounded
+probe at connect. Codec costs are EWMAs of measured encode and decode seconds
+per byte.
+
+Exploration: an option not measured in a size class lately gets a burst of
+real transfers, paid for by the class's chosen transfers (``_EXPLORE_SHARE``).
 
 Stability: the planner keeps a current choice per (operation, size class). It
 moves to another option only when that option has been the predicted best for
 ``window_s`` without a break, better by ``margin_frac`` when the window starts
-and when it ends; a choice that becomes unavailable is left at once. Payloads
-of at most ``small_bytes`` take the first available medium in the policy's
-order without deliberation.
+and when it ends; a choice that becomes unavailable is left at once. A queue
+on this client's side moves one transfer, never the choice. Payloads of at most
+``small_bytes`` take the first available medium in the policy's order without
+deliberation.
 
 Every decision is a ``Decision`` record (inputs, candidates with predictions,
 choice, reason, then the actual cost), kept in a bounded ``DecisionLog``.
@@ -30,7 +35,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from kvstore.errors import InvalidInput
 from kvstore.policy import Policy
@@ -61,6 +66,7 @@ class Option:
 _BURST_MAX = 5
 _BURST_GAIN = 0.9
 _BURST_CLOSE = 1.5
+_BURST_STALE_S = 10.0  # a burst's transfers run in a row: one older than this was interrupted
 """An option explored for a size class gets a burst of real transfers in a row, and only the
 fastest of them is learnt: a medium warms up over its first transfers after other media's
 (1 MiB HTTP gets measured 1.31, 1.00, 0.84, 0.78, 0.73, then 0.72-0.78 ms; a first 8 MiB int8
@@ -111,7 +117,11 @@ class Estimate:
     _probes: dict[int, list[float]] = field(default_factory=dict)
     """Size class -> [bytes, seconds] EWMA of probe transfers; key -1: empty round trips."""
     _bursts: dict[int, list[float]] = field(default_factory=dict)
-    """Size class -> [transfers, fastest seconds per byte] of an exploration burst under way."""
+    """Size class -> [transfers, fastest seconds per byte, started] of an exploration burst under way."""
+
+    def abandon_burst(self, class_bytes: int) -> None:
+        """Forget the burst under way in a size class (a try failed or moved nothing)."""
+        self._bursts.pop(size_class(class_bytes), None)
 
     def predict(self, nbytes: int, class_bytes: int | None = None) -> float | None:
         """Seconds for ``nbytes`` on the wire; ``class_bytes``: the raw KV bytes that name the size class."""
@@ -131,14 +141,17 @@ class Estimate:
         seconds = max(seconds, 1e-9)
         self.samples += 1
         self.updated_s = now_s
-        cls = size_class(nbytes if class_bytes is None else class_bytes)
-        if real and nbytes > small_bytes:
+        raw = nbytes if class_bytes is None else class_bytes
+        cls = size_class(raw)
+        if real and nbytes > 0 and raw > small_bytes:
             self.real_samples += 1
             spb = seconds / nbytes
             if burst_best_s is None:
                 self._learn(cls, nbytes, spb, alpha, now_s)
             else:
-                b = self._bursts.setdefault(cls, [0, spb])
+                b = self._bursts.get(cls)
+                if b is None or now_s - b[2] > _BURST_STALE_S:  # one left over from an interrupted burst: anew
+                    b = self._bursts[cls] = [0, spb, now_s]
                 warm = b[0] >= 1 and spb >= _BURST_GAIN * b[1]
                 b[0], b[1] = b[0] + 1, min(b[1], spb)
                 close = b[1] * nbytes <= _BURST_CLOSE * burst_best_s
@@ -161,6 +174,7 @@ class Estimate:
         raises it by that factor per transfer (10x in about nine transfers at the default alpha)."""
         self.real_by_class[cls] = now_s
         self._bytes_by_class[cls] = nbytes
+        self._bursts.pop(cls, None)  # learnt: a burst under way there has nothing left to add
         old = self.s_per_byte_by_class.get(cls)
         self.s_per_byte_by_class[cls] = _ewma(old, spb if old is None else min(spb, _SPIKE * old), alpha)
 
@@ -204,10 +218,11 @@ def wire_bytes(option: Option, raw_bytes: int) -> int:
     return raw_bytes if option.codec == "raw" else int(raw_bytes * _INT8_WIRE_FRAC)
 
 
-def shared_wire(wire: int, queued_wire: int) -> int:
-    """What a transfer of ``wire`` bytes costs, in bytes' time, with ``queued_wire`` already in
-    flight on its link (a fair share: both at half speed until the shorter is done)."""
-    return wire + min(max(queued_wire, 0), wire)
+def shared_wire(wire: int, queued: Sequence[int] = ()) -> int:
+    """What a transfer of ``wire`` bytes costs, in bytes' time, with the transfers of ``queued``
+    wire bytes already in flight on its link: a fair share, where each of them slows it until
+    the shorter of the two is done (``wire + sum(min(q, wire))``)."""
+    return wire + sum(min(max(q, 0), wire) for q in queued)
 
 
 def size_class(nbytes: int) -> int:
@@ -258,19 +273,18 @@ class CostModel:
         with self._lock:
             self.prefill_tps[fingerprint] = float(tokens_per_s)
 
-    def predict(self, op: str, option: Option, raw_bytes: int, queued_wire: int = 0) -> float | None:
+    def predict(self, op: str, option: Option, raw_bytes: int, queued: Sequence[int] = ()) -> float | None:
         """Seconds to ``op`` ``raw_bytes`` of KV over ``option``; None before any estimate exists.
 
-        ``queued_wire``: bytes this client already has in flight over the same medium. They share
-        the link: until the shorter of the two is done, each moves at half speed, so the transfer
-        takes ``wire + min(queued, wire)`` bytes' time (``shared_wire``).
+        ``queued``: wire bytes of each transfer this client already has in flight over the same
+        medium. They share the link (``shared_wire``).
         """
         with self._lock:
             est = self.links.get(f"{op}:{option.name}")
             if est is None:
                 return None
             wire = wire_bytes(option, raw_bytes)
-            link = est.predict(shared_wire(wire, queued_wire), raw_bytes)
+            link = est.predict(shared_wire(wire, queued), raw_bytes)
             if link is None:
                 return None
             if option.codec == "raw":
@@ -278,6 +292,12 @@ class CostModel:
             codec = (self.codec_s_per_byte.get((option.codec, "encode"), 0.0)
                      + self.codec_s_per_byte.get((option.codec, "decode"), 0.0))
             return link + codec * raw_bytes
+
+    def abandon_burst(self, op: str, option: str, raw_bytes: int) -> None:
+        with self._lock:
+            est = self.links.get(f"{op}:{option}")
+            if est is not None:
+                est.abandon_burst(raw_bytes)
 
     def recompute_s(self, fingerprint: str, tokens: int) -> float | None:
         with self._lock:
@@ -309,14 +329,19 @@ class Candidate:
     predicted_s: float | None
     feasible: bool = True
     why: str = ""
-    queued_bytes: int = 0
-    """Wire bytes this client had in flight over the option's medium when it was weighed."""
+    queued: tuple[int, ...] = ()
+    """Wire bytes of each transfer this client had in flight over the option's medium when it was weighed."""
     wait_s: float = 0.0
-    """Of ``predicted_s``, the time those queued bytes add (the link is shared)."""
+    """Of ``predicted_s``, the time those queued transfers add (the link is shared)."""
+
+    @property
+    def alone_s(self) -> float | None:
+        """The prediction without the wait: what hysteresis weighs (a queue passes; a medium's speed stays)."""
+        return None if self.predicted_s is None else self.predicted_s - self.wait_s
 
     def to_dict(self) -> dict[str, Any]:
         return {"option": self.option, "predicted_s": self.predicted_s, "feasible": self.feasible, "why": self.why,
-                "queued_bytes": self.queued_bytes, "wait_s": self.wait_s}
+                "queued_bytes": sum(self.queued), "wait_s": self.wait_s}
 
 
 _ids = itertools.count(1)
@@ -406,6 +431,9 @@ class _Sticky:
     current: str
     challenger: str | None = None
     since_s: float = 0.0
+    under_since_s: float | None = None
+    """When the challenger, still the predicted best, fell under the margin (its window lapses
+    after ``window_s`` of that: a lone stall must not leave one running)."""
     provisional: bool = False
     """Chosen before ``current`` had a real transfer of this size class (on probes or other
     sizes' fits): the first real evidence against it is new information, not noise, so it
@@ -433,7 +461,7 @@ class Planner:
 
     def decide(self, op: str, options: Iterable[Option], *, nbytes: int, tokens: int, policy: Policy,
                fingerprint: str = "", locality: str = "remote", slo_s: float | None = None,
-               free_bytes: int | None = None, queued: dict[str, int] | None = None) -> Decision:
+               free_bytes: int | None = None, queued: dict[str, Sequence[int]] | None = None) -> Decision:
         """Pick an option for one transfer (``op`` "get" or "put"), or "recompute" for a get.
 
         Args:
@@ -442,7 +470,8 @@ class Planner:
             tokens: tokens the caller would recompute instead.
             slo_s: this transfer's latency bound (default: the policy's).
             free_bytes: the receiver's free buffer space; an option needing more is infeasible.
-            queued: medium -> wire bytes this client has in flight over it (their wait is predicted).
+            queued: medium -> wire bytes of each transfer this client has in flight over it. Their
+                wait is predicted for this transfer alone: hysteresis weighs the media without it.
         """
         opts = [o for o in options if o.medium in policy.media and (op == "put" or o.codec in policy.codecs)]
         if not opts:
@@ -453,7 +482,7 @@ class Planner:
             return self._record(op, nbytes, tokens, locality, [Candidate(first.name, self.model.predict(op, first, nbytes))],
                                 first.name, f"payload of {nbytes} B is at most small_bytes: default medium",
                                 policy, slo, free_bytes)
-        cands = [self._candidate(op, o, nbytes, slo, free_bytes, (queued or {}).get(o.medium, 0)) for o in opts]
+        cands = [self._candidate(op, o, nbytes, slo, free_bytes, tuple((queued or {}).get(o.medium, ()))) for o in opts]
         recompute = None
         if op == "get" and policy.recompute and tokens > 0:
             rs = self.model.recompute_s(fingerprint, tokens)
@@ -469,7 +498,7 @@ class Planner:
             return self._record(op, nbytes, tokens, locality, everything, first.option,
                                 "no estimates yet: first available medium in the policy's order",
                                 policy, slo, free_bytes)
-        best = min(known, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
+        best = min(known, key=lambda c: c.alone_s)  # type: ignore[arg-type, return-value]
         explore = self._to_explore(op, nbytes, policy, cands, best, recompute)
         if explore is not None:
             d = self._record(op, nbytes, tokens, locality, everything, explore.option,
@@ -479,11 +508,22 @@ class Planner:
             d.explore = True
             return d
         choice, reason = self._stable(op, nbytes, policy, cands, best)
+        # This client's own queue is this transfer's state, not a medium's: it is weighed after
+        # hysteresis, and moves this transfer alone, when another option beats the wait by the margin.
+        by_name = {c.option: c for c in cands}
+        now_best = min(known, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
+        held = by_name[choice]
+        if (now_best.option != choice and held.wait_s
+                and now_best.predicted_s < held.predicted_s * (1.0 - policy.margin_frac)):  # type: ignore[operator]
+            choice, reason = now_best.option, (
+                f"{held.option} has {sum(held.queued)} B in flight: {_ms(held.predicted_s)} with the wait, "
+                f"{now_best.option} {_ms(now_best.predicted_s)} (this transfer only)")
         # Fetch or recompute is this request's question (its tokens, the caller's prefill rate),
         # not a medium's state, so no hysteresis: recompute wins when it beats the best fetch.
-        if recompute is not None and recompute.predicted_s < best.predicted_s:  # type: ignore[operator]
+        fetch = by_name[choice]
+        if recompute is not None and recompute.predicted_s < fetch.predicted_s:  # type: ignore[operator]
             choice, reason = RECOMPUTE, (f"recompute {tokens} tokens predicted {_ms(recompute.predicted_s)}, "
-                                         f"fetching at best over {best.option} {_ms(best.predicted_s)}")
+                                         f"fetching at best over {fetch.option} {_ms(fetch.predicted_s)}")
         return self._record(op, nbytes, tokens, locality, everything, choice, reason, policy, slo, free_bytes)
 
     def _to_explore(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate],
@@ -499,7 +539,7 @@ class Planner:
         8 MiB int8 get measured 12x its later ones), and one cold sample must not
         stand as the option's estimate until the next interval.
         """
-        ref = best.predicted_s
+        ref = best.alone_s
         if ref is None:
             return None
         if recompute is not None and recompute.predicted_s is not None:
@@ -514,19 +554,19 @@ class Planner:
             with self._lock:  # at most _BURST_MAX tries per option, class and interval, failed or not
                 tries = [t for t in self._explored.get(key, []) if now - t < policy.explore_after_s]
                 within = _EXPLORE_WITHIN * (_EXPLORE_WITHIN if tries else 1.0) * ref
-                if len(tries) >= _BURST_MAX or c.predicted_s > within:
+                if len(tries) >= _BURST_MAX or c.alone_s > within:  # type: ignore[operator]
                     continue
-                if not tries and self._budget.get((op, key[2]), 0.0) < c.predicted_s:
+                if not tries and self._budget.get((op, key[2]), 0.0) < c.alone_s:  # type: ignore[operator]
                     continue  # a new burst waits until exploiting has paid for a transfer of it
                 self._explored[key] = tries + [now]
             return c
         return None
 
     def _candidate(self, op: str, option: Option, nbytes: int, slo: float | None,
-                   free_bytes: int | None, queued_wire: int = 0) -> Candidate:
-        predicted = self.model.predict(op, option, nbytes, queued_wire)
-        cand = Candidate(option.name, predicted, queued_bytes=queued_wire)
-        if queued_wire and predicted is not None:
+                   free_bytes: int | None, queued: tuple[int, ...] = ()) -> Candidate:
+        predicted = self.model.predict(op, option, nbytes, queued)
+        cand = Candidate(option.name, predicted, queued=queued)
+        if queued and predicted is not None:
             alone = self.model.predict(op, option, nbytes)
             cand.wait_s = max(0.0, predicted - (alone or 0.0))
         if free_bytes is not None and nbytes > free_bytes:
@@ -538,44 +578,51 @@ class Planner:
     def _stable(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate], best: Candidate) -> tuple[str, str]:
         """Hysteresis: keep the current choice unless ``best`` has been best for the window,
         beating it by the margin when the window started and now."""
-        by_name = {c.option: c for c in cands}
+        alone = {c.option: c.alone_s for c in cands}
+        feasible = {c.option for c in cands if c.feasible}
+        best_s = best.alone_s
         key = (policy.version, op, size_class(nbytes))
         now = self.clock()
         with self._lock:
             st = self._sticky.get(key)
             if st is not None and st.provisional:
                 st.provisional = self._unproven(op, st.current, nbytes)
-            cur = by_name.get(st.current) if st else None
-            if st is None or cur is None or not cur.feasible or cur.predicted_s is None:
+            cur_s = alone.get(st.current) if st else None
+            if st is None or st.current not in feasible or cur_s is None:
                 gone = f"previous choice {st.current} is unavailable; " if st else ""
                 self._sticky[key] = _Sticky(best.option, provisional=self._unproven(op, best.option, nbytes))
-                return best.option, f"{gone}lowest predicted time ({_ms(best.predicted_s)})"
+                return best.option, f"{gone}lowest predicted time ({_ms(best_s)})"
             if best.option == st.current:
                 st.challenger = None
-                return st.current, f"lowest predicted time ({_ms(best.predicted_s)})"
-            if best.predicted_s > cur.predicted_s * (1.0 - policy.margin_frac):  # type: ignore[operator]
+                return st.current, f"lowest predicted time ({_ms(best_s)})"
+            if best_s > cur_s * (1.0 - policy.margin_frac):  # type: ignore[operator]
                 # A challenger that stays the predicted best keeps its window while noise dips it
-                # under the margin (sub-millisecond estimates jitter by about that much); another
-                # option becoming best, or the current one again, starts over.
+                # under the margin (sub-millisecond estimates jitter by about that much), for at
+                # most a window; another option becoming best, or the current one again, starts over.
                 if st.challenger != best.option:
                     st.challenger = None
-                return st.current, (f"kept: {best.option} ({_ms(best.predicted_s)}) is not {policy.margin_frac:.0%} "
-                                    f"better than {st.current} ({_ms(cur.predicted_s)})")
+                elif st.under_since_s is None:
+                    st.under_since_s = now
+                elif now - st.under_since_s > policy.window_s:
+                    st.challenger, st.under_since_s = None, None
+                return st.current, (f"kept: {best.option} ({_ms(best_s)}) is not {policy.margin_frac:.0%} "
+                                    f"better than {st.current} ({_ms(cur_s)})")
+            st.under_since_s = None
             if st.provisional and not self._unproven(op, best.option, nbytes):
                 old = st.current
                 self._sticky[key] = _Sticky(best.option)
                 return best.option, (f"switched from {old}, chosen before any real transfer of this size: "
-                                     f"{best.option} measured {_ms(best.predicted_s)} against {_ms(cur.predicted_s)}")
+                                     f"{best.option} measured {_ms(best_s)} against {_ms(cur_s)}")
             if st.challenger != best.option:
                 st.challenger, st.since_s = best.option, now
             held = now - st.since_s
             if held < policy.window_s:
-                return st.current, (f"kept: {best.option} ({_ms(best.predicted_s)}) beats {st.current} "
-                                    f"({_ms(cur.predicted_s)}) by the margin for {held:.1f} of {policy.window_s:g} s")
+                return st.current, (f"kept: {best.option} ({_ms(best_s)}) beats {st.current} "
+                                    f"({_ms(cur_s)}) by the margin for {held:.1f} of {policy.window_s:g} s")
             old = st.current
             self._sticky[key] = _Sticky(best.option)
-            return best.option, (f"switched from {old}: {best.option} predicted {_ms(best.predicted_s)} against "
-                                 f"{_ms(cur.predicted_s)} for {held:.1f} s")
+            return best.option, (f"switched from {old}: {best.option} predicted {_ms(best_s)} against "
+                                 f"{_ms(cur_s)} for {held:.1f} s")
 
     def _unproven(self, op: str, option: str, nbytes: int) -> bool:
         return self.model.age_s(op, option, nbytes=nbytes) == math.inf
@@ -605,8 +652,10 @@ class Planner:
             with self._lock:
                 earned = -actual_s if decision.explore else (0.0 if error else _EXPLORE_SHARE * actual_s)
                 self._budget[key] = self._budget.get(key, 0.0) + earned
+        if option is not None and decision.explore and (error is not None or not actual_bytes):
+            self.model.abandon_burst(decision.op, option.name, decision.nbytes)
         if option is not None and error is None:
-            queued = next((c.queued_bytes for c in decision.candidates if c.option == decision.choice), 0)
+            queued = next((c.queued for c in decision.candidates if c.option == decision.choice), ())
             decision.predicted_actual_s = self.model.predict(decision.op, option, actual_bytes, queued)
             # What moved shared the link with what was queued: learnt as that many bytes' time.
             wire = shared_wire(wire_bytes(option, actual_bytes), queued)

@@ -89,7 +89,10 @@ class PlanState:
             ring.append(d)
             choice = d["choice"] if d["choice"] in _OPTIONS else "other"
             svc.metrics.decisions.labels(d["op"], choice).inc()
-            if d["error"] or d["actual_s"] is None or choice in (RECOMPUTE, "other"):
+            # An exploration is a measurement, not the policy's choice: a candidate policy that adds
+            # a medium must not be rolled back for the tries it costs, nor their fit-only predictions
+            # weigh on the error histogram.
+            if d["error"] or d["actual_s"] is None or choice in (RECOMPUTE, "other") or d["explore"]:
                 continue
             ratio = d["ratio"]
             if ratio is not None:

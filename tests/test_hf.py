@@ -162,3 +162,31 @@ def test_measured_prefill_rate_feeds_the_planners_recompute_cost():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(InvalidSpec, match="tokens"):
             measure_prefill_rate(model, bad)
+
+
+class _Paced(torch.nn.Module):
+    """A "model" whose forward takes at least 20 ms: the rate it measures is bounded above."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("Config", (), {"vocab_size": 100})()
+        self.calls = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        import time
+
+        self.calls += 1
+        time.sleep(0.02)
+        return ids
+
+
+def test_prefill_rate_is_tokens_over_the_best_timed_run():
+    paced = _Paced()
+    rate = measure_prefill_rate(paced, 200, repeats=3)
+    assert paced.calls == 4  # one untimed, three timed
+    assert 200 / 0.2 < rate <= 200 / 0.02  # at most 200 tokens per 20 ms; sleep overshoots far less than 10x
+    bare = _Paced()
+    del bare.w
+    with pytest.raises(InvalidSpec, match="no parameters"):
+        measure_prefill_rate(bare, 8)

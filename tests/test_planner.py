@@ -174,15 +174,59 @@ def test_bytes_in_flight_on_a_medium_are_waited_for_and_learnt_as_shared():
         planner.model.observe("get", "http", 4 * MB, 0.0015, policy)
     opts = [Option("shm"), Option("http")]
     # 4 MiB already in flight over shm: a new 4 MiB get there shares it, 2 ms, so http's 1.5 ms wins.
-    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy, queued={"shm": 4 * MB})
+    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy, queued={"shm": [4 * MB]})
     shm = next(c for c in d.candidates if c.option == "shm")
-    assert shm.queued_bytes == 4 * MB and shm.wait_s == pytest.approx(0.001) and shm.predicted_s == pytest.approx(0.002)
-    assert d.choice == "http" and d.to_dict()["candidates"][0]["wait_s"] == pytest.approx(0.001)
+    assert shm.queued == (4 * MB,) and shm.wait_s == pytest.approx(0.001) and shm.predicted_s == pytest.approx(0.002)
+    assert d.choice == "http" and "in flight" in d.reason
+    assert d.to_dict()["candidates"][0]["wait_s"] == pytest.approx(0.001)
+    assert d.to_dict()["candidates"][0]["queued_bytes"] == 4 * MB
+    # Each transfer in flight slows it: two of 4 MiB make a 4 MiB get take 12 MiB's time.
+    two = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy, queued={"shm": [4 * MB, 4 * MB]})
+    assert two.candidates[0].predicted_s == pytest.approx(0.003)
     # A shm get that ran beside 4 MiB and took 2 ms is learnt as 8 MiB's time: the estimate holds.
-    d = planner.decide("get", [Option("shm")], nbytes=4 * MB, tokens=1, policy=policy, queued={"shm": 4 * MB})
+    d = planner.decide("get", [Option("shm")], nbytes=4 * MB, tokens=1, policy=policy, queued={"shm": [4 * MB]})
     planner.finish(d, policy, actual_s=0.002, actual_bytes=4 * MB)
     assert planner.model.predict("get", Option("shm"), 4 * MB) == pytest.approx(0.001)
     assert d.ratio == pytest.approx(1.0)
+
+
+def test_a_queue_moves_one_transfer_not_the_choice():
+    policy = Policy(media=("shm", "http"), explore_after_s=86400.0)
+    planner, clock = _planner(policy)
+    for _ in range(3):
+        planner.model.observe("get", "shm", 4 * MB, 0.001, policy)
+        planner.model.observe("get", "http", 4 * MB, 0.0015, policy)
+    opts = [Option("shm"), Option("http")]
+    assert planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy).choice == "shm"
+    # Sustained concurrency on shm for longer than the window: each queued get goes to http,
+    # and the choice itself stays shm (no switch to http, then back when the queue moves).
+    for _ in range(12):
+        d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy, queued={"shm": [4 * MB] * 3})
+        assert d.choice == "http" and "this transfer only" in d.reason
+        clock.now += 1.0
+    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
+    assert d.choice == "shm" and d.reason.startswith("lowest predicted")
+
+
+def test_a_challengers_window_lapses_after_a_window_under_the_margin():
+    policy = Policy(media=("shm", "http"), margin_frac=0.2, window_s=5.0, ewma_alpha=1.0, explore_after_s=86400.0)
+    planner, clock = _planner(policy)
+    opts = [Option("shm"), Option("http")]
+
+    def step(shm_s: float) -> str:
+        planner.model.observe("get", "shm", 4 * MB, shm_s, policy)
+        planner.model.observe("get", "http", 4 * MB, 0.0009, policy)
+        choice = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy).choice
+        clock.now += 1.0
+        return choice
+
+    step(0.00085)  # shm is the choice
+    # http 10% better: under the margin. A lone shm stall starts http's window; then 10 minutes
+    # under the margin; then a second lone stall: no switch (the first window lapsed).
+    assert step(0.0017) == "shm"
+    for _ in range(600):
+        assert step(0.001) == "shm"
+    assert step(0.0017) == "shm"
 
 
 def test_a_failed_choice_is_left_at_once():
@@ -240,6 +284,39 @@ def test_an_option_known_only_from_probes_gets_a_burst_of_real_transfers_once_pa
     # The burst cost 12.5 ms, against 1.5 earned: 50 more 1 ms gets pay it back and earn http's 1.4 ms.
     _exploit(planner, policy, opts, 4 * MB, 0.001, 50, tokens=1)
     assert planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy).explore
+
+
+def test_an_interrupted_burst_is_not_learnt_later():
+    policy = Policy(media=("shm", "http"), explore_after_s=30.0)
+    planner, clock = _planner(policy)
+    planner.model.observe("get", "shm", 4 * MB, 0.002, policy)
+    planner.model.observe("get", "http", 4 * MB, 0.003, policy, real=False)
+    opts = [Option("shm"), Option("http")]
+    _exploit(planner, policy, opts, 4 * MB, 0.002, 6, tokens=1)  # 3 ms earned: http's predicted time
+    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
+    assert d.explore
+    planner.finish(d, policy, actual_s=0.0005, actual_bytes=4 * MB)  # one fast transfer of a burst...
+    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
+    planner.finish(d, policy, actual_s=0.01, actual_bytes=0, error="ConnectionFailed('injected')")  # ...then it fails
+    clock.now += 3600
+    for _ in range(100):  # shm gets until they have paid back the 10.5 ms spent, and earned http's 3 ms
+        d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
+        if d.explore:
+            break
+        planner.finish(d, policy, actual_s=0.002, actual_bytes=4 * MB)
+    assert d.explore and d.choice == "http"
+    while d.explore:  # a new burst: 4 ms twice, 2x shm, not getting faster: it ends after two
+        planner.finish(d, policy, actual_s=0.004, actual_bytes=4 * MB)
+        d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
+    assert planner.model.predict("get", Option("http"), 4 * MB) == pytest.approx(0.004)  # not the old 0.5 ms
+
+
+def test_small_int8_gets_are_judged_by_their_raw_size():
+    from kvstore.planner import Estimate
+
+    est = Estimate()
+    est.observe(6 << 10, 0.0002, 0.3, 8192, 0.0, class_bytes=12 << 10)  # 12 KiB of KV, 6 KiB on the wire
+    assert est.real_samples == 1 and est.predict(6 << 10, 12 << 10) == pytest.approx(0.0002)
 
 
 def test_an_agent_that_gets_once_gets_the_best_option_not_an_exploration():

@@ -145,7 +145,8 @@ def measure_prefill_rate(model: Any, tokens: int = 512, *, repeats: int = 2, voc
     one untimed run (a first call pays for allocations), with gradients off.
 
     Raises:
-        InvalidSpec: ``tokens`` or ``repeats`` is not a positive integer, or the model has no vocabulary size.
+        InvalidSpec: ``tokens`` or ``repeats`` is not a positive integer, or the model has no
+            vocabulary size or no parameters.
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
         raise InvalidSpec(f"tokens must be a positive integer, got {tokens!r}")
@@ -154,11 +155,16 @@ def measure_prefill_rate(model: Any, tokens: int = 512, *, repeats: int = 2, voc
     size = vocab or getattr(_config(model), "vocab_size", None)
     if not size:
         raise InvalidSpec("the model config has no vocab_size; pass vocab=")
-    device = next(iter(model.parameters())).device
+    param = next(iter(model.parameters()), None)
+    if param is None:
+        raise InvalidSpec("the model has no parameters to place its input by")
+    device = param.device
     ids = torch.randint(0, int(size), (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
     best = float("inf")
     with torch.inference_mode():
         model(ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the untimed run's GPU work must not land in the first timing
         for _ in range(repeats):
             t0 = time.perf_counter()
             model(ids)

@@ -171,6 +171,10 @@ def test_canary_routes_promotes_rolls_back_and_auto_rolls_back(serve_app):
     good = [_record(2, 0.002) for _ in range(40)]  # outweighs the real put above in the p95
     resp = httpx.post(srv.url + "/v1/decisions", json={"decisions": good}, headers=on_baseline)
     assert resp.status_code == 200 and resp.json()["policies"]["candidate"]["version"] == 4
+    # Explorations are measurements, not the policy's choice: however slow, they judge nothing.
+    tries = [{**_record(4, 0.5), "explore": True} for _ in range(10)]
+    answer = httpx.post(srv.url + "/v1/decisions", json={"decisions": tries}, headers=on_candidate).json()
+    assert answer["policies"]["candidate"]["version"] == 4
     bad = [_record(4, 0.020) for _ in range(5)]
     answer = httpx.post(srv.url + "/v1/decisions", json={"decisions": bad}, headers=on_candidate).json()
     assert answer["policies"]["candidate"] is None
@@ -237,11 +241,17 @@ def test_get_kv_layers_on_the_client_matches_get_kv(server):
 
 
 def test_reports_keep_known_fields_and_labels_stay_few(server):
-    junk = {**_record(1, 0.01, choice="made-up-medium"), "blob": "x" * 1000}
+    junk = {**_record(1, 0.01, choice="made-up-medium"), "blob": "x" * 1000, "explore": True,
+            "candidates": [{"option": "http", "predicted_s": 0.002, "queued_bytes": 4096, "wait_s": 0.001, "x": 1}]}
     resp = httpx.post(server.url + "/v1/decisions", json={"decisions": [junk] * 20})
     assert resp.status_code == 200
     row = httpx.get(server.url + "/admin/decisions").json()["decisions"][-1]
-    assert "blob" not in row and row["choice"] == "made-up-medium"
+    assert "blob" not in row and row["choice"] == "made-up-medium" and row["explore"] is True
+    assert row["candidates"] == [{"option": "http", "predicted_s": 0.002, "feasible": True, "why": None,
+                                  "queued_bytes": 4096, "wait_s": 0.001}]
+    bad = {**junk, "candidates": [{"option": "http", "wait_s": -1}]}
+    refused = httpx.post(server.url + "/v1/decisions", json={"decisions": [bad]})
+    assert refused.status_code == 400 and "wait_s" in refused.text
     assert row["ratio"] == pytest.approx(0.01 / 0.001)  # worked out by the server
     metrics = httpx.get(server.url + "/metrics").text
     assert 'choice="other"' in metrics and "made-up-medium" not in metrics
