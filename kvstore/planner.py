@@ -519,11 +519,11 @@ class Planner:
                 f"{held.option} has {sum(held.queued)} B in flight: {_ms(held.predicted_s)} with the wait, "
                 f"{now_best.option} {_ms(now_best.predicted_s)} (this transfer only)")
         # Fetch or recompute is this request's question (its tokens, the caller's prefill rate),
-        # not a medium's state, so no hysteresis: recompute wins when it beats the best fetch.
+        # not a medium's state, so no hysteresis: recompute wins when it beats the fetch that would run.
         fetch = by_name[choice]
         if recompute is not None and recompute.predicted_s < fetch.predicted_s:  # type: ignore[operator]
             choice, reason = RECOMPUTE, (f"recompute {tokens} tokens predicted {_ms(recompute.predicted_s)}, "
-                                         f"fetching at best over {fetch.option} {_ms(fetch.predicted_s)}")
+                                         f"fetching over {fetch.option} {_ms(fetch.predicted_s)}")
         return self._record(op, nbytes, tokens, locality, everything, choice, reason, policy, slo, free_bytes)
 
     def _to_explore(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate],
@@ -545,8 +545,10 @@ class Planner:
         if recompute is not None and recompute.predicted_s is not None:
             ref = min(ref, recompute.predicted_s)
         now = self.clock()
+        # The best fetch runs, and so measures itself; not while recompute wins, though.
+        fetch_runs = recompute is None or recompute.predicted_s is None or recompute.predicted_s >= best.alone_s
         for c in cands:
-            if not c.feasible or c.why or c.predicted_s is None or c.option == best.option:
+            if not c.feasible or c.why or c.predicted_s is None or (fetch_runs and c.option == best.option):
                 continue
             if self.model.age_s(op, c.option, nbytes=nbytes) < policy.explore_after_s:
                 continue
@@ -647,11 +649,16 @@ class Planner:
         """
         option = decision.option
         decision.actual_s, decision.actual_bytes, decision.error = actual_s, actual_bytes, error
+        key = (decision.op, size_class(decision.nbytes))
         if option is not None:
-            key = (decision.op, size_class(decision.nbytes))
             with self._lock:
                 earned = -actual_s if decision.explore else (0.0 if error else _EXPLORE_SHARE * actual_s)
                 self._budget[key] = self._budget.get(key, 0.0) + earned
+        elif decision.predicted_s:
+            # Recomputing pays for exploring too (its predicted time: the caller's, not measured
+            # here): else a link that recovered would never be tried while recompute wins.
+            with self._lock:
+                self._budget[key] = self._budget.get(key, 0.0) + _EXPLORE_SHARE * decision.predicted_s
         if option is not None and decision.explore and (error is not None or not actual_bytes):
             self.model.abandon_burst(decision.op, option.name, decision.nbytes)
         if option is not None and error is None:

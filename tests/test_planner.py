@@ -343,6 +343,23 @@ def test_no_exploration_when_recompute_is_far_cheaper():
     assert near.choice == "http" and near.reason.startswith("explore")
 
 
+def test_recomputing_pays_for_exploring_a_fetch_that_may_have_recovered():
+    policy = Policy(media=("http", "flight"), explore_after_s=30.0)
+    planner, _ = _planner(policy)
+    for _ in range(3):
+        planner.model.observe("get", "http", 64 * MB, 0.6, policy)
+    planner.model.observe("get", "flight", 64 * MB, 0.19, policy, real=False)  # a probe only
+    planner.model.set_prefill_rate("fp", 1000.0)
+    opts = [Option("http"), Option("flight")]
+    seen = []
+    for _ in range(12):  # 100 tokens: 0.1 s of prefill, against http's 0.6 s
+        d = planner.decide("get", opts, nbytes=64 * MB, tokens=100, policy=policy, fingerprint="fp")
+        planner.finish(d, policy, actual_s=0.0 if d.choice == RECOMPUTE else 0.2, actual_bytes=0 if d.choice == RECOMPUTE else 64 * MB)
+        seen.append("explore" if d.explore else d.choice)
+    # Each recompute earns a quarter of its 0.1 s: after eight, flight's predicted 0.19 s is paid for.
+    assert seen[:8] == [RECOMPUTE] * 8 and seen[8] == "explore", seen
+
+
 def test_decision_records_carry_predicted_and_actual():
     policy = Policy(media=("http",), explore_after_s=86400.0)
     planner, _ = _planner(policy)
