@@ -181,9 +181,12 @@ class AsyncKVClient:
             self._reporting = asyncio.get_running_loop().create_task(self._report_rounds())
 
     async def _report_rounds(self) -> None:
-        while self._report_wanted and not self._closing:
-            self._report_wanted = False
-            await self._report_accesses()
+        try:
+            while self._report_wanted and not self._closing:
+                self._report_wanted = False
+                await self._report_accesses()
+        except Exception:  # noqa: BLE001 - reports are advisory: logged, never left for the loop to find
+            log.debug("a report failed", exc_info=True)
 
     async def lookup(self, spec: KVSpec, tokens: Any) -> int:
         return int((await self.lookup_blocks(spec, tokens))["tokens"])
@@ -302,11 +305,8 @@ class AsyncKVClient:
 
     async def aclose(self) -> None:
         self._closing = True
-        if self._reporting is not None:
-            try:
-                await self._reporting
-            except Exception:  # noqa: BLE001 - reports are advisory; closing the rest matters more
-                log.debug("a report failed", exc_info=True)
+        if self._reporting is not None:  # finished, failed or cancelled: closing the rest matters more
+            await asyncio.gather(self._reporting, return_exceptions=True)
         try:
             await self._report_accesses()
         except Exception:  # noqa: BLE001 - as above

@@ -66,7 +66,6 @@ class Option:
 _BURST_MAX = 5
 _BURST_GAIN = 0.9
 _BURST_CLOSE = 1.5
-_BURST_STALE_S = 10.0  # a burst's transfers run in a row: one older than this was interrupted
 """An option explored for a size class gets a burst of real transfers in a row, and only the
 fastest of them is learnt: a medium warms up over its first transfers after other media's
 (1 MiB HTTP gets measured 1.31, 1.00, 0.84, 0.78, 0.73, then 0.72-0.78 ms; a first 8 MiB int8
@@ -117,7 +116,8 @@ class Estimate:
     _probes: dict[int, list[float]] = field(default_factory=dict)
     """Size class -> [bytes, seconds] EWMA of probe transfers; key -1: empty round trips."""
     _bursts: dict[int, list[float]] = field(default_factory=dict)
-    """Size class -> [transfers, fastest seconds per byte, started] of an exploration burst under way."""
+    """Size class -> [transfers, fastest seconds per byte] of an exploration burst under way (one
+    cut short by a failed or empty try is dropped: ``abandon_burst``)."""
 
     def abandon_burst(self, class_bytes: int) -> None:
         """Forget the burst under way in a size class (a try failed or moved nothing)."""
@@ -149,9 +149,7 @@ class Estimate:
             if burst_best_s is None:
                 self._learn(cls, nbytes, spb, alpha, now_s)
             else:
-                b = self._bursts.get(cls)
-                if b is None or now_s - b[2] > _BURST_STALE_S:  # one left over from an interrupted burst: anew
-                    b = self._bursts[cls] = [0, spb, now_s]
+                b = self._bursts.setdefault(cls, [0, spb])
                 warm = b[0] >= 1 and spb >= _BURST_GAIN * b[1]
                 b[0], b[1] = b[0] + 1, min(b[1], spb)
                 close = b[1] * nbytes <= _BURST_CLOSE * burst_best_s
@@ -522,8 +520,16 @@ class Planner:
         # not a medium's state, so no hysteresis: recompute wins when it beats the fetch that would run.
         fetch = by_name[choice]
         if recompute is not None and recompute.predicted_s < fetch.predicted_s:  # type: ignore[operator]
-            choice, reason = RECOMPUTE, (f"recompute {tokens} tokens predicted {_ms(recompute.predicted_s)}, "
-                                         f"fetching over {fetch.option} {_ms(fetch.predicted_s)}")
+            if now_best.predicted_s < recompute.predicted_s:  # type: ignore[operator]
+                # Recompute beats what hysteresis holds, the best fetch beats recompute: that fetch,
+                # for this transfer only (the challenger's window runs on).
+                choice, reason = now_best.option, (
+                    f"{now_best.option} {_ms(now_best.predicted_s)} beats recomputing {tokens} tokens "
+                    f"({_ms(recompute.predicted_s)}), which beats the held {fetch.option} "
+                    f"({_ms(fetch.predicted_s)}): this transfer only")
+            else:
+                choice, reason = RECOMPUTE, (f"recompute {tokens} tokens predicted {_ms(recompute.predicted_s)}, "
+                                             f"fetching over {fetch.option} {_ms(fetch.predicted_s)}")
         return self._record(op, nbytes, tokens, locality, everything, choice, reason, policy, slo, free_bytes)
 
     def _to_explore(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate],
@@ -545,7 +551,8 @@ class Planner:
         if recompute is not None and recompute.predicted_s is not None:
             ref = min(ref, recompute.predicted_s)
         now = self.clock()
-        # The best fetch runs, and so measures itself; not while recompute wins, though.
+        # The best fetch runs (held, or for single transfers that beat recompute), and so measures
+        # itself; not while recompute wins, though.
         fetch_runs = recompute is None or recompute.predicted_s is None or recompute.predicted_s >= best.alone_s
         for c in cands:
             if not c.feasible or c.why or c.predicted_s is None or (fetch_runs and c.option == best.option):
@@ -609,6 +616,8 @@ class Planner:
                     st.challenger, st.under_since_s = None, None
                 return st.current, (f"kept: {best.option} ({_ms(best_s)}) is not {policy.margin_frac:.0%} "
                                     f"better than {st.current} ({_ms(cur_s)})")
+            if st.under_since_s is not None and now - st.under_since_s > policy.window_s:
+                st.challenger = None  # its window lapsed under the margin, however long ago the last look
             st.under_since_s = None
             if st.provisional and not self._unproven(op, best.option, nbytes):
                 old = st.current

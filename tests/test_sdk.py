@@ -198,7 +198,7 @@ def test_every_wire_error_maps_back_to_its_class():
 def test_async_client_mirrors_the_sync_one(live, spec):
     async def main() -> None:
         for colocated in (None, False):
-            async with AsyncKVClient(live.url, namespace=f"ns{colocated}", colocated=colocated) as c:
+            async with AsyncKVClient(live.url, namespace=f"ns{colocated}", colocated=colocated, plan=False) as c:
                 seqs = [list(range(i * 1000, i * 1000 + 48)) for i in range(4)]
                 kvs = [make_kv(spec, 48, seed=i) for i in range(4)]
                 stored = await asyncio.gather(*(c.put_kv(spec, s, k) for s, k in zip(seqs, kvs)))

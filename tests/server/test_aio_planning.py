@@ -131,3 +131,26 @@ def test_concurrent_async_gets_wait_for_each_other_on_a_shared_link(server):
             assert waits[0] == 0 and waits[1] > 0 and waits[2] == pytest.approx(2 * waits[1])  # each one queued slows it
 
     asyncio.run(main())
+
+
+def test_a_cancelled_transfer_still_finishes_its_record(server):
+    kv = _kv(6)
+
+    async def main() -> None:
+        async with AsyncKVClient(server.url, colocated=False, plan=False) as plain:
+            await plain.put_kv(SPEC, TOKS, kv)
+        async with AsyncKVClient(server.url, colocated=False, wrap_media=_slow(1e9)) as client:
+            await client.get_kv(SPEC, TOKS)
+            client._planner.media["http"].latency_s = 5.0  # a link that hangs, injected
+            task = asyncio.create_task(client.get_kv(SPEC, TOKS))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            last = client.decisions()[-1]
+            assert last["actual_s"] >= 0.2 and "CancelledError" in last["error"] and last["actual_bytes"] == 0
+            client._planner.media["http"].latency_s = 0.0005
+            got, n = await client.get_kv(SPEC, TOKS)  # the client goes on
+            assert n == 512 and torch.equal(got, kv)
+
+    asyncio.run(main())

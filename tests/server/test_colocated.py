@@ -171,7 +171,7 @@ def test_concurrent_puts_from_one_client_never_share_a_staging_range(server):
             assert torch.equal(c.get_kv(spec, s)[0], k)
 
     async def main() -> None:
-        async with AsyncKVClient(server.url, namespace="tasks") as a:
+        async with AsyncKVClient(server.url, namespace="tasks", plan=False) as a:
             await asyncio.gather(*(a.put_kv(spec, s, k) for s, k in zip(seqs, kvs)))
             assert a.stats.shm_puts == 8 and len(a._arena.leases) > 1  # each put in flight had its own
             for s, k in zip(seqs, kvs):
@@ -334,7 +334,7 @@ def test_the_async_client_remembers_handles_too(server, spec):
     kv = make_kv(spec, 32)
 
     async def main() -> AsyncKVClient:
-        async with AsyncKVClient(server.url) as c:
+        async with AsyncKVClient(server.url, plan=False) as c:
             await c.put_kv(spec, tokens, kv)
             for _ in range(2):
                 got, n = await c.get_kv(spec, tokens)
