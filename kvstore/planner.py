@@ -63,16 +63,17 @@ class Option:
         return cls(medium, codec or "raw")
 
 
-_BURST_MAX = 5
+_BURST_MAX = 8
 _BURST_GAIN = 0.9
 _BURST_CLOSE = 1.5
 """An option explored for a size class gets a burst of real transfers in a row, and only the
 fastest of them is learnt: a medium warms up over its first transfers after other media's
 (1 MiB HTTP gets measured 1.31, 1.00, 0.84, 0.78, 0.73, then 0.72-0.78 ms; a first 8 MiB int8
 get 12x its later ones). A contender within ``_BURST_CLOSE`` of the best option gets all
-``_BURST_MAX`` (a close call needs the warm figure, and trying it costs little); one further
-behind stops once a transfer is no longer ``_BURST_GAIN`` times faster than the fastest before
-it: a 670 ms transfer, twice the best, is not repeated five times."""
+``_BURST_MAX`` (a close call needs the warm figure, and trying it costs little: with five, an
+8 MiB int8 get still measured 5% over its steady state, and lost a 10% lead to hysteresis); one
+further behind stops once a transfer is no longer ``_BURST_GAIN`` times faster than the fastest
+before it: a 670 ms transfer, twice the best, is not repeated eight times."""
 _EXPLORE_WITHIN = 4.0  # explore an unmeasured option predicted at most this many times the best
 _EXPLORE_SHARE = 0.25
 """Exploring is paid for by exploiting: each size class earns this fraction of its chosen
