@@ -19,7 +19,7 @@ import torch
 from client_sdk.planning import PlanCore
 from client_sdk.rest_media import shm_probe
 from kvstore.errors import KVStoreError
-from kvstore.planner import RECOMPUTE, Option
+from kvstore.planner import RECOMPUTE, Decision, Option
 from kvstore.policy import Policy
 from kvstore.spec import KVSpec
 
@@ -189,43 +189,41 @@ class AsyncClientPlanner(PlanCore):
         return self._still_up(up)
 
     async def get_kv(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None) -> tuple[torch.Tensor, int]:
-        for attempt in range(2):  # a medium that fails is set aside and the transfer tried once more
-            policy = await self.policy()
-            d = self._decide_get(spec, toks, out, slo_s, policy, await self._usable("get", policy))
-            if d.choice == RECOMPUTE:
-                return spec.empty_kv(0), 0
-            option = d.option
-            assert option is not None
-            t0 = time.perf_counter()
-            try:
-                with self._in_flight(option, d.nbytes):
-                    kv, n = await self.media[option.medium].get_kv(spec, toks, out)
-            except KVStoreError as exc:
-                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
-                continue
-            except BaseException as exc:  # cancelled, or a bug: recorded, and raised as it is
-                self._abandoned(d, policy, t0, exc)
-                raise
-            self._finish_get(d, policy, option, spec, n, time.perf_counter() - t0)
-            return kv, n
-        raise AssertionError("unreachable: the second failure raises")
+        return await self._run(
+            "get", lambda policy, options: self._decide_get(spec, toks, out, slo_s, policy, options),
+            lambda medium, option: medium.get_kv(spec, toks, out),
+            lambda d, policy, option, got, took: self._finish_get(d, policy, option, spec, got[1], took),
+            lambda: (spec.empty_kv(0), 0))
 
     async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor, slo_s: float | None) -> int:
+        return await self._run(
+            "put", lambda policy, options: self._decide_put(spec, toks, slo_s, policy, options),
+            lambda medium, option: medium.put_kv(spec, toks, kv),
+            lambda d, policy, option, got, took: self._finish_put(d, policy, spec, got, took))
+
+    async def _run(self, op: str, decide: Callable[[Policy, list[Option]], Decision],
+                   move: Callable[[AsyncMedium, Option], Awaitable[Any]],
+                   done: Callable[[Decision, Policy, Option, Any, float], None],
+                   recomputed: Callable[[], Any] | None = None) -> Any:
+        """``ClientPlanner._run``, awaited."""
         for attempt in range(2):
             policy = await self.policy()
-            d = self._decide_put(spec, toks, slo_s, policy, await self._usable("put", policy))
+            d = decide(policy, await self._usable(op, policy))
+            if d.choice == RECOMPUTE:
+                assert recomputed is not None
+                return recomputed()
             option = d.option
             assert option is not None
             t0 = time.perf_counter()
             try:
                 with self._in_flight(option, d.nbytes):
-                    n = await self.media[option.medium].put_kv(spec, toks, kv)
+                    got = await move(self.media[option.medium], option)
             except KVStoreError as exc:
                 self._failed(d, policy, option, t0, exc, retry=attempt == 0)
                 continue
             except BaseException as exc:  # cancelled, or a bug: recorded, and raised as it is
                 self._abandoned(d, policy, t0, exc)
                 raise
-            self._finish_put(d, policy, spec, n, time.perf_counter() - t0)
-            return n
+            done(d, policy, option, got, time.perf_counter() - t0)
+            return got
         raise AssertionError("unreachable: the second failure raises")

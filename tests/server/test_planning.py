@@ -18,9 +18,7 @@ from kvstore import codec as codec_mod
 from kvstore.keys import block_hashes
 from kvstore.spec import KVSpec
 from tests.server.conftest import ADMIN, TOKENS
-from tiers.memory import MemoryTier
 from tiers.redis import RedisTier
-from tiers.shm import ShmTier
 
 SPEC = KVSpec("planner-test", fingerprint="rev-1", num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16",
               block_tokens=16)
