@@ -680,8 +680,10 @@ class Planner:
             if decision.explore:  # what the best option was predicted to take for the KV that moved
                 preds = [c.predicted_s for c in decision.candidates if c.option != RECOMPUTE and c.predicted_s]
                 best_s = min(preds, default=math.inf) * actual_bytes / max(decision.nbytes, 1)
+            # A burst's tries are filed under the size asked for, as abandon_burst finds them (a
+            # partial hit may move a smaller class's worth).
             self.model.observe(decision.op, option.name, wire, max(actual_s - codec_s, 1e-9), policy,
-                               raw_bytes=actual_bytes, burst_best_s=best_s)
+                               raw_bytes=decision.nbytes if decision.explore else actual_bytes, burst_best_s=best_s)
         self.log.finished(decision)
 
     def forget_choice(self, option: str) -> None:

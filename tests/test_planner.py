@@ -368,6 +368,21 @@ def test_an_interrupted_burst_is_not_learnt_later():
     assert planner.model.predict("get", Option("http"), 4 * MB) == pytest.approx(0.004)  # not the old 0.5 ms
 
 
+def test_a_burst_cut_short_after_a_partial_hit_is_dropped():
+    policy = Policy(media=("shm", "http"), explore_after_s=30.0)
+    planner, _ = _planner(policy)
+    planner.model.observe("get", "shm", 4 * MB, 0.002, policy)
+    planner.model.observe("get", "http", 4 * MB, 0.003, policy, real=False)
+    opts = [Option("shm"), Option("http")]
+    _exploit(planner, policy, opts, 4 * MB, 0.002, 6, tokens=1)
+    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
+    assert d.explore
+    planner.finish(d, policy, actual_s=0.002, actual_bytes=3 * MB + MB // 2)  # a partial hit: a smaller class
+    d = planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy)
+    planner.finish(d, policy, actual_s=0.01, actual_bytes=0, error="ConnectionFailed('injected')")
+    assert planner.model.links["get:http"]._bursts == {}
+
+
 def test_small_int8_gets_are_judged_by_their_raw_size():
     from kvstore.planner import Estimate
 
