@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import torch
 
+from client_sdk.media import Throttled
 from client_sdk.planning import PlanCore
 from client_sdk.rest_media import shm_probe
 from kvstore.errors import KVStoreError
@@ -100,9 +101,10 @@ class AsyncThrottled(AsyncMedium):
         self.latency_s = latency_s
         self.bandwidth_Bps = bandwidth_Bps
 
+    left_s = Throttled.left_s
+
     async def _hold(self, started: float, nbytes: int) -> None:
-        floor = self.latency_s + (nbytes / self.bandwidth_Bps if self.bandwidth_Bps else 0.0)
-        left = started + floor - time.perf_counter()
+        left = self.left_s(started, nbytes)
         if left > 0:
             await asyncio.sleep(left)
 

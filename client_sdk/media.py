@@ -144,10 +144,14 @@ class Throttled(Medium):
         self.bandwidth_Bps = bandwidth_Bps
 
     def _hold(self, started: float, nbytes: int) -> None:
-        floor = self.latency_s + (nbytes / self.bandwidth_Bps if self.bandwidth_Bps else 0.0)
-        left = started + floor - time.perf_counter()
+        left = self.left_s(started, nbytes)
         if left > 0:
             time.sleep(left)
+
+    def left_s(self, started: float, nbytes: int) -> float:
+        """How long a call that started at ``started`` and moved ``nbytes`` must still wait."""
+        floor = self.latency_s + (nbytes / self.bandwidth_Bps if self.bandwidth_Bps else 0.0)
+        return started + floor - time.perf_counter()
 
     def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
         t0 = time.perf_counter()

@@ -96,6 +96,7 @@ class PlanCore:
         self._reported_s = time.monotonic()
         self._inflight: dict[str, list[int]] = {}
         """Medium -> wire bytes of each of this client's transfers in flight over it (the receiver's queue)."""
+        self._inflight_n = 0
         self._inflight_lock = threading.Lock()
 
     # -- policies ----------------------------------------------------------------------------
@@ -188,7 +189,10 @@ class PlanCore:
 
     # -- transfers ----------------------------------------------------------------------------------
 
-    def _queued(self) -> dict[str, tuple[int, ...]]:
+    def _queued(self) -> dict[str, tuple[int, ...]] | None:
+        """Wire bytes of each transfer in flight, by medium; None when there are none (the usual case)."""
+        if not self._inflight_n:
+            return None
         with self._inflight_lock:
             return {m: tuple(sizes) for m, sizes in self._inflight.items() if sizes}
 
@@ -198,11 +202,13 @@ class PlanCore:
         wire = wire_bytes(option, raw_bytes)
         with self._inflight_lock:
             self._inflight.setdefault(option.medium, []).append(wire)
+            self._inflight_n += 1
         try:
             yield
         finally:
             with self._inflight_lock:
                 self._inflight[option.medium].remove(wire)
+                self._inflight_n -= 1
 
     def _up(self, op: str, policy: Policy) -> list[Option]:
         """The policy's options on media that are not set aside.

@@ -101,8 +101,6 @@ class Estimate:
     64 KiB alone, 1 MiB looked 8x slower than it was).
     """
 
-    latency_s: float | None = None
-    s_per_byte: float | None = None
     samples: int = 0
     updated_s: float = 0.0
     real_samples: int = 0
@@ -119,6 +117,25 @@ class Estimate:
     _bursts: dict[int, list[float]] = field(default_factory=dict)
     """Size class -> [transfers, fastest seconds per byte] of an exploration burst under way (one
     cut short by a failed or empty try is dropped: ``abandon_burst``)."""
+    _latency_s: float | None = None
+    _s_per_byte: float | None = None
+    _fit_stale: bool = False
+    """A sample came since the last fit. The fit runs when a prediction needs it (a size class
+    not measured yet), not on every transfer: most predictions use their class's own EWMA."""
+
+    @property
+    def latency_s(self) -> float | None:
+        """The fit's fixed cost per transfer (None before any sample)."""
+        if self._fit_stale:
+            self._fit()
+        return self._latency_s
+
+    @property
+    def s_per_byte(self) -> float | None:
+        """The fit's seconds per byte across sizes (None before a sized sample)."""
+        if self._fit_stale:
+            self._fit()
+        return self._s_per_byte
 
     def abandon_burst(self, class_bytes: int) -> None:
         """Forget the burst under way in a size class (a try failed or moved nothing)."""
@@ -164,7 +181,7 @@ class Estimate:
                 float(nbytes), _ewma(old[1] * nbytes / old[0] if old[0] else old[1], seconds, alpha)]
         else:
             return  # a small real transfer: the default medium's, not the planner's to learn from
-        self._fit()
+        self._fit_stale = True
 
     def _learn(self, cls: int, nbytes: int, spb: float, alpha: float, now_s: float) -> None:
         """One real measurement of a size class: into its EWMA, capped at ``_SPIKE`` times the
@@ -178,13 +195,14 @@ class Estimate:
         self.s_per_byte_by_class[cls] = _ewma(old, spb if old is None else min(spb, _SPIKE * old), alpha)
 
     def _fit(self) -> None:
+        self._fit_stale = False
         pts = [(float(x), self.s_per_byte_by_class[c] * x, 1.0) for c, x in self._bytes_by_class.items()]
         pts += [(x, t, 1.0 if x == 0 else _PROBE_WEIGHT) for c, (x, t) in self._probes.items()
                 if c not in self._bytes_by_class]
         sized = [p for p in pts if p[0] > 0]
         if not sized:
             if pts:  # empty round trips only: latency
-                self.latency_s = pts[0][1]
+                self._latency_s = pts[0][1]
             return
         rtt = self._probes.get(-1)
         if len({p[0] for p in pts}) >= 2:
@@ -197,14 +215,14 @@ class Estimate:
                 slope = (sxy / sw - (sx / sw) * (sy / sw)) / var_x
                 icpt = sy / sw - slope * sx / sw
                 if slope > 0 and icpt >= 0:
-                    self.latency_s, self.s_per_byte = icpt, slope
+                    self._latency_s, self._s_per_byte = icpt, slope
                     return
         # One size, or points no line with a non-negative latency fits: latency from the empty
         # round trips (at most half the fastest point: faster than the fixed cost alone means
         # that estimate was high), the rest as bandwidth, by the largest point.
         x, t, _ = max(sized)
         lat = min(rtt[1] if rtt else 0.0, 0.5 * min(p[1] for p in sized))
-        self.latency_s, self.s_per_byte = lat, max(t - lat, 1e-12) / x
+        self._latency_s, self._s_per_byte = lat, max(t - lat, 1e-12) / x
 
     def to_dict(self) -> dict[str, Any]:
         bw = None if not self.s_per_byte else 1.0 / self.s_per_byte / 1e9
@@ -481,7 +499,8 @@ class Planner:
             return self._record(op, nbytes, tokens, locality, [Candidate(first.name, self.model.predict(op, first, nbytes))],
                                 first.name, f"payload of {nbytes} B is at most small_bytes: default medium",
                                 policy, slo, free_bytes)
-        cands = [self._candidate(op, o, nbytes, slo, free_bytes, tuple((queued or {}).get(o.medium, ()))) for o in opts]
+        queued = queued or {}
+        cands = [self._candidate(op, o, nbytes, slo, free_bytes, tuple(queued.get(o.medium, ()))) for o in opts]
         recompute = None
         if op == "get" and policy.recompute and tokens > 0:
             rs = self.model.recompute_s(fingerprint, tokens)
@@ -506,10 +525,10 @@ class Planner:
                              policy, slo, free_bytes)
             d.explore = True
             return d
-        choice, reason = self._stable(op, nbytes, policy, cands, best)
+        by_name = {c.option: c for c in cands}
+        choice, reason = self._stable(op, nbytes, policy, by_name, best)
         # This client's own queue is this transfer's state, not a medium's: it is weighed after
         # hysteresis, and moves this transfer alone, when another option beats the wait by the margin.
-        by_name = {c.option: c for c in cands}
         now_best = min(known, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
         held = by_name[choice]
         if (now_best.option != choice and held.wait_s
@@ -585,11 +604,10 @@ class Planner:
             cand.why = f"predicted {predicted * 1e3:.2f} ms is over the SLO of {slo * 1e3:.2f} ms"
         return cand
 
-    def _stable(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate], best: Candidate) -> tuple[str, str]:
+    def _stable(self, op: str, nbytes: int, policy: Policy, by_name: dict[str, Candidate],
+                best: Candidate) -> tuple[str, str]:
         """Hysteresis: keep the current choice unless ``best`` has been best for the window,
         beating it by the margin when the window started and now."""
-        alone = {c.option: c.alone_s for c in cands}
-        feasible = {c.option for c in cands if c.feasible}
         best_s = best.alone_s
         key = (policy.version, op, size_class(nbytes))
         now = self.clock()
@@ -597,8 +615,9 @@ class Planner:
             st = self._sticky.get(key)
             if st is not None and st.provisional:
                 st.provisional = self._unproven(op, st.current, nbytes)
-            cur_s = alone.get(st.current) if st else None
-            if st is None or st.current not in feasible or cur_s is None:
+            cur = by_name.get(st.current) if st else None
+            cur_s = None if cur is None or not cur.feasible else cur.alone_s
+            if st is None or cur_s is None:
                 gone = f"previous choice {st.current} is unavailable; " if st else ""
                 self._sticky[key] = _Sticky(best.option, provisional=self._unproven(op, best.option, nbytes))
                 return best.option, f"{gone}lowest predicted time ({_ms(best_s)})"
