@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Iterator
 
-__all__ = ["free_port", "wait_http", "child", "stop", "kvstore_serve"]
+__all__ = ["free_port", "wait_http", "child", "stop", "kvstore_serve", "kvstore_server"]
 
 
 def free_port() -> int:
@@ -42,12 +42,13 @@ def wait_http(port: int, proc: subprocess.Popen, path: str = "/healthz", timeout
 
 
 @contextlib.contextmanager
-def child(cmd: list[str], port: int, env: dict | None = None, path: str = "/healthz") -> Iterator[None]:
-    """Run ``cmd`` while the block runs; SIGTERM (then kill) after."""
+def child(cmd: list[str], port: int, env: dict | None = None,
+          path: str = "/healthz") -> Iterator[subprocess.Popen]:
+    """Run ``cmd`` while the block runs (yields its process); SIGTERM (then kill) after."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(port, proc, path)
-        yield
+        yield proc
     finally:
         stop(proc)
 
@@ -68,6 +69,16 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
 def kvstore_serve(name: str, **env: str) -> Iterator[str]:
     """``kvstore serve`` on a free port with its data in a temp dir here; yields its URL.
 
+    Args: as ``kvstore_server``'s.
+    """
+    with kvstore_server(name, **env) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def kvstore_server(name: str, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``kvstore serve`` on a free port with its data in a temp dir here; yields its URL and process.
+
     Args:
         name: names the temp dir (``.kvstore-bench-<name>-*``), removed after.
         env: ``KVSTORE_*`` settings over the bench defaults (512 MiB shm, 64 MiB cxl and
@@ -80,7 +91,7 @@ def kvstore_serve(name: str, **env: str) -> Iterator[str]:
                 KVSTORE_CXL_BYTES="64MiB", KVSTORE_STAGING_BYTES="64MiB", KVSTORE_LOG_LEVEL="warning")
     full.update(env)
     try:
-        with child([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port)], port, full):
-            yield f"http://127.0.0.1:{port}"
+        with child([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port)], port, full) as proc:
+            yield f"http://127.0.0.1:{port}", proc
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

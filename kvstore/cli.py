@@ -12,6 +12,7 @@
     kvstore bench tiers [--quick] [--tiers shm,cxl,...] [--repeats N] [--redis-url URL] [--dir DIR] [--out DIR]
     kvstore bench service [--quick] [--repeats N] [--caches warm|cold] [--torch-threads N] [--out DIR]
     kvstore bench planner|flight|layers [--quick] [--repeats N] [--torch-threads N] [--out DIR]
+    kvstore bench all [--quick] [--with-lmcache | --no-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
@@ -83,6 +84,21 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
         p.add_argument("--out", default="bench/results", help="directory for the results (default bench/results)")
         p.set_defaults(repeats=None)
+
+    every = which.add_parser("all", help="limits, kvstore's paths and its peers side by side; TTFT; scale")
+    every.add_argument("--quick", action="store_true", help="3 samples a row, short windows (under 3 minutes)")
+    lmc = every.add_mutually_exclusive_group()
+    lmc.add_argument("--with-lmcache", dest="lmcache", action="store_const", const="with", default="auto",
+                     help="install LMCache 0.5.6 into .venv-lmcache when missing (about a minute), and run it")
+    lmc.add_argument("--no-lmcache", dest="lmcache", action="store_const", const="no",
+                     help="leave LMCache out (default: run it when .venv-lmcache has it)")
+    every.add_argument("--repeats", type=int, default=None, help="samples a row (default 9; 3 with --quick)")
+    every.add_argument("--out", default="bench/results", help="directory for the JSON and PNGs")
+    every.add_argument("--docs", default=None, help="render the results into this page (docs/benchmarks.md)")
+    every.add_argument("--sizes", default=None, help="block sizes (default 1MiB,4MiB,32MiB)")
+    every.add_argument("--prompts", default=None, help="TTFT prompt lengths, tokens (default 512,1024,2048,4096)")
+    every.add_argument("--clients", default=None, help="client process counts (default 1,4,16)")
+    every.add_argument("--stored", default=None, help="stored levels for the server's RSS (default 0,1GiB,4GiB)")
 
     _serve_parser(sub)
     _client_parsers(sub)
@@ -173,7 +189,7 @@ def _bench(args: argparse.Namespace) -> int:
     benches: dict[str, Callable[[argparse.Namespace], int]] = {
         "codec": _bench_codec, "tiers": _bench_tiers, "service": _bench_service,
         "placement": _bench_traces, "write-policy": _bench_traces,
-        "planner": _bench_module, "flight": _bench_module, "layers": _bench_module,
+        "planner": _bench_module, "flight": _bench_module, "layers": _bench_module, "all": _bench_all,
     }
     return benches[args.bench](args)
 
@@ -213,6 +229,32 @@ def _bench_module(args: argparse.Namespace) -> int:
 
     run = importlib.import_module(f"bench.{args.bench}").run
     run(quick=args.quick, repeats=args.repeats, out_dir=args.out, torch_threads=args.torch_threads)
+    return 0
+
+
+def _bench_all(args: argparse.Namespace) -> int:
+    from bench.all import run
+    from kvstore.config import parse_size
+
+    def listed(text: str | None, parse: Callable[[str], int], least: int) -> tuple[int, ...] | None:
+        if text is None:
+            return None
+        values = tuple(parse(v.strip()) for v in text.split(",") if v.strip())
+        if not values or min(values) < least:
+            raise ValueError(f"want a comma-separated list of values >= {least}, got {text!r}")
+        return values
+
+    try:
+        lists = {"sizes": listed(args.sizes, parse_size, 1), "prompts": listed(args.prompts, int, 16),
+                 "clients": listed(args.clients, int, 1), "stored": listed(args.stored, lambda v: 0 if v == "0" else parse_size(v), 0)}
+    except ValueError as exc:
+        print(f"kvstore bench all: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run(quick=args.quick, lmcache=args.lmcache, repeats=args.repeats, out_dir=args.out, docs=args.docs, **lists)
+    except RuntimeError as exc:  # a child that failed to start, an LMCache install that failed
+        print(f"kvstore bench all: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,152 @@
+"""kvstore's own paths at one size, as rows for ``bench.sampling.interleave``.
+
+====================  ===============================================  ==========
+row                   one operation                                    its limit
+====================  ===============================================  ==========
+colocated put         ``KVClient.put_kv`` over shared memory            memcpy
+colocated get         ``KVClient.get_kv`` over shared memory (a fresh   memcpy
+                      tensor; ``out=``: into a reused one)
+http put / get        the same over HTTP (``colocated=False``)          tcp
+flight put / get      ``FlightMedium.put_kv`` / ``get_kv``               tcp
+redis tier put / get  ``RedisTier.put`` / ``get_into`` of one frame     tcp
+nvme tier put / get   ``NVMeTier.put`` / ``get_into`` of one frame      file
+====================  ===============================================  ==========
+
+SDK rows move fp16 KV ``[L, 2, 8, T, 128]`` against ``kvstore serve`` in a
+child process; every put writes fresh token ids and deletes them after the
+clock, every get reads one stored sequence. Tier rows run the tier in this
+process on random frame bytes (tiers never look inside a frame), as the
+server's own tiers do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.sampling import Row, timed
+
+__all__ = ["spec_for", "Paths"]
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def spec_for(nbytes: int) -> tuple[Any, int]:
+    """A spec whose KV of ``T`` tokens is ``nbytes``, and ``T``.
+
+    From 1 MiB up, a 7B-class layout (32 layers, 8 KV heads of 128: 128 KiB a token); below,
+    2 layers (8 KiB a token), so a smoke run moves tens of KiB.
+    """
+    from kvstore.spec import KVSpec
+
+    layers = 32 if nbytes >= MiB else 2
+    per_token = layers * 2 * 8 * 128 * 2
+    if nbytes % per_token:
+        raise ValueError(f"size {nbytes} is not a whole number of {per_token}-byte tokens")
+    tokens = nbytes // per_token
+    return KVSpec("bench-all", layers, 8, 128, "float16", min(16, tokens), fingerprint="bench-1"), tokens
+
+
+class Paths:
+    """The kvstore rows at one size, against a running server (and Flight, Redis when given)."""
+
+    def __init__(self, nbytes: int, url: str, *, flight_port: int | None, redis_url: str | None,
+                 workdir: str) -> None:
+        from client_sdk import KVClient
+
+        self.nbytes = nbytes
+        self.spec, self.tokens = spec_for(nbytes)
+        self.kv = torch.randn(self.spec.kv_shape(self.tokens), generator=torch.Generator().manual_seed(0)).half()
+        self._stack = contextlib.ExitStack()
+        # plan=False: each row measures one fixed medium
+        self.shm = self._stack.enter_context(KVClient(url, namespace="bench-all", plan=False))
+        self.http = self._stack.enter_context(KVClient(url, namespace="bench-all", colocated=False, plan=False))
+        self.fixed = list(range(1_000_000, 1_000_000 + self.tokens))
+        self.http.put_kv(self.spec, self.fixed, self.kv)
+        self.out = torch.empty(nbytes, dtype=torch.uint8)
+        self.flight = None
+        if flight_port is not None:
+            from client_sdk.flight import FlightMedium
+
+            self.flight = FlightMedium(url, flight_port, namespace="bench-all")
+            self._stack.callback(self.flight.close)
+        self.frame = memoryview(np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+        self.frame_out = memoryview(bytearray(nbytes))
+        self.redis_tier = self.nvme_tier = None
+        if redis_url is not None:
+            from tiers.redis import RedisTier
+
+            self.redis_tier = RedisTier(redis_url, 4 * nbytes + MiB, keyspace=f"bench-all-{os.getpid()}")
+            self._stack.callback(self.redis_tier.close)
+        from tiers.nvme import NVMeTier
+
+        self.nvme_tier = NVMeTier(tempfile.mkdtemp(prefix="nvme-", dir=workdir), 4 * nbytes + MiB)
+        self._stack.callback(self.nvme_tier.close)
+        self._counter = 0
+
+    def _fresh(self) -> list[int]:
+        self._counter += 1
+        return [self._counter * 65_536 + i for i in range(self.tokens)]
+
+    def _put(self, put: Any) -> Any:
+        def once() -> float:
+            toks = self._fresh()
+            took = timed(lambda: put(self.spec, toks, self.kv))()
+            self.http.delete(self.spec, toks)
+            return took
+        return once
+
+    def _get(self, get: Any, out: torch.Tensor | None) -> Any:
+        def once() -> float:
+            kv = None
+
+            def call() -> None:
+                nonlocal kv
+                kv, n = get(self.spec, self.fixed, out=out)
+                if n != self.tokens:
+                    raise AssertionError(f"get returned {n} of {self.tokens} tokens")
+            return timed(call)()
+        return once
+
+    def rows(self) -> dict[str, Row]:
+        n, key = self.nbytes, bytes([7]) * 32
+        rows = {
+            "colocated put": Row(n, self._put(self.shm.put_kv)),
+            "colocated get": Row(n, self._get(self.shm.get_kv, None)),
+            "colocated get out=": Row(n, self._get(self.shm.get_kv, self.out)),
+            "http put": Row(n, self._put(self.http.put_kv)),
+            "http get": Row(n, self._get(self.http.get_kv, None)),
+            "http get out=": Row(n, self._get(self.http.get_kv, self.out)),
+        }
+        if self.flight is not None:
+            rows["flight put"] = Row(n, self._put(self.flight.put_kv))
+            rows["flight get"] = Row(n, self._get(self.flight.get_kv, None))
+        for name, tier in (("redis tier", self.redis_tier), ("nvme tier", self.nvme_tier)):
+            if tier is not None:
+                tier.put(key, self.frame)
+                rows[f"{name} put"] = Row(n, timed(lambda t=tier: t.put(key, self.frame)))
+                rows[f"{name} get"] = Row(n, timed(lambda t=tier: t.get_into(key, self.frame_out)))
+        return rows
+
+    def verify(self) -> None:
+        """Every medium returns the stored KV bit for bit, and each tier the stored frame."""
+        for name, get in (("colocated", self.shm.get_kv), ("http", self.http.get_kv),
+                          ("flight", self.flight.get_kv if self.flight else None)):
+            if get is not None and not torch.equal(get(self.spec, self.fixed)[0], self.kv):
+                raise AssertionError(f"{name}: the KV read back differs from the KV stored")
+        if not self.shm.stats.shm_gets or self.http.stats.shm_gets:
+            raise AssertionError("a client used the wrong medium")
+        key = bytes([7]) * 32
+        for name, tier in (("redis tier", self.redis_tier), ("nvme tier", self.nvme_tier)):
+            if tier is not None and bytes(tier.get(key)) != bytes(self.frame):
+                raise AssertionError(f"{name}: the frame read back differs from the one written")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.http.delete(self.spec, self.fixed)
+        self._stack.close()

@@ -1,0 +1,107 @@
+"""``kvstore bench all --quick --no-lmcache`` on tiny sizes: every row, chart and page section is there.
+
+It asserts what the run produced, never how fast: timings belong to the bench.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.all import ROWS
+from bench.page import END, START, render
+
+SIZES = ("64KiB", "256KiB")
+PROMPTS = (32, 64)
+CLIENTS = (1, 2)
+STORED = (0, 4 << 20)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("bench-all")
+    page = tmp / "benchmarks.md"
+    page.write_text(f"# Benchmarks\n\nMethod.\n\n{START}\nold results\n{END}\n\nAfter.\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "bench", "all", "--quick", "--no-lmcache", "--sizes", ",".join(SIZES),
+         "--prompts", ",".join(map(str, PROMPTS)), "--clients", ",".join(map(str, CLIENTS)),
+         "--stored", "0,4MiB", "--out", str(tmp / "out"), "--docs", str(page)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = (tmp / "out").glob("*.json")
+    return json.loads(path.read_text()), page, done
+
+
+def test_every_size_has_every_row_and_ratio(run) -> None:
+    result, _, _ = run
+    assert [s["size"] for s in result["sizes"]] == list(SIZES)
+    for s in result["sizes"]:
+        rows = set(s["gbps"])
+        assert set(ROWS) <= rows, set(ROWS) - rows
+        assert {"flight put", "flight get", "remote put", "remote get"} <= rows
+        for g in s["gbps"].values():
+            assert 0 < g["min"] <= g["median"] <= g["max"]
+        for name in ("colocated get out= / limit memcpy", "http get / limit tcp get", "nvme tier put / limit file put",
+                     "redis tier get / limit tcp get", "redis tier get / redis-py get", "http put / pickle put"):
+            assert s["ratios"][name] > 0
+    sizes = [t["size"] for t in result["targets"] if t["name"] == "co-located get / memcpy"]
+    assert sizes == list(SIZES)
+
+
+def test_ttft_scale_and_memory_sections(run) -> None:
+    result, _, _ = run
+    ttft = result["ttft"]
+    assert [r["tokens"] for r in ttft["rows"]] == list(PROMPTS)
+    for r in ttft["rows"]:
+        assert set(r["media"]) == {"colocated", "http", "flight"}
+        for m in r["media"].values():
+            # the KV comes back bit for bit, so resuming from it gives the prefill's own first token;
+            # the logits differ only by float rounding (one token's matmuls against the whole prompt's)
+            assert m["first_token_match"] and m["max_logit_diff"] < 1e-3
+            assert m["hit_tokens"] == r["tokens"] and m["speedup"] > 0
+    scale = result["scale"]["rows"]
+    assert [(r["medium"], r["clients"]) for r in scale] == [(m, n) for m in ("colocated", "http") for n in CLIENTS]
+    assert all(r["gets"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in scale)
+    memory = result["memory"]["rows"]
+    assert [r["stored_bytes"] for r in memory] == list(STORED)
+    assert all(r["vmrss"] > 0 for r in memory)
+    assert result["lmcache"]["ran"] is False
+
+
+def test_charts_and_page(run) -> None:
+    result, page, done = run
+    assert len(result["charts"]) == 3
+    for chart in result["charts"]:
+        assert Path(chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n\nMethod.\n\n") and text.endswith("\n\nAfter.\n")
+    assert "old results" not in text and "### Targets" in text and "| pickle get |" in text
+    for name in ("throughput", "ttft", "scale"):
+        assert f"(benchmarks/{name}.png)" in text
+        assert (page.parent / "benchmarks" / f"{name}.png").exists()
+    assert "### Throughput by path and size" in done.stdout  # the table is printed too
+
+
+def test_render_refuses_a_page_without_markers(run, tmp_path: Path) -> None:
+    result, _, _ = run
+    page = tmp_path / "plain.md"
+    page.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="no <!-- bench:results -->"):
+        render(result, page)
+    assert page.read_text() == "# no markers\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sizes", "lots"], "kvstore bench all:"),
+    (["--prompts", "8"], "values >= 16"),
+    (["--clients", "0"], "values >= 1"),
+    (["--with-lmcache", "--no-lmcache"], "not allowed with"),
+])
+def test_bad_arguments_are_refused(args: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "all", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
