@@ -128,6 +128,7 @@ class Paths:
         if self.flight is not None:
             rows["flight put"] = Row(n, self._put(self.flight.put_kv))
             rows["flight get"] = Row(n, self._get(self.flight.get_kv, None))
+            rows["flight get out="] = Row(n, self._get(self.flight.get_kv, self.out))
         for name, tier in (("redis tier", self.redis_tier), ("nvme tier", self.nvme_tier)):
             if tier is not None:
                 tier.put(key, self.frame)

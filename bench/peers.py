@@ -177,11 +177,14 @@ def install_lmcache(venv: Path = LMCACHE_VENV, log: Any = print) -> Path:
 class LMCacheDriver:
     """``bench/lmcache_driver.py`` under LMCache's interpreter, one JSON line a command."""
 
-    def __init__(self, python: Path) -> None:
+    def __init__(self, python: Path, log: Path) -> None:
         env = {**os.environ, **_NO_TRACKING}
         env.pop("PYTHONPATH", None)  # the driver runs on LMCache's venv alone
-        self._proc = subprocess.Popen([str(python), str(ROOT / "bench" / "lmcache_driver.py")], env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.log = log
+        with open(log, "w") as stderr:  # LMCache logs a lot; the progress display stays readable
+            self._proc = subprocess.Popen([str(python), str(ROOT / "bench" / "lmcache_driver.py")], env=env,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                          text=True, bufsize=1)
         self.backends: list[str] = []
         self.notes: list[str] = []
 
@@ -192,11 +195,19 @@ class LMCacheDriver:
         self._proc.stdin.flush()
         line = self._proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the LMCache driver exited ({self._proc.poll()}) during {cmd['cmd']}")
+            raise RuntimeError(f"the LMCache driver exited ({self._proc.poll()}) during {cmd['cmd']}; "
+                               f"its log ends: {self._log_tail()}")
         reply = json.loads(line)
         if not reply.get("ok"):
-            raise RuntimeError(f"LMCache {cmd.get('backend', '')} {cmd['cmd']}: {reply.get('error')}")
+            raise RuntimeError(f"LMCache {cmd.get('backend', '')} {cmd['cmd']}: {reply.get('error')} "
+                               f"(log: {self.log})")
         return reply
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-1500:]
+        except OSError as exc:
+            return f"(unreadable: {exc})"
 
     def setup(self, redis_url: str | None) -> None:
         """Set up each backend that can run here; a note for each that cannot."""
@@ -236,12 +247,12 @@ class LMCacheDriver:
 
 
 @contextlib.contextmanager
-def lmcache(python: Path | None, redis_url: str | None) -> Iterator[LMCacheDriver | None]:
-    """The driver while the block runs (None when LMCache is not here)."""
+def lmcache(python: Path | None, redis_url: str | None, log: Path) -> Iterator[LMCacheDriver | None]:
+    """The driver while the block runs (None when LMCache is not here); its stderr goes to ``log``."""
     if python is None:
         yield None
         return
-    driver = LMCacheDriver(python)
+    driver = LMCacheDriver(python, log)
     try:
         driver.setup(redis_url)
         yield driver
