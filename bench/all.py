@@ -206,7 +206,7 @@ def run(*, quick: bool = False, lmcache: str = "auto", repeats: int | None = Non
     if lmcache not in ("auto", "with", "no"):
         raise ValueError(f"lmcache must be 'auto', 'with' or 'no', got {lmcache!r}")
     progress = progress or Progress()
-    repeats = repeats or (3 if quick else 9)
+    repeats = repeats or (3 if quick else 21)
     sizes = sizes or SIZES
     prompts = prompts or PROMPTS
     clients = clients or CLIENTS
@@ -256,11 +256,11 @@ def run(*, quick: bool = False, lmcache: str = "auto", repeats: int | None = Non
         for nbytes in sizes:
             size_rows.append(_measure_size(nbytes, repeats, ctx, progress(f"paths {size_name(nbytes)}")))
         say = progress("ttft")
-        ttft_result = ttft.measure(url, flight_port=flight_port, prompts=prompts, repeats=1 if quick else 3,
+        ttft_result = ttft.measure(url, flight_port=flight_port, prompts=prompts, repeats=1 if quick else 5,
                                    tick=say)
         say = progress("scale")
         scale_result = scale.throughput(url, min(SCALE_BYTES, max(sizes)), clients=clients,
-                                        duration_s=1.0 if quick else 3.0, tick=say)
+                                        duration_s=1.0 if quick else 5.0, tick=say)
     memory_result = scale.memory(stored, tick=progress("memory"))
     result = header("all", quick=quick, repeats=repeats, lmcache=lmc_info,
                     unit="GB/s = 1e9 bytes/s, median (min-max) over samples; ratios of same-run medians",

@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="install LMCache 0.5.6 into .venv-lmcache when missing (about a minute), and run it")
     lmc.add_argument("--no-lmcache", dest="lmcache", action="store_const", const="no",
                      help="leave LMCache out (default: run it when .venv-lmcache has it)")
-    every.add_argument("--repeats", type=int, default=None, help="samples a row (default 9; 3 with --quick)")
+    every.add_argument("--repeats", type=int, default=None, help="samples a row (default 21; 3 with --quick)")
     every.add_argument("--out", default="bench/results", help="directory for the JSON and PNGs")
     every.add_argument("--docs", default=None, help="render the results into this page (docs/benchmarks.md)")
     every.add_argument("--sizes", default=None, help="block sizes (default 1MiB,4MiB,32MiB)")
