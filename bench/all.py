@@ -122,7 +122,7 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
 def _measure_size(nbytes: int, repeats: int, ctx: dict, say: Callable[[str], None]) -> dict:
     from bench.limits import Limits
     from bench.paths import Paths
-    from bench.peers import LMCACHE_CHUNK, PickleService, redis_rows
+    from bench.peers import LMCACHE_CHUNK, redis_rows
 
     with contextlib.ExitStack() as stack:
         limits = Limits(nbytes, ctx["workdir"])

@@ -81,14 +81,15 @@ def _ttft(plt, result: dict):
 def _scale(plt, result: dict):
     rows = result["scale"]["rows"]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for medium in dict.fromkeys(r["medium"] for r in rows):
+    for i, medium in enumerate(dict.fromkeys(r["medium"] for r in rows)):
         mine = [r for r in rows if r["medium"] == medium]
-        n = [r["clients"] for r in mine]
-        a.plot(n, [r["gbps"] for r in mine], "o-", label=medium)
-        b.plot(n, [r["p50_ms"] for r in mine], "o--", label=f"{medium} p50")
-        b.plot(n, [r["p99_ms"] for r in mine], "o-", label=f"{medium} p99")
+        n, color = [r["clients"] for r in mine], f"C{i}"
+        a.plot(n, [r["gbps"] for r in mine], "o-", color=color, label=medium)
+        b.plot(n, [r["p50_ms"] for r in mine], "o--", color=color, label=f"{medium} p50")
+        b.plot(n, [r["p99_ms"] for r in mine], "o-", color=color, label=f"{medium} p99")
     size = result["scale"]["bytes"] / (1 << 20)
-    a.set(xlabel="client processes", ylabel="GB/s, all clients", title=f"get_kv throughput ({size:g} MiB each)")
+    a.set(xlabel="client processes", ylabel="GB/s, all clients", title=f"get_kv throughput ({size:g} MiB each)",
+          yscale="log")
     b.set(xlabel="client processes", ylabel="ms", title="get_kv latency", yscale="log")
     mem = result["memory"]["rows"]
     gib = [r["stored_bytes"] / (1 << 30) for r in mem]

@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from bench.report import header, publish
+from bench.sampling import timed
 from bench.service import _rate  # the service bench's GB/s summary
 from bench.serving import free_port, kvstore_serve
 
@@ -95,13 +96,6 @@ def measure(url: str, flight_port: int, *, repeats: int = 9, block_tokens: int =
             assert stored == batch_tokens, stored
             http.delete(spec, toks)
             return took
-        return once
-
-    def timed(fn: Callable[[], object]) -> Callable[[], float]:
-        def once() -> float:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
         return once
 
     rows: dict[str, tuple[int, Callable[[], float]]] = {

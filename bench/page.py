@@ -54,7 +54,9 @@ def tables(result: dict) -> str:
              f"{result['repeats']} samples a row.", ""]
     lines += ["### Targets (same-run ratios)", "", "| figure | size | value | target | met |", "|---|---|---|---|---|"]
     for t in result["targets"]:
-        lines.append(f"| {t['name']} | {t['size']} | {t['value']:.2f}x | ≥ {t['target']}x | "
+        rows = t.get("rows")
+        name = f"{t['name']} ({rows[0]} / {rows[1]})" if rows else t["name"]
+        lines.append(f"| {name} | {t['size']} | {t['value']:.2f}x | ≥ {t['target']}x | "
                      f"{'yes' if t['met'] else '**no**'} |")
     lines += ["", "### Throughput by path and size", ""]
     for s in result["sizes"]:
