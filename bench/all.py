@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
 import shutil
@@ -37,7 +36,7 @@ import torch
 from bench.report import header
 from bench.sampling import interleave, summary
 
-__all__ = ["run", "ROWS", "TARGETS"]
+__all__ = ["run", "ROWS", "TARGETS", "LIMIT_OF", "PEER_OF", "Progress", "size_name"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -50,6 +49,7 @@ SCALE_BYTES = 4 * MiB
 
 LIMIT_OF = {
     "colocated put": "limit memcpy", "colocated get": "limit memcpy", "colocated get out=": "limit memcpy",
+    "colocated get, asking": "limit memcpy",
     "http put": "limit tcp put", "http get": "limit tcp get", "http get out=": "limit tcp get",
     "flight put": "limit tcp put", "flight get": "limit tcp get", "flight get out=": "limit tcp get",
     "redis tier put": "limit tcp put", "redis tier get": "limit tcp get",
@@ -82,7 +82,7 @@ TARGETS = (
 TTFT_TARGETS = (("colocated", 2048, 50.0), ("http", 2048, 20.0))
 
 ROWS = ("limit memcpy", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
-        "colocated put", "colocated get", "colocated get out=", "http put", "http get", "http get out=",
+        "colocated put", "colocated get", "colocated get out=", "colocated get, asking", "http put", "http get", "http get out=",
         "redis tier put", "redis tier get", "nvme tier put", "nvme tier get",
         "redis-py put", "redis-py get", "pickle put", "pickle get")
 """The rows every size has (Flight and LMCache rows come when they run)."""
@@ -102,6 +102,7 @@ class Progress:
 
 
 def size_name(nbytes: int) -> str:
+    """``1MiB``, ``64KiB``: how a size is named in rows and tables."""
     return f"{nbytes // MiB}MiB" if nbytes % MiB == 0 else f"{nbytes // KiB}KiB"
 
 
@@ -122,7 +123,7 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
 def _measure_size(nbytes: int, repeats: int, ctx: dict, say: Callable[[str], None]) -> dict:
     from bench.limits import Limits
     from bench.paths import Paths
-    from bench.peers import LMCACHE_CHUNK, redis_rows
+    from bench.peers import LMCACHE_CHUNK_BYTES, redis_rows
 
     with contextlib.ExitStack() as stack:
         limits = Limits(nbytes, ctx["workdir"])
@@ -137,7 +138,7 @@ def _measure_size(nbytes: int, repeats: int, ctx: dict, say: Callable[[str], Non
             rows.update(raw)
         rows.update(ctx["pickle"].rows(paths.kv, nbytes))
         lmc = ctx["lmcache"]
-        if lmc is not None and nbytes == 2 * math.prod(LMCACHE_CHUNK):
+        if lmc is not None and nbytes == LMCACHE_CHUNK_BYTES:
             rows.update(lmc.rows())
         paths.verify()
         say(f"{len(rows)} rows, {repeats} rounds")
@@ -152,24 +153,25 @@ def _measure_size(nbytes: int, repeats: int, ctx: dict, say: Callable[[str], Non
     return {"size": size_name(nbytes), "bytes": nbytes, "gbps": gbps, "ratios": _ratios(med)}
 
 
-def _targets(sizes: list[dict], ttft: dict | None) -> list[dict]:
+def _targets(sizes: list[dict], ttft: dict) -> list[dict]:
+    """Each target against its same-run ratio; one whose rows did not run says so (value None)."""
     out = []
     for name, num, den, size, target in TARGETS:
-        for row in sizes:
-            if size is not None and row["bytes"] != size:
-                continue
+        rows = [row for row in sizes if size is None or row["bytes"] == size]
+        for row in rows or [{"size": size_name(size), "gbps": {}}]:
             g = row["gbps"]
             if num in g and den in g:
                 value = g[num]["median"] / g[den]["median"]
                 out.append({"name": name, "size": row["size"], "value": value, "target": target,
-                            "met": value >= target, "rows": [num if num in LIMIT_OF else
-                                                             g[num].get("via", num), den]})
+                            "met": value >= target, "rows": [g[num].get("via", num), den]})
+            else:
+                out.append({"name": name, "size": row["size"], "value": None, "target": target, "met": None,
+                            "rows": [num, den]})
     for medium, tokens, target in TTFT_TARGETS:
-        for row in (ttft or {}).get("rows", []):
-            if row["tokens"] == tokens and medium in row["media"]:
-                value = row["media"][medium]["speedup"]
-                out.append({"name": f"TTFT speed-up at {tokens} tokens, {medium}", "size": f"{tokens} tokens",
-                            "value": value, "target": target, "met": value >= target})
+        row = next((r for r in ttft["rows"] if r["tokens"] == tokens and medium in r["media"]), None)
+        value = None if row is None else row["media"][medium]["speedup"]
+        out.append({"name": f"TTFT speed-up at {tokens} tokens, {medium}", "size": f"{tokens} tokens",
+                    "value": value, "target": target, "met": None if value is None else value >= target})
     return out
 
 
@@ -208,6 +210,12 @@ def run(*, quick: bool = False, lmcache: str = "auto", repeats: int | None = Non
     progress = progress or Progress()
     repeats = repeats or (3 if quick else 21)
     sizes = sizes or SIZES
+    from bench.paths import spec_for
+
+    for nbytes in sizes:
+        spec_for(nbytes)  # ValueError now, not after minutes of measuring
+    for module in ("matplotlib", "transformers"):  # the charts and the TTFT model need them
+        __import__(module)
     prompts = prompts or PROMPTS
     clients = clients or CLIENTS
     stored = stored if stored is not None else STORED
@@ -223,7 +231,6 @@ def run(*, quick: bool = False, lmcache: str = "auto", repeats: int | None = Non
         if python is None:
             notes.append("LMCache rows left out: no .venv-lmcache here (kvstore bench all --with-lmcache makes one)")
     lmc_info: dict[str, Any] = {"version": peers.LMCACHE_VERSION, "ran": False}
-    result: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         workdir = tempfile.mkdtemp(prefix=".kvstore-bench-all-", dir=".")
         stack.callback(shutil.rmtree, workdir, True)
@@ -248,7 +255,8 @@ def run(*, quick: bool = False, lmcache: str = "auto", repeats: int | None = Non
             say(f"setting up its backends (its log: {log})")
             driver = stack.enter_context(peers.lmcache(python, redis_url, log))
             notes.extend(driver.notes)
-            lmc_info.update(ran=bool(driver.backends), backends=driver.backends, python=str(python))
+            lmc_info.update(ran=bool(driver.backends) and peers.LMCACHE_CHUNK_BYTES in sizes,
+                            backends=driver.backends, python=str(python))
             ctx["lmcache"] = driver
         else:
             ctx["lmcache"] = None
@@ -270,12 +278,13 @@ def run(*, quick: bool = False, lmcache: str = "auto", repeats: int | None = Non
     result["elapsed_s"] = time.monotonic() - started
     from bench import page
 
-    print(page.text_table(result))
+    print(page.tables(result))
     target = Path(out_dir or "bench/results")
     target.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
-    result["charts"] = [str(p) for p in charts.draw(result, target, stamp)]
     path = target / f"{stamp}.json"
+    path.write_text(json.dumps(result, indent=2))  # first: a chart that fails loses no figure
+    result["charts"] = [str(p) for p in charts.draw(result, target, stamp)]
     path.write_text(json.dumps(result, indent=2))
     result["path"] = str(path)
     print(f"\nwrote {path} and {len(result['charts'])} charts")

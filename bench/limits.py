@@ -9,8 +9,9 @@ shm out       a copy out of a pre-faulted ``/dev/shm`` segment into a reused
 tcp get/put   n bytes over a loopback TCP connection to a child process,
               received with ``recv_into`` a reused buffer / sent and acked
               (the remote paths' limit: no HTTP, no framing)
-file put/get  write + fsync of one file / a read of it after its pages are
-              dropped from the page cache (the NVMe tier's limit)
+file put/get  one file rewritten in place + fsync / a read of it after its
+              pages are dropped from the page cache (the NVMe tier's limit; the
+              tier writes with O_DIRECT, which can beat it)
 ============  ===============================================================
 
     python -m bench.limits tcp HOST PORT     the TCP peer (what ``Limits`` spawns)
@@ -23,6 +24,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -53,11 +55,11 @@ class Limits:
         self.src = rng.integers(0, 256, nbytes, dtype=np.uint8)
         self.dst = np.empty(nbytes, np.uint8)
         self.dst.fill(0)
+        self._path = os.path.join(workdir, f"limit-{nbytes}.bin")
+        self._tcp, self._peer = self._tcp_peer()
         self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
         self._shm_view = np.frombuffer(self._shm.buf, np.uint8, nbytes)
         np.copyto(self._shm_view, self.src)
-        self._path = os.path.join(workdir, f"limit-{nbytes}.bin")
-        self._tcp, self._peer = self._tcp_peer()
 
     def _tcp_peer(self) -> tuple[socket.socket, subprocess.Popen]:
         with socket.socket() as listener:
@@ -70,6 +72,7 @@ class Limits:
                 conn, _ = listener.accept()
             except OSError:
                 peer.kill()
+                peer.wait()
                 raise
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn, peer
@@ -90,9 +93,12 @@ class Limits:
             _recv_exactly(self._tcp, memoryview(ack))
 
         def file_put() -> None:
-            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            # Rewritten in place, as the NVMe tier rewrites its files: no truncation, so the
+            # file system need not allocate the blocks again each time.
+            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT, 0o600)
             try:
-                os.write(fd, memoryview(src))
+                if os.pwrite(fd, memoryview(src), 0) != n:
+                    raise OSError(f"short write to {self._path}")
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -101,9 +107,14 @@ class Limits:
             fd = os.open(self._path, os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: outside the clock
-                return timed(lambda: os.readv(fd, [buf]))()
+                start = time.perf_counter()
+                got = os.preadv(fd, [buf], 0)
+                took = time.perf_counter() - start
             finally:
                 os.close(fd)
+            if got != n:
+                raise OSError(f"short read from {self._path}: {got} of {n} bytes")
+            return took
 
         file_put()
         return {

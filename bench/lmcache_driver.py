@@ -6,7 +6,7 @@ with one JSON line on stdout, so a benchmark can interleave LMCache samples
 with its own:
 
     {"cmd": "setup", "backend": B, "shape": [2, 32, 256, 1024], "dtype": "bfloat16",
-     "redis_url": "redis://127.0.0.1:PORT"}             -> {"ok": true}
+     "redis_url": "redis://127.0.0.1:PORT", "torch_threads": N}  -> {"ok": true}
     {"cmd": "sample", "backend": B, "op": "put" | "get"} -> {"ok": true, "seconds": s, "bytes": n}
     {"cmd": "verify", "backend": B}                     -> {"ok": true, "equal": bool}
     {"cmd": "close"}                                    -> {"ok": true}, then exit
@@ -305,6 +305,8 @@ class Driver:
         name = req["backend"]
         if name in self.backends:
             raise ValueError(f"backend {name!r} is already set up")
+        if req.get("torch_threads"):  # the caller's own, so LMCache's copies get the same cores
+            torch.set_num_threads(int(req["torch_threads"]))
         chunk = Chunk(list(req.get("shape", [2, 32, 256, 1024])), req.get("dtype", "bfloat16"))
         backend: LocalCPU | Remote
         if name == "local_cpu":

@@ -5,7 +5,10 @@ row                   one operation                                    its limit
 ====================  ===============================================  ==========
 colocated put         ``KVClient.put_kv`` over shared memory            memcpy
 colocated get         ``KVClient.get_kv`` over shared memory (a fresh   memcpy
-                      tensor; ``out=``: into a reused one)
+                      tensor; ``out=``: into a reused one). A client
+                      serves a repeated get from the slot handles it
+                      remembers; ``asking``: a client that remembers
+                      none, so each get asks the server and verifies
 http put / get        the same over HTTP (``colocated=False``)          tcp
 flight put / get      ``FlightMedium.put_kv`` / ``get_kv``               tcp
 redis tier put / get  ``RedisTier.put`` / ``get_into`` of one frame     tcp
@@ -32,7 +35,7 @@ import torch
 
 from bench.sampling import Row, timed
 
-__all__ = ["spec_for", "Paths"]
+__all__ = ["spec_for", "Paths", "remember_no_handles"]
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -53,6 +56,16 @@ def spec_for(nbytes: int) -> tuple[Any, int]:
     return KVSpec("bench-all", layers, 8, 128, "float16", min(16, tokens), fingerprint="bench-1"), tokens
 
 
+def remember_no_handles(client: Any) -> None:
+    """Make a co-located client (past its first get) forget every slot handle, now and after.
+
+    The bench reaches into the SDK here: no user-facing switch turns the handle cache off.
+    """
+    handles = client._arena.handles
+    handles.max_entries = 0
+    handles.remember([])  # trims to max_entries: what the first get remembered goes too
+
+
 class Paths:
     """The kvstore rows at one size, against a running server (and Flight, Redis when given)."""
 
@@ -63,32 +76,39 @@ class Paths:
         self.nbytes = nbytes
         self.spec, self.tokens = spec_for(nbytes)
         self.kv = torch.randn(self.spec.kv_shape(self.tokens), generator=torch.Generator().manual_seed(0)).half()
-        self._stack = contextlib.ExitStack()
-        # plan=False: each row measures one fixed medium
-        self.shm = self._stack.enter_context(KVClient(url, namespace="bench-all", plan=False))
-        self.http = self._stack.enter_context(KVClient(url, namespace="bench-all", colocated=False, plan=False))
-        self.fixed = list(range(1_000_000, 1_000_000 + self.tokens))
-        self.http.put_kv(self.spec, self.fixed, self.kv)
-        self.out = torch.empty(nbytes, dtype=torch.uint8)
-        self.flight = None
-        if flight_port is not None:
-            from client_sdk.flight import FlightMedium
+        with contextlib.ExitStack() as stack:  # a failure half-way closes what was opened
+            # plan=False: each row measures one fixed medium
+            self.shm = stack.enter_context(KVClient(url, namespace="bench-all", plan=False))
+            self.http = stack.enter_context(KVClient(url, namespace="bench-all", colocated=False, plan=False))
+            # The SDK remembers slot handles and serves a repeated get without a request;
+            # this client forgets them at once, so each of its gets asks the server and
+            # verifies the frames, as the first get of a sequence by any client does.
+            self.shm_asking = stack.enter_context(KVClient(url, namespace="bench-all", plan=False))
+            self.fixed = list(range(1_000_000, 1_000_000 + self.tokens))
+            self.http.put_kv(self.spec, self.fixed, self.kv)
+            self.out = torch.empty(nbytes, dtype=torch.uint8)
+            self.flight = None
+            if flight_port is not None:
+                from client_sdk.flight import FlightMedium
 
-            self.flight = FlightMedium(url, flight_port, namespace="bench-all")
-            self._stack.callback(self.flight.close)
-        self.frame = memoryview(np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
-        self.frame_out = memoryview(bytearray(nbytes))
-        self.redis_tier = self.nvme_tier = None
-        if redis_url is not None:
-            from tiers.redis import RedisTier
+                self.flight = FlightMedium(url, flight_port, namespace="bench-all")
+                stack.callback(self.flight.close)
+            self.frame = memoryview(np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+            self.frame_out = memoryview(bytearray(nbytes))
+            self.redis_tier = None
+            if redis_url is not None:
+                from tiers.redis import RedisTier
 
-            self.redis_tier = RedisTier(redis_url, 4 * nbytes + MiB, keyspace=f"bench-all-{os.getpid()}")
-            self._stack.callback(self.redis_tier.close)
-        from tiers.nvme import NVMeTier
+                self.redis_tier = RedisTier(redis_url, 4 * nbytes + MiB, keyspace=f"bench-all-{os.getpid()}")
+                stack.callback(self.redis_tier.close)
+            from tiers.nvme import NVMeTier
 
-        self.nvme_dir = tempfile.mkdtemp(prefix="nvme-", dir=workdir)
-        self.nvme_tier = NVMeTier(self.nvme_dir, 4 * nbytes + MiB)
-        self._stack.callback(self.nvme_tier.close)
+            self.nvme_dir = tempfile.mkdtemp(prefix="nvme-", dir=workdir)
+            self.nvme_tier = NVMeTier(self.nvme_dir, 4 * nbytes + MiB)
+            stack.callback(self.nvme_tier.close)
+            self.shm_asking.get_kv(self.spec, self.fixed)  # picks shm and maps the arena
+            remember_no_handles(self.shm_asking)
+            self._stack = stack.pop_all()
         self._counter = 0
 
     def _fresh(self) -> list[int]:
@@ -121,6 +141,7 @@ class Paths:
             "colocated put": Row(n, self._put(self.shm.put_kv)),
             "colocated get": Row(n, self._get(self.shm.get_kv, None)),
             "colocated get out=": Row(n, self._get(self.shm.get_kv, self.out)),
+            "colocated get, asking": Row(n, self._get(self.shm_asking.get_kv, self.out)),
             "http put": Row(n, self._put(self.http.put_kv)),
             "http get": Row(n, self._get(self.http.get_kv, None)),
             "http get out=": Row(n, self._get(self.http.get_kv, self.out)),
@@ -129,11 +150,12 @@ class Paths:
             rows["flight put"] = Row(n, self._put(self.flight.put_kv))
             rows["flight get"] = Row(n, self._get(self.flight.get_kv, None))
             rows["flight get out="] = Row(n, self._get(self.flight.get_kv, self.out))
-        for name, tier in (("redis tier", self.redis_tier), ("nvme tier", self.nvme_tier)):
-            if tier is not None:
-                tier.put(key, self.frame)
-                rows[f"{name} put"] = Row(n, timed(lambda t=tier: t.put(key, self.frame)))
-                rows[f"{name} get"] = Row(n, timed(lambda t=tier: t.get_into(key, self.frame_out)))
+        if self.redis_tier is not None:
+            self.redis_tier.put(key, self.frame)
+            rows["redis tier put"] = Row(n, timed(lambda: self.redis_tier.put(key, self.frame)))
+            rows["redis tier get"] = Row(n, timed(lambda: self.redis_tier.get_into(key, self.frame_out)))
+        self.nvme_tier.put(key, self.frame)
+        rows["nvme tier put"] = Row(n, timed(lambda: self.nvme_tier.put(key, self.frame)))
         rows["nvme tier get"] = Row(n, self._cold(timed(lambda: self.nvme_tier.get_into(key, self.frame_out)), key))
         return rows
 
@@ -160,8 +182,10 @@ class Paths:
                           ("flight", self.flight.get_kv if self.flight else None)):
             if get is not None and not torch.equal(get(self.spec, self.fixed)[0], self.kv):
                 raise AssertionError(f"{name}: the KV read back differs from the KV stored")
-        if not self.shm.stats.shm_gets or self.http.stats.shm_gets:
+        if not self.shm.stats.shm_gets or not self.shm_asking.stats.shm_gets or self.http.stats.shm_gets:
             raise AssertionError("a client used the wrong medium")
+        if self.shm_asking.stats.shm_cached_gets:
+            raise AssertionError("the asking client served a get from remembered handles")
         key = bytes([7]) * 32
         for name, tier in (("redis tier", self.redis_tier), ("nvme tier", self.nvme_tier)):
             if tier is not None and bytes(tier.get(key)) != bytes(self.frame):

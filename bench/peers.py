@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,7 +42,7 @@ from fastapi import Request, Response  # module level: FastAPI resolves the rout
 from bench.sampling import Row, timed
 from bench.serving import child, free_port
 
-__all__ = ["LMCACHE_VENV", "LMCACHE_CHUNK", "lmcache_python", "install_lmcache", "LMCacheDriver",
+__all__ = ["LMCACHE_VENV", "LMCACHE_CHUNK", "LMCACHE_CHUNK_BYTES", "lmcache_python", "install_lmcache", "LMCacheDriver",
            "PickleService", "redis_rows"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +50,7 @@ LMCACHE_VENV = ROOT / ".venv-lmcache"
 LMCACHE_VERSION = "0.5.6"
 LMCACHE_CHUNK = (2, 32, 256, 1024)
 """bf16: 32 MiB, LMCache's default chunk of 256 tokens of a 32-layer model with 1,024 KV channels."""
+LMCACHE_CHUNK_BYTES = 2 * math.prod(LMCACHE_CHUNK)
 LMCACHE_BACKENDS = ("local_cpu", "lm", "redis")
 _NO_TRACKING = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
@@ -111,10 +113,11 @@ class PickleService:
     def __init__(self) -> None:
         import httpx
 
-        self._stack = contextlib.ExitStack()
         port = free_port()
-        self._stack.enter_context(child([sys.executable, "-m", "bench.peers", "pickle", str(port)], port))
-        self._client = self._stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
+        with contextlib.ExitStack() as stack:  # a failure half-way stops what was started
+            stack.enter_context(child([sys.executable, "-m", "bench.peers", "pickle", str(port)], port))
+            self._client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
+            self._stack = stack.pop_all()
 
     def rows(self, kv: torch.Tensor, nbytes: int) -> dict[str, Row]:
         key = f"kv-{nbytes}"
@@ -154,7 +157,8 @@ def lmcache_python(venv: Path = LMCACHE_VENV) -> Path | None:
 def install_lmcache(venv: Path = LMCACHE_VENV, log: Any = print) -> Path:
     """Create ``venv`` and install LMCache 0.5.6 there (about a minute here); returns its python.
 
-    torch is pinned to the CPU build this project uses: a looser pin pulls a multi-GB CUDA build.
+    torch is pinned to the version this project uses; on our machines pip takes that CPU build
+    from local disk (see the README), while a looser pin pulls a multi-GB CUDA build.
 
     Raises:
         RuntimeError: the install failed (pip's output is in the message).
@@ -210,14 +214,18 @@ class LMCacheDriver:
             return f"(unreadable: {exc})"
 
     def setup(self, redis_url: str | None) -> None:
-        """Set up each backend that can run here; a note for each that cannot."""
+        """Set up each backend that can run here; a note for each that cannot.
+
+        The driver runs torch with as many threads as this process, so LMCache's copies
+        get the cores kvstore's client side gets.
+        """
         for backend in LMCACHE_BACKENDS:
             if backend == "redis" and redis_url is None:
                 self.notes.append("lmcache redis: no redis-server")
                 continue
             try:
                 self.call(cmd="setup", backend=backend, redis_url=redis_url, shape=list(LMCACHE_CHUNK),
-                          dtype="bfloat16")
+                          dtype="bfloat16", torch_threads=torch.get_num_threads())
                 if not self.call(cmd="verify", backend=backend)["equal"]:
                     raise RuntimeError("the chunk read back differs from the one written")
             except RuntimeError as exc:
@@ -226,9 +234,8 @@ class LMCacheDriver:
             self.backends.append(backend)
 
     def rows(self) -> dict[str, Row]:
-        nbytes = 2
-        for d in LMCACHE_CHUNK:
-            nbytes *= d
+        """A put and a get row for each backend that set up."""
+        nbytes = LMCACHE_CHUNK_BYTES
 
         def op(backend: str, which: str) -> Any:
             return lambda: float(self.call(cmd="sample", backend=backend, op=which)["seconds"])
@@ -237,8 +244,11 @@ class LMCacheDriver:
         return {f"{names[b]} {which}": Row(nbytes, op(b, which)) for b in self.backends for which in ("put", "get")}
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
+        """Stop the driver (and its lm server); a failed teardown becomes a note."""
+        try:
             self.call(cmd="close")
+        except RuntimeError as exc:
+            self.notes.append(f"lmcache close: {exc}")
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -247,11 +257,8 @@ class LMCacheDriver:
 
 
 @contextlib.contextmanager
-def lmcache(python: Path | None, redis_url: str | None, log: Path) -> Iterator[LMCacheDriver | None]:
-    """The driver while the block runs (None when LMCache is not here); its stderr goes to ``log``."""
-    if python is None:
-        yield None
-        return
+def lmcache(python: Path, redis_url: str | None, log: Path) -> Iterator[LMCacheDriver]:
+    """The driver, set up, while the block runs; its stderr goes to ``log``."""
     driver = LMCacheDriver(python, log)
     try:
         driver.setup(redis_url)

@@ -1,4 +1,4 @@
-"""Interleaved sampling for side-by-side rows: A B C A B C, rotated each round, medians and min-max.
+"""Interleaved sampling for side-by-side rows: A B C, then C A B..., shuffled each round; medians and min-max.
 
 A row is one operation on ``nbytes`` that times itself (``() -> seconds``), so
 set-up and clean-up around it (fresh token ids before a put, a delete after
@@ -8,6 +8,7 @@ it) stay outside the clock. Small operations run several times a sample
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -51,10 +52,10 @@ def interleave(rows: dict[str, Row], repeats: int, *, warmup: int = 2,
                tick: Callable[[int], None] = lambda r: None) -> dict[str, list[float]]:
     """Seconds a byte for every row, ``repeats`` samples each, taken A B C A B C.
 
-    The order rotates every round: whatever runs right after a put or a big copy runs
-    slower, and a fixed order would always hand that to the same row. Each sample
-    follows an untimed call of the same row, as in a loop over one buffer, so no row
-    starts from caches another row left cold.
+    The order is shuffled every round (seeded, so runs repeat): whatever runs right after
+    a put or a big copy runs slower, and a fixed order, or a rotated one, would always
+    hand that to the same row. Each sample follows an untimed call of the same row, as
+    in a loop over one buffer, so no row starts from caches another row left cold.
 
     Args:
         warmup: untimed rounds first (connections, leases, page faults, pooled buffers).
@@ -65,8 +66,10 @@ def interleave(rows: dict[str, Row], repeats: int, *, warmup: int = 2,
         for _, row in order:
             row.op()
     samples: dict[str, list[float]] = {name: [] for name in rows}
+    shuffle = random.Random(0).shuffle
     for r in range(repeats):
-        for name, row in order[r % len(order):] + order[:r % len(order)]:
+        shuffle(order)
+        for name, row in order:
             row.op()
             samples[name].append(row.sample())
         tick(r)

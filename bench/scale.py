@@ -1,15 +1,20 @@
 """Scale: ``get_kv`` from 1, 4 and 16 client processes at once, and the server's memory as it fills.
 
-Throughput: worker processes (started once, each with a co-located and an
-HTTP client, warmed up) get one stored sequence in a loop for the same
-wall-clock window, which starts at one instant in all of them. Figures are
-the pooled gets: GB/s and gets/s over the window, p50 and p99 latency.
+Throughput: worker processes (started once, each with its clients warmed up)
+get one stored sequence in a loop for the same wall-clock window, which starts
+at one instant in all of them. Figures pool the gets: GB/s and gets/s (each
+worker's count over the time its gets took), p50 and p99 latency. Media:
+``colocated`` (a client that, after its first get, serves repeats from the slot
+handles it remembers: the server sees only its access reports), ``colocated
+asking`` (remembers none, so every get asks the server for handles and verifies
+the frames) and ``http``. One window a row.
 
 Memory: a fresh ``kvstore serve`` on the shm tier alone, filled by co-located
 puts to each level; its resident set from ``/proc/<pid>/status`` at each
 (``VmRSS``, split into anonymous, file and shared-memory pages). Stored KV
-sits in the shm arena, so it shows as ``RssShmem`` of the pages the server
-itself touched; ``RssAnon`` is the server's own heap.
+sits in the shm arena, which the server maps pre-faulted (``MAP_POPULATE``) at
+its configured size, so ``RssShmem`` is the arena from the start and stays
+flat; what grows with the data is ``RssAnon``, the server's own heap.
 
     python -m bench.scale worker URL NBYTES     one client process (what ``throughput`` spawns)
 """
@@ -79,7 +84,7 @@ def _workers(url: str, nbytes: int, n: int) -> Iterator[list[_Worker]]:
 
 
 def throughput(url: str, nbytes: int, *, clients: tuple[int, ...], duration_s: float,
-               media: tuple[str, ...] = ("colocated", "http"),
+               media: tuple[str, ...] = ("colocated", "colocated asking", "http"),
                tick: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Pooled ``get_kv`` throughput and latency for each client count and medium."""
     from bench.paths import spec_for
@@ -100,13 +105,15 @@ def throughput(url: str, nbytes: int, *, clients: tuple[int, ...], duration_s: f
                     for w in workers[:n]:
                         w.send(cmd="run", medium=medium, start_at=start_at, duration_s=duration_s)
                     latencies: list[float] = []
+                    rate = 0.0  # gets/s, each worker's over the time its gets took
                     for w in workers[:n]:
-                        latencies.extend(w.reply()["latencies"])
+                        got = w.reply()
+                        latencies.extend(got["latencies"])
+                        rate += len(got["latencies"]) / got["elapsed_s"]
                     latencies.sort()
                     rows.append({
                         "medium": medium, "clients": n, "gets": len(latencies),
-                        "gbps": len(latencies) * nbytes / duration_s / 1e9,
-                        "gets_per_s": len(latencies) / duration_s,
+                        "gbps": rate * nbytes / 1e9, "gets_per_s": rate,
                         "p50_ms": 1e3 * statistics.median(latencies),
                         "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
                     })
@@ -119,17 +126,19 @@ def _worker(url: str, nbytes: int) -> None:
     """Answer ``run`` commands with the latency of every get in the window."""
     import torch
 
-    from bench.paths import spec_for
+    from bench.paths import remember_no_handles, spec_for
     from client_sdk import KVClient
 
     torch.set_num_threads(1)
     spec, tokens = spec_for(nbytes)
     clients = {"colocated": KVClient(url, namespace=NAMESPACE, plan=False),
+               "colocated asking": KVClient(url, namespace=NAMESPACE, plan=False),
                "http": KVClient(url, namespace=NAMESPACE, colocated=False, plan=False)}
     fixed = _fixed(tokens)
     for client in clients.values():
         for _ in range(3):
             client.get_kv(spec, fixed)
+    remember_no_handles(clients["colocated asking"])  # every get asks the server
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -137,17 +146,18 @@ def _worker(url: str, nbytes: int) -> None:
             break
         client = clients[cmd["medium"]]
         time.sleep(max(0.0, cmd["start_at"] - time.time()))
-        end = time.perf_counter() + cmd["duration_s"]
+        start = t1 = time.perf_counter()
+        end = start + cmd["duration_s"]
         latencies = []
-        while True:
-            t0 = time.perf_counter()
-            if t0 >= end:
-                break
+        while t1 < end:
+            t0 = t1
             _, n = client.get_kv(spec, fixed)
-            latencies.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            latencies.append(t1 - t0)
             if n != tokens:
                 raise AssertionError(f"get returned {n} of {tokens} tokens")
-        print(json.dumps({"latencies": latencies}), flush=True)
+        # the last get ends after the window: the rate is over the time the gets took
+        print(json.dumps({"latencies": latencies, "elapsed_s": t1 - start}), flush=True)
     for client in clients.values():
         client.close()
 

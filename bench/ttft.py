@@ -1,12 +1,13 @@
 """Time to first token with prefix reuse: a full prefill against ``get_kv`` and a prefill of the rest.
 
 The model is ``bench.agents_model``'s seeded random Llama (8 layers, hidden 512,
-2 KV heads; fp32 on the CPU). For each prompt length the KV of the whole
+2 KV heads; fp32 on the CPU), run with torch on every CPU both ways. For each prompt length the KV of the whole
 prompt is put once; then samples alternate, A B C A B C:
 
 - ``prefill``: a full prefill of the prompt, to the last position's logits;
-- ``<medium>``: a fresh client (its connection opened by a ``lookup`` before the
-  clock, as a running agent has it), ``get_kv`` of the prompt, a cache rebuilt
+- ``<medium>``: a fresh client (its medium picked, the arena mapped and its
+  connection opened by a get of another sequence before the clock, as a running
+  agent has them), ``get_kv`` of the prompt, a cache rebuilt
   from all but its last token, and a prefill of that one token
   (``bench.agents_model``'s ``_ttft_with``).
 
@@ -18,6 +19,7 @@ and a one-token prefill rounds differently from the whole prompt's).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -28,17 +30,31 @@ __all__ = ["measure"]
 
 
 def measure(url: str, *, flight_port: int | None, prompts: tuple[int, ...], repeats: int,
-            tick: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+            torch_threads: int | None = None, tick: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """TTFT rows for each prompt length, against a running server.
+
+    Args:
+        torch_threads: torch threads for the model, both ways (default: every CPU, as a
+            serving engine would give its prefill).
 
     Returns:
         ``{"model": {...}, "rows": [{"tokens", "prefill_s": {...}, "media": {name: {...}}}]}``.
     """
+    before = torch.get_num_threads()
+    torch.set_num_threads(torch_threads or os.cpu_count() or 1)
+    try:
+        return _measure(url, flight_port, prompts, repeats, tick)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(url: str, flight_port: int | None, prompts: tuple[int, ...], repeats: int,
+             tick: Callable[[str], None]) -> dict[str, Any]:
     from bench.agents_model import DemoConfig, _ttft_with, build_model
     from client_sdk import KVClient
     from kvstore.integrations.hf import kv_from_cache, out_cache, spec_for
 
-    cfg = DemoConfig(context_tokens=max(prompts), torch_threads=0)
+    cfg = DemoConfig(context_tokens=max(prompts))
     model, digest = build_model(cfg)
     spec = spec_for(model, fingerprint=digest[:32], block_tokens=cfg.block_tokens, model_id="bench-ttft")
     media: dict[str, Callable[[], Any]] = {
@@ -52,6 +68,10 @@ def measure(url: str, *, flight_port: int | None, prompts: tuple[int, ...], repe
     rows = []
     with torch.inference_mode(), KVClient(url, namespace="bench-ttft", colocated=False, plan=False) as putter:
         model(torch.zeros((1, 16), dtype=torch.long))  # first-call allocations weigh on no clock
+        # Another sequence each fresh client gets before the clock: it picks its medium, maps
+        # the arena and opens its connection there, as a running agent has them.
+        warm = list(range(cfg.block_tokens))
+        putter.put_kv(spec, warm, torch.zeros(spec.kv_shape(len(warm)), dtype=spec.torch_dtype))
         for n in prompts:
             prompt = torch.randint(0, cfg.vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             ids = torch.tensor([prompt])
@@ -69,8 +89,10 @@ def measure(url: str, *, flight_port: int | None, prompts: tuple[int, ...], repe
                 for name, make in media.items():
                     client = make()
                     try:
-                        _open(client, spec, prompt)
+                        client.get_kv(spec, warm)
                         w = _ttft_with(client, model, spec, prompt, ids)
+                        if name == "colocated" and client.stats.last_medium != "shm":
+                            raise AssertionError(f"the co-located client used {client.stats.last_medium}")
                     finally:
                         client.close()
                     samples[name].append(w["ttft_s"])
@@ -90,14 +112,6 @@ def measure(url: str, *, flight_port: int | None, prompts: tuple[int, ...], repe
     return {"model": {"layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
                       "dtype": "float32", "torch_threads": torch.get_num_threads()},
             "repeats": repeats, "rows": rows}
-
-
-def _open(client: Any, spec: Any, prompt: list[int]) -> None:
-    """Open the client's connection (and map the arena) outside the clock, as a running agent has."""
-    if hasattr(client, "lookup"):
-        client.lookup(spec, prompt)
-    else:
-        client.get_frames([])
 
 
 def _stats(seconds: list[float]) -> dict[str, float]:

@@ -250,9 +250,15 @@ def _bench_all(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvstore bench all: {exc}", file=sys.stderr)
         return 2
+    if args.docs is not None and not os.path.isfile(args.docs):
+        print(f"kvstore bench all: --docs {args.docs}: no such page", file=sys.stderr)
+        return 2
     try:
         run(quick=args.quick, lmcache=args.lmcache, repeats=args.repeats, out_dir=args.out, docs=args.docs, **lists)
-    except RuntimeError as exc:  # a child that failed to start, an LMCache install that failed
+    except ValueError as exc:  # a size that is no whole number of tokens, a page without markers
+        print(f"kvstore bench all: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ImportError) as exc:  # a child that failed to start, a failed install
         print(f"kvstore bench all: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -12,10 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from bench.all import ROWS
+from bench.all import LIMIT_OF, PEER_OF
 from bench.page import END, START, render
 
 SIZES = ("64KiB", "256KiB")
+ROWS = {  # written out here, so a row the bench stops measuring fails this test
+    "limit memcpy", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
+    "colocated put", "colocated get", "colocated get out=", "colocated get, asking",
+    "http put", "http get", "http get out=", "flight put", "flight get", "flight get out=",
+    "redis tier put", "redis tier get", "nvme tier put", "nvme tier get",
+    "redis-py put", "redis-py get", "pickle put", "pickle get",
+    "remote put", "remote get", "remote get out=",
+}
 PROMPTS = (32, 64)
 CLIENTS = (1, 2)
 STORED = (0, 4 << 20)
@@ -39,17 +47,22 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, subproces
 def test_every_size_has_every_row_and_ratio(run) -> None:
     result, _, _ = run
     assert [s["size"] for s in result["sizes"]] == list(SIZES)
+    assert result["notes"] == []  # nothing was left out
     for s in result["sizes"]:
-        rows = set(s["gbps"])
-        assert set(ROWS) <= rows, set(ROWS) - rows
-        assert {"flight put", "flight get", "remote put", "remote get"} <= rows
+        assert set(s["gbps"]) == ROWS  # no LMCache rows: --no-lmcache
         for g in s["gbps"].values():
             assert 0 < g["min"] <= g["median"] <= g["max"]
-        for name in ("colocated get out= / limit memcpy", "http get / limit tcp get", "nvme tier put / limit file put",
-                     "redis tier get / limit tcp get", "redis tier get / redis-py get", "http put / pickle put"):
-            assert s["ratios"][name] > 0
-    sizes = [t["size"] for t in result["targets"] if t["name"] == "co-located get / memcpy"]
-    assert sizes == list(SIZES)
+        expected = {f"{row} / {limit}" for row, limit in LIMIT_OF.items()}
+        expected |= {f"{row} / {peer}" for row, peers in PEER_OF.items() for peer in peers if peer in ROWS}
+        expected.add("colocated get / limit shm out")
+        assert set(s["ratios"]) == expected
+        assert all(r > 0 for r in s["ratios"].values())
+    targets = {(t["name"], t["size"]): t for t in result["targets"]}
+    for size in SIZES:
+        assert targets["co-located get / memcpy", size]["value"] > 0
+    # LMCache did not run: its targets say so rather than vanish
+    lm = targets["SDK remote put / LMCache lm:// put", "32MiB"]
+    assert lm["value"] is None and lm["met"] is None
 
 
 def test_ttft_scale_and_memory_sections(run) -> None:
@@ -64,7 +77,8 @@ def test_ttft_scale_and_memory_sections(run) -> None:
             assert m["first_token_match"] and m["max_logit_diff"] < 1e-3
             assert m["hit_tokens"] == r["tokens"] and m["speedup"] > 0
     scale = result["scale"]["rows"]
-    assert [(r["medium"], r["clients"]) for r in scale] == [(m, n) for m in ("colocated", "http") for n in CLIENTS]
+    assert [(r["medium"], r["clients"]) for r in scale] == [(m, n) for m in ("colocated", "colocated asking", "http")
+                                                            for n in CLIENTS]
     assert all(r["gets"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in scale)
     memory = result["memory"]["rows"]
     assert [r["stored_bytes"] for r in memory] == list(STORED)
@@ -80,6 +94,7 @@ def test_charts_and_page(run) -> None:
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nMethod.\n\n") and text.endswith("\n\nAfter.\n")
     assert "old results" not in text and "### Targets" in text and "| pickle get |" in text
+    assert "| SDK remote put / LMCache lm:// put (remote put / lmcache lm:// put) | 32MiB | not run |" in text
     for name in ("throughput", "ttft", "scale"):
         assert f"(benchmarks/{name}.png)" in text
         assert (page.parent / "benchmarks" / f"{name}.png").exists()
@@ -100,6 +115,8 @@ def test_render_refuses_a_page_without_markers(run, tmp_path: Path) -> None:
     (["--prompts", "8"], "values >= 16"),
     (["--clients", "0"], "values >= 1"),
     (["--with-lmcache", "--no-lmcache"], "not allowed with"),
+    (["--sizes", "100KiB", "--no-lmcache"], "not a whole number of"),
+    (["--docs", "no/such/page.md", "--no-lmcache"], "no such page"),
 ])
 def test_bad_arguments_are_refused(args: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "all", *args], capture_output=True,
