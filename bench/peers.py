@@ -40,7 +40,7 @@ import torch
 from fastapi import Request, Response  # module level: FastAPI resolves the routes' annotations here
 
 from bench.sampling import Row, timed
-from bench.serving import child, free_port
+from bench.serving import child, free_port, reply_line
 
 __all__ = ["LMCACHE_VENV", "LMCACHE_CHUNK", "LMCACHE_CHUNK_BYTES", "lmcache_python", "install_lmcache", "LMCacheDriver",
            "PickleService", "redis_rows"]
@@ -52,6 +52,8 @@ LMCACHE_CHUNK = (2, 32, 256, 1024)
 """bf16: 32 MiB, LMCache's default chunk of 256 tokens of a 32-layer model with 1,024 KV channels."""
 LMCACHE_CHUNK_BYTES = 2 * math.prod(LMCACHE_CHUNK)
 LMCACHE_BACKENDS = ("local_cpu", "lm", "redis")
+DRIVER_TIMEOUT_S = 180.0
+"""Its slowest command, an lm setup, waits up to 60 s for the server; a sample takes well under 1 s."""
 _NO_TRACKING = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
 
@@ -197,7 +199,7 @@ class LMCacheDriver:
         assert self._proc.stdin and self._proc.stdout
         self._proc.stdin.write(json.dumps(cmd) + "\n")
         self._proc.stdin.flush()
-        line = self._proc.stdout.readline()
+        line = reply_line(self._proc, DRIVER_TIMEOUT_S, f"the LMCache driver ({cmd['cmd']})")
         if not line:
             raise RuntimeError(f"the LMCache driver exited ({self._proc.poll()}) during {cmd['cmd']}; "
                                f"its log ends: {self._log_tail()}")

@@ -29,10 +29,14 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
+from bench.serving import reply_line
+
 __all__ = ["throughput", "memory"]
 
 MiB = 1 << 20
 NAMESPACE = "bench-scale"
+REPLY_TIMEOUT_S = 300.0
+"""A worker's start (16 of them importing torch on two cores) or window answers well within this."""
 
 
 def _fixed(tokens: int) -> list[int]:
@@ -48,8 +52,7 @@ class _Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
     def reply(self) -> dict:
-        assert self.proc.stdout
-        line = self.proc.stdout.readline()
+        line = reply_line(self.proc, REPLY_TIMEOUT_S, "a scale worker")
         if not line:
             raise RuntimeError(f"a scale worker exited with {self.proc.wait()}")
         return json.loads(line)

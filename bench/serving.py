@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import tempfile
 import time
 from typing import Iterator
 
-__all__ = ["free_port", "wait_http", "child", "stop", "kvstore_serve", "kvstore_server"]
+__all__ = ["free_port", "wait_http", "child", "stop", "kvstore_serve", "kvstore_server", "reply_line"]
 
 
 def free_port() -> int:
@@ -39,6 +40,24 @@ def wait_http(port: int, proc: subprocess.Popen, path: str = "/healthz", timeout
             break
         time.sleep(0.05)
     raise RuntimeError(f"server on port {port} did not start")
+
+
+def reply_line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
+    """The next line a child writes on its stdout pipe ("" when it exited), within ``timeout_s``.
+
+    For children that answer one line a command, so nothing sits in the pipe's buffer
+    unread while ``select`` waits.
+
+    Raises:
+        RuntimeError: no line in time; the child is killed, so a hung peer cannot hang the bench.
+    """
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"{what} did not answer within {timeout_s:.0f} s; it was killed")
+    return proc.stdout.readline()
 
 
 @contextlib.contextmanager

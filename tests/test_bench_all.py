@@ -122,3 +122,16 @@ def test_bad_arguments_are_refused(args: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "all", *args], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_a_child_that_never_answers_is_killed_not_waited_on() -> None:
+    from bench.serving import reply_line
+
+    quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    with pytest.raises(RuntimeError, match="did not answer within 0 s; it was killed"):
+        reply_line(quiet, 0.3, "the quiet child")
+    assert quiet.poll() is not None
+    talker = subprocess.Popen([sys.executable, "-c", "print('hi', flush=True)"], stdout=subprocess.PIPE, text=True)
+    assert reply_line(talker, 30, "the talker") == "hi\n"
+    assert reply_line(talker, 30, "the talker") == ""  # it exited
+    talker.wait()
