@@ -25,7 +25,7 @@ from client_sdk.protocol import (H_NAMESPACE, MAX_TOUCH_KEYS, ServiceError, enco
                                  pad64, parse_batch_head)
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
-from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreError
+from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreError, NotDurable
 from kvstore.keys import block_hashes, check_key, normalize_tokens
 from kvstore.shmview import SHM_DIR, ShmReader, SlotHandle
 from kvstore.spec import KVSpec
@@ -107,6 +107,19 @@ def tokens_of(tokens: Any) -> np.ndarray:
 def validate_put(spec: KVSpec, tokens: np.ndarray, kv: Any) -> torch.Tensor:
     """The same checks ``KVStore.put_kv`` makes, before anything is sent."""
     return spec.validate_kv(kv, min_tokens=spec.full_blocks(len(tokens)) * spec.block_tokens)
+
+
+def check_durable(stored: int, lookup: dict) -> None:
+    """Raise ``NotDurable`` unless the lookup after a put finds all ``stored`` tokens durable.
+
+    The lookup runs after the put's answer, so a block deleted or evicted in between is
+    not durable either: the put stands, its promise does not.
+    """
+    durable = int(lookup.get("durable_tokens", 0))
+    if durable < stored:
+        raise NotDurable(f"{stored} tokens stored, {durable} of them on durable tiers (the server's tiers: "
+                         f"{sorted({b['tier'] for b in lookup.get('blocks', [])}) or 'none hold them'})",
+                         stored_tokens=stored, durable_tokens=durable)
 
 
 class TensorPool:

@@ -83,17 +83,18 @@ class AsyncKVClient:
 
     # -- data API ------------------------------------------------------------------------------
 
-    async def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor) -> int:
+    async def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False) -> int:
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
         kv = c.validate_put(spec, toks, kv)
         if self.plan:
-            return await (await self._planned()).put_kv(spec, toks, kv, self.slo_s)
-        if await self._use_shm():
-            got = await self._put_shm(spec, toks, kv)
-            if got is not None:
-                return got
-        return await self._put_http(spec, toks, kv)
+            stored = await (await self._planned()).put_kv(spec, toks, kv, self.slo_s)
+        else:
+            got = await self._put_shm(spec, toks, kv) if await self._use_shm() else None
+            stored = got if got is not None else await self._put_http(spec, toks, kv)
+        if durable:
+            c.check_durable(stored, await self.lookup_blocks(spec, toks))
+        return stored
 
     async def _put_http(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
         answer = await self._send("POST", "/v1/kv/put", c.kv_parts(spec, toks, kv), KV_MEDIA)

@@ -108,24 +108,31 @@ class KVClient:
 
     # -- the data API (EmbeddedStore's, without namespace) --------------------------------
 
-    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor) -> int:
+    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False) -> int:
         """Store the KV of every full block of ``tokens``; returns tokens covered.
+
+        Args:
+            durable: return only once every stored block is known to sit on a durable tier
+                (one more lookup after the put), so it survives a crash of the server; see
+                ``docs/reliability.md`` for what that promises.
 
         Raises:
             InvalidSpec, InvalidTokens, InvalidKV: bad input (checked here first).
             TierFull, QuotaExceeded, TierUnavailable, Unauthorized, Forbidden: from the server.
+            NotDurable: ``durable`` was asked and some stored block sits on a volatile tier.
             ConnectionFailed: the server could not be reached after the retries.
         """
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
         kv = c.validate_put(spec, toks, kv)
         if self.plan:
-            return self._planned().put_kv(spec, toks, kv, self.slo_s)
-        if self._use_shm():
-            got = self._put_shm(spec, toks, kv)
-            if got is not None:
-                return got
-        return self._put_http(spec, toks, kv)
+            stored = self._planned().put_kv(spec, toks, kv, self.slo_s)
+        else:
+            got = self._put_shm(spec, toks, kv) if self._use_shm() else None
+            stored = got if got is not None else self._put_http(spec, toks, kv)
+        if durable:
+            c.check_durable(stored, self.lookup_blocks(spec, toks))
+        return stored
 
     def _put_http(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
         parts = c.kv_parts(spec, toks, kv)

@@ -25,6 +25,7 @@ from kvstore.errors import (
     InvalidSpec,
     InvalidTokens,
     KVStoreError,
+    NotDurable,
     StoreClosed,
     TierError,
     TierFull,

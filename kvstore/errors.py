@@ -45,6 +45,7 @@ __all__ = [
     "TierFull",
     "TierIOError",
     "StoreClosed",
+    "NotDurable",
 ]
 
 
@@ -119,6 +120,19 @@ class TierFull(TierError):
 
 class TierIOError(TierError, OSError):
     """The tier's backing reported an I/O error (EIO, a short write, ...)."""
+
+
+class NotDurable(KVStoreError):
+    """A put asked to be durable was stored, but not all of it on a durable tier.
+
+    ``stored_tokens`` were stored (and stay stored); only ``durable_tokens`` of them, a
+    prefix, sat on a tier that survives a crash (nvme; Redis with an AOF) when checked.
+    """
+
+    def __init__(self, message: str, *, stored_tokens: int, durable_tokens: int) -> None:
+        super().__init__(message)
+        self.stored_tokens = stored_tokens
+        self.durable_tokens = durable_tokens
 
 
 class StoreClosed(KVStoreError, RuntimeError):

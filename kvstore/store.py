@@ -344,6 +344,28 @@ class KVStore:
             n += self._shared.count_prefix(keys[n:])
         return n * spec.block_tokens
 
+    def durable_tokens(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
+        """Tokens of the longest prefix of ``tokens`` whose blocks this store holds on durable tiers.
+
+        A durable tier's acknowledged write survives a crash of this process (``Tier.durable``:
+        nvme with fsync; Redis with an AOF on every master). What this says holds when it is
+        read: placement may later promote a block to a faster, volatile tier, unless every
+        tier is durable (``tiers="nvme"``).
+
+        Raises:
+            InvalidSpec, InvalidTokens: bad input.
+        """
+        self._check_open()
+        spec = _check_spec(spec)
+        spec_fp = spec.fingerprint()
+        n = 0
+        for key in block_hashes(spec, tokens, namespace):
+            entry = self._index.get(key)
+            if not _is_current(entry, namespace, spec_fp) or not self._by_name[entry.tier].durable:
+                break
+            n += 1
+        return n * spec.block_tokens
+
     def delete(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
         """Delete every stored block of ``tokens`` (shared prefix blocks included).
 

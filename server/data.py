@@ -141,11 +141,15 @@ async def kv_get(request: Request) -> Response:
 
 @router.post("/v1/lookup")
 async def lookup(request: Request) -> JSONResponse:
-    """The longest stored prefix: its token count, and each block's key and tier."""
+    """The longest stored prefix: its token count, and each block's key and tier; and how much of
+    it sits on durable tiers (``durable_tokens``), which ``put_kv(..., durable=True)`` checks."""
     svc, _, ns = _caller(request)
     spec, tokens = await _spec_and_tokens(request)
     blocks = await svc.run_index(engine.prefix_blocks, svc.store, spec, tokens, ns)
+    durable = {t.name for t in svc.store.tiers if t.durable}
+    durable_blocks = next((i for i, b in enumerate(blocks) if b.tier not in durable), len(blocks))
     return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
+                         "durable_tokens": durable_blocks * spec.block_tokens,
                          "blocks": [{"key": b.key.hex(), "tier": b.tier} for b in blocks]})
 
 

@@ -16,7 +16,7 @@ def test_kvstore_public_surface():
         "Tier", "TierStats", "BlockHash", "block_hashes", "to_hex", "from_hex",
         "KVStoreError", "InvalidInput", "InvalidSpec", "InvalidKV", "InvalidTokens", "InvalidKey",
         "FrameError", "CorruptFrame", "UnsupportedFrame", "BlockNotFound", "TierError", "TierUnavailable",
-        "TierFull", "TierIOError", "StoreClosed",
+        "TierFull", "TierIOError", "StoreClosed", "NotDurable",
     })
     for name in kvstore.__all__:
         assert hasattr(kvstore, name)
