@@ -48,7 +48,7 @@ from kvstore.errors import InvalidInput, KVStoreError, TierFull
 __all__ = [
     "KV_MEDIA", "BATCH_MEDIA", "FRAME_MEDIA", "JSON_MEDIA",
     "H_NAMESPACE", "H_TOKENS", "H_SHAPE", "H_DTYPE", "H_MEDIUM", "H_TIER", "H_CODEC",
-    "ServiceError", "Unauthorized", "Forbidden", "MalformedRequest", "PayloadTooLarge",
+    "ServiceError", "Unauthorized", "Forbidden", "MalformedRequest", "BodyTimeout", "PayloadTooLarge",
     "QuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout",
     "ERRORS", "STATUS", "status_for", "error_type", "error_body", "error_from",
     "KVHeader", "encode_kv_head", "parse_kv_head", "kv_nbytes",
@@ -105,6 +105,10 @@ class PayloadTooLarge(InvalidInput):
     """The body is over the server's limit (413)."""
 
 
+class BodyTimeout(MalformedRequest):
+    """The request body stalled: no part of it arrived within the server's ``body_timeout_s`` (408)."""
+
+
 class QuotaExceeded(ServiceError):
     """The tenant's byte quota would be exceeded (507); nothing was stored."""
 
@@ -125,7 +129,7 @@ ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         *(getattr(_e, name) for name in _e.__all__),
-        ServiceError, Unauthorized, Forbidden, MalformedRequest, PayloadTooLarge, QuotaExceeded,
+        ServiceError, Unauthorized, Forbidden, MalformedRequest, BodyTimeout, PayloadTooLarge, QuotaExceeded,
         RouteNotFound, ConnectionFailed, RequestTimeout,
     )
 }
@@ -136,7 +140,7 @@ STATUS: dict[str, int] = {
     "ServiceError": 500,
     "InvalidInput": 422, "InvalidSpec": 422, "InvalidKV": 422, "InvalidTokens": 422, "InvalidKey": 422,
     "FrameError": 422, "CorruptFrame": 422, "UnsupportedFrame": 422,
-    "MalformedRequest": 400,
+    "MalformedRequest": 400, "BodyTimeout": 408,
     "PayloadTooLarge": 413,
     "Unauthorized": 401,
     "Forbidden": 403,

@@ -20,7 +20,8 @@ SDK maps the status back to the same class.
     │   ├── TierUnavailable (ConnectionError)  its backing is down or unreachable
     │   ├── TierFull                         the frame does not fit
     │   └── TierIOError (OSError)            the backing reported an I/O error
-    └── StoreClosed (RuntimeError)           the store was used after close()
+    ├── StoreClosed (RuntimeError)           the store was used after close()
+    └── NotDurable                           a put asked to be durable sits (partly) on volatile tiers
 
 A miss is never an error: tiers return ``None`` and the store returns fewer
 tokens. Lower-layer exceptions are translated at the boundary with

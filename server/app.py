@@ -9,6 +9,7 @@ handlers. Routes count streamed bodies as they read them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -19,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 
-from client_sdk.protocol import PayloadTooLarge, error_body
+from client_sdk.protocol import BodyTimeout, PayloadTooLarge, error_body
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.store import KVStore
@@ -84,6 +85,43 @@ class _BodyLimit:
                     await send({"type": "http.response.body", "body": body})
                     return
         await self.app(scope, receive, send)
+
+
+class _BodyTimeout:
+    """408 for a request body that stalls: each part must arrive within ``idle_s`` of the last.
+
+    Without it a client that sends headers and then trickles its body (or nothing) holds a
+    connection, a handler and a pooled buffer for as long as it likes. Once the body is
+    complete, ``receive`` passes through untimed: a response may wait on it for a disconnect.
+    """
+
+    def __init__(self, app: Any, idle_s: float) -> None:
+        self.app, self.idle_s = app, idle_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.idle_s:
+            return await self.app(scope, receive, send)
+        state = {"reading": True, "stalled": False}
+
+        async def timed_receive() -> dict:
+            if not state["reading"]:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_s)
+            except asyncio.TimeoutError:
+                state["stalled"] = True
+                raise BodyTimeout(f"no part of the request body arrived for {self.idle_s:g} s "
+                                  "(KVSTORE_BODY_TIMEOUT_S)") from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                state["reading"] = False
+            return message
+
+        async def closing_send(message: dict) -> None:
+            if state["stalled"] and message["type"] == "http.response.start":  # the rest is not read
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, timed_receive, closing_send)
 
 
 HOT_ROUTES = (("POST", "/v1/lookup"), ("POST", "/v1/kv/get"), ("POST", "/v1/kv/put"), ("POST", "/v1/kv/handles"))
@@ -157,6 +195,7 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     if len(hot) != len(HOT_ROUTES):
         raise RuntimeError(f"hot routes missing from the app: {sorted(set(HOT_ROUTES) - set(hot))}")
     app.add_middleware(_Direct, routes=hot)
+    app.add_middleware(_BodyTimeout, idle_s=settings.body_timeout_s)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_Observe, svc=svc)  # added last: outermost
     return app

@@ -129,6 +129,9 @@ class ServerSettings:
     (two cores, a busy neighbour). 0 leaves torch's default."""
     graceful_timeout_s: float = 30.0
     """How long shutdown waits for in-flight requests."""
+    body_timeout_s: float = 30.0
+    """Longest wait for the next part of a request body (KVSTORE_BODY_TIMEOUT_S); a client that
+    stalls longer (a slow-loris upload) gets 408 and its connection closed. 0: no limit."""
     log_level: str = "info"
     flight_port: int | None = None
     """Port of the Arrow Flight bulk path beside the REST app (``server.flight``): None runs
@@ -144,6 +147,9 @@ class ServerSettings:
             raise InvalidInput(f"flight_port must be None or an int in [0, 65535], got {fp!r}")
         if fp and fp == self.port:
             raise InvalidInput(f"flight_port must differ from port ({self.port}): Flight listens beside REST")
+        bt = self.body_timeout_s
+        if isinstance(bt, bool) or not isinstance(bt, (int, float)) or not 0 <= bt < float("inf"):
+            raise InvalidInput(f"body_timeout_s must be a number of seconds >= 0, got {bt!r}")
         object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes))
         object.__setattr__(self, "staging_bytes", parse_size(self.staging_bytes))
         if self.admin_token is not None and len(self.admin_token) < _MIN_TOKEN_CHARS:
@@ -205,7 +211,7 @@ def _parse(name: str, raw: str) -> Any:
         if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise InvalidInput(f"1/0, true/false or yes/no, got {raw!r}")
         return raw.strip().lower() in ("1", "true", "yes")
-    if name == "graceful_timeout_s":
+    if name in ("graceful_timeout_s", "body_timeout_s"):
         return float(raw)
     if name == "torch_threads":
         if not raw.strip().isdigit():
