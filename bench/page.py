@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-__all__ = ["tables", "render"]
+__all__ = ["tables", "render", "replace_section"]
 
 START, END = "<!-- bench:results -->", "<!-- /bench:results -->"
 
@@ -102,8 +102,7 @@ def render(result: dict, page: Path) -> None:
     Raises:
         ValueError: the page lacks the markers.
     """
-    text = page.read_text()
-    if START not in text or END not in text:
+    if START not in page.read_text() or END not in page.read_text():
         raise ValueError(f"{page} has no {START} ... {END} section to fill")
     img_dir = page.parent / "benchmarks"
     img_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +111,18 @@ def render(result: dict, page: Path) -> None:
         name = Path(chart).name.split("-")[-1]  # <stamp>-throughput.png -> throughput.png
         shutil.copyfile(chart, img_dir / name)
         images.append(f"![{name.removesuffix('.png')}](benchmarks/{name})")
-    body = f"{START}\n\n{tables(result)}\n\n" + "\n\n".join(images) + f"\n\n{END}"
+    replace_section(page, f"{tables(result)}\n\n" + "\n\n".join(images))
+
+
+def replace_section(page: Path, body: str) -> None:
+    """Put ``body`` between ``page``'s ``<!-- bench:results -->`` markers, keeping the rest.
+
+    Raises:
+        ValueError: the page lacks the markers.
+    """
+    text = page.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{page} has no {START} ... {END} section to fill")
     head, _, rest = text.partition(START)
     _, _, tail = rest.partition(END)
-    page.write_text(head + body + tail)
+    page.write_text(f"{head}{START}\n\n{body}\n\n{END}{tail}")

@@ -12,6 +12,7 @@
     kvstore bench tiers [--quick] [--tiers shm,cxl,...] [--repeats N] [--redis-url URL] [--dir DIR] [--out DIR]
     kvstore bench service [--quick] [--repeats N] [--caches warm|cold] [--torch-threads N] [--out DIR]
     kvstore bench planner|flight|layers [--quick] [--repeats N] [--torch-threads N] [--out DIR]
+    kvstore bench reliability [--quick] [--out DIR] [--docs PAGE]
     kvstore bench all [--quick] [--with-lmcache | --no-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
@@ -84,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
         p.add_argument("--out", default="bench/results", help="directory for the results (default bench/results)")
         p.set_defaults(repeats=None)
+
+    rel = which.add_parser("reliability", help="crash, fuzz, load and memory scenarios of the reliability suite")
+    rel.add_argument("--quick", action="store_true", help="the suite's default sizes (about 2 minutes)")
+    rel.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
+    rel.add_argument("--docs", default=None, help="render the table into this page (docs/reliability.md)")
+    rel.set_defaults(repeats=None)
 
     every = which.add_parser("all", help="limits, kvstore's paths and its peers side by side; TTFT; scale")
     every.add_argument("--quick", action="store_true", help="3 samples a row, short windows (under 3 minutes)")
@@ -190,6 +197,7 @@ def _bench(args: argparse.Namespace) -> int:
         "codec": _bench_codec, "tiers": _bench_tiers, "service": _bench_service,
         "placement": _bench_traces, "write-policy": _bench_traces,
         "planner": _bench_module, "flight": _bench_module, "layers": _bench_module, "all": _bench_all,
+        "reliability": _bench_reliability,
     }
     return benches[args.bench](args)
 
@@ -229,6 +237,23 @@ def _bench_module(args: argparse.Namespace) -> int:
 
     run = importlib.import_module(f"bench.{args.bench}").run
     run(quick=args.quick, repeats=args.repeats, out_dir=args.out, torch_threads=args.torch_threads)
+    return 0
+
+
+def _bench_reliability(args: argparse.Namespace) -> int:
+    from bench.reliability import run
+
+    if args.docs is not None and not os.path.isfile(args.docs):
+        print(f"kvstore bench reliability: --docs {args.docs}: no such page", file=sys.stderr)
+        return 2
+    try:
+        run(quick=args.quick, out_dir=args.out, docs=args.docs)
+    except ValueError as exc:  # a page without markers
+        print(f"kvstore bench reliability: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"kvstore bench reliability: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,23 +7,13 @@ pages, the index, the allocator's bins), every later sample of VmRSS stays withi
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-
-def churn(tmp_path, cycles: int) -> dict:
-    done = subprocess.run([sys.executable, "-m", "tests.reliability.memory_churn", str(cycles), str(tmp_path)],
-                          capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
-    print(figures)
-    return figures
+from tests.reliability.scenarios import churn
 
 
 def _check(figures: dict) -> None:
+    print(figures)  # shown with -s
     warm, *later = figures["rss"]
     assert len(later) >= 9
     drift = max(later) / warm - 1
@@ -38,3 +28,22 @@ def test_churn_keeps_the_resident_set(tmp_path):
 @pytest.mark.slow
 def test_a_million_cycles_keep_the_resident_set(tmp_path):
     _check(churn(tmp_path, 1_000_000))
+
+
+@pytest.mark.slow
+def test_bench_reliability_quick_prints_and_writes_every_figure(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    page = tmp_path / "reliability.md"
+    page.write_text("# R\n\n<!-- bench:results -->\n<!-- /bench:results -->\n")
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "reliability", "--quick", "--out",
+                           str(tmp_path), "--docs", str(page)], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for figure in ("crash cycles survived", "lost", "torn or foreign served", "fuzz cases run", "5xx seen",
+                   "concurrent ops verified", "mismatches", "p99 latency", "RSS drift"):
+        assert figure in done.stdout and figure in page.read_text()
+    [path] = tmp_path.glob("reliability-*.json")
+    result = json.loads(path.read_text())
+    assert result["crash"]["lost"] == 0 and result["load"]["mismatches"] == 0 and result["fuzz"]["5xx"] == 0

@@ -1,0 +1,232 @@
+"""The reliability scenarios, as functions that run one and return its figures.
+
+``tests/reliability/test_*.py`` assert on the figures; ``kvstore bench reliability`` runs the
+same scenarios at full size and tabulates them. Each uses real processes: ``kvstore serve``
+(``tests.server.live.ServeProcess``), client processes, and real files and shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import torch
+
+from client_sdk import KVClient
+from tests.reliability.crash_client import NAMESPACE as CRASH_NAMESPACE
+from tests.reliability.crash_client import SPEC, sequence
+from tests.reliability.load_worker import FAMILIES, NAMESPACE, PER_FAMILY, SPECS, expected_kv, matches, tokens_of
+from tests.server.live import ServeProcess
+from tests.tiers.redis_servers import free_port
+
+__all__ = ["WORKERS", "CLIENTS", "run_load", "run_crashes", "churn", "crash_env", "damage", "fuzz_blocks"]
+
+
+WORKERS = 16
+
+
+def run_load(tmp_path, ops_per_worker: int, seed: int = 0, lossy: bool = False) -> dict:
+    """The scenario against a fresh server; its figures.
+
+    Args:
+        lossy: keep the cold tiers' default int8 and check gets within its rounding;
+            otherwise every tier is raw and gets are checked bit for bit.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    # Upper tiers of a few MiB against ~40 MiB of sequences: puts push blocks down, gets
+    # pull them back up, and deletes and evictions race both.
+    env.update(KVSTORE_DATA_DIR=str(tmp_path / "data"), KVSTORE_SHM_BYTES="4MiB", KVSTORE_CXL_BYTES="4MiB",
+               KVSTORE_NVME_BYTES="512MiB", KVSTORE_STAGING_BYTES="32MiB", KVSTORE_LOG_LEVEL="warning")
+    if not lossy:  # every tier raw: then any difference from the expected KV is wrong KV
+        env["KVSTORE_TIER_CODECS"] = "cxl=raw,nvme=raw"
+    server = ServeProcess(env).start()
+    try:
+        workers = [subprocess.Popen([sys.executable, "-m", "tests.reliability.load_worker", server.url, str(w),
+                                     str(ops_per_worker), str(seed), *(["lossy"] if lossy else [])],
+                                    stdout=subprocess.PIPE, text=True)
+                   for w in range(WORKERS)]
+        results, failed = [], []
+        for w, proc in enumerate(workers):
+            out, _ = proc.communicate(timeout=3600)
+            if proc.returncode:
+                failed.append((w, proc.returncode))
+            else:
+                results.append(json.loads(out.strip().splitlines()[-1]))
+        swept = _sweep(server.url, lossy)
+        moves = httpx.get(f"{server.url}/admin/moves", params={"limit": 10_000}, timeout=30).json()["moves"]
+        health = httpx.get(f"{server.url}/healthz", timeout=10).status_code
+    finally:
+        server.stop()
+    latencies: dict[str, list[float]] = {}
+    for r in results:
+        for op, ts in r["latencies"].items():
+            latencies.setdefault(op, []).extend(ts)
+    errors: Counter[str] = Counter()
+    for r in results:
+        errors.update(r["errors"])
+    figures = {
+        "ops": sum(r["ops"] for r in results), "failed_workers": failed,
+        "mismatches": sum(r["mismatches"] for r in results) + swept["mismatches"],
+        "verified_tokens": sum(r["verified_tokens"] for r in results) + swept["tokens"],
+        "errors": dict(errors), "moves": len(moves), "health": health, "swept_mismatches": swept["mismatches"],
+        "examples": [e for r in results for e in r["examples"]][:10],
+        "media": sorted({r["medium"] for r in results if r["medium"]}),
+        "p50_ms": {op: 1e3 * statistics.median(ts) for op, ts in latencies.items()},
+        "p99_ms": {op: 1e3 * sorted(ts)[int(0.99 * (len(ts) - 1))] for op, ts in latencies.items()},
+    }
+    return figures
+
+
+def _sweep(url: str, lossy: bool) -> dict:
+    """After the storm: every sequence reads back as its expected prefix, whatever survived."""
+    mismatches = tokens = 0
+    with KVClient(url, namespace=NAMESPACE, colocated=False, plan=False) as client:
+        for which, spec in enumerate(SPECS):
+            for seq in range(FAMILIES * PER_FAMILY):
+                toks = tokens_of(seq)
+                kv, n = client.get_kv(spec, toks)
+                tokens += n
+                if n and not matches(kv, expected_kv(which, toks[:n]), lossy):
+                    mismatches += 1
+    return {"mismatches": mismatches, "tokens": tokens}
+
+
+CLIENTS = 4
+
+
+def crash_env(data: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    # raw on nvme (a cold tier keeps int8 by default): then any difference is damage, not rounding
+    env.update(KVSTORE_DATA_DIR=str(data), KVSTORE_TIERS="nvme", KVSTORE_TIER_CODECS="nvme=raw",
+               KVSTORE_LOG_LEVEL="warning")
+    return env
+
+
+def _cycle(url: str, server: ServeProcess, cycle: int, rng: random.Random) -> dict[int, tuple[list[int], int]]:
+    """One storm and kill; each client's acknowledged puts and the one it had in flight."""
+    clients = [subprocess.Popen([sys.executable, "-m", "tests.reliability.crash_client", url, str(c),
+                                 str(cycle * 1_000_000)], stdout=subprocess.PIPE, text=True)
+               for c in range(CLIENTS)]
+    try:
+        for proc in clients:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc_timer = rng.uniform(0.3, 2.0)
+        try:
+            clients[0].wait(timeout=proc_timer)  # a client that dies early fails the test below
+        except subprocess.TimeoutExpired:
+            pass
+        server.kill()  # SIGKILL, mid-storm
+    finally:
+        for proc in clients:
+            proc.kill()
+    acked: dict[int, tuple[list[int], int]] = {}
+    for c, proc in enumerate(clients):
+        out, _ = proc.communicate(timeout=30)
+        lines = out.splitlines()
+        done = [int(x) for x in lines if x.strip()]  # a line is only ever written whole
+        acked[c] = (done, (done[-1] + 1) if done else cycle * 1_000_000)
+    return acked
+
+
+def run_crashes(tmp_path: Path, cycles: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    data, port = tmp_path / "data", free_port()
+    all_acked: list[tuple[int, int]] = []
+    figures = {"cycles": 0, "acknowledged": 0, "checked": 0, "lost": 0, "torn_served": 0, "in_flight_found": 0}
+    for cycle in range(cycles):
+        server = ServeProcess(crash_env(data), port=port).start()
+        acked = _cycle(server.url, server, cycle, rng)
+        assert all(done for done, _ in acked.values()), f"a client acknowledged nothing in cycle {cycle}: {acked}"
+        server = ServeProcess(crash_env(data), port=port).start()
+        try:
+            with KVClient(server.url, namespace=CRASH_NAMESPACE, colocated=False, plan=False) as client:
+                for c, (done, in_flight) in acked.items():
+                    all_acked.extend((c, i) for i in done)
+                    figures["acknowledged"] += len(done)
+                    tokens = sequence(c, in_flight)
+                    kv, n = client.get_kv(SPEC, tokens)
+                    if n:
+                        figures["in_flight_found"] += 1
+                        figures["torn_served"] += not torch.equal(kv, expected_kv(0, tokens[:n]))
+                # every acknowledged put so far: this cycle's and all before
+                for c, i in all_acked:
+                    tokens = sequence(c, i)
+                    kv, n = client.get_kv(SPEC, tokens)
+                    figures["checked"] += 1
+                    if n < len(tokens):
+                        figures["lost"] += 1
+                    elif not torch.equal(kv, expected_kv(0, tokens)):
+                        figures["torn_served"] += 1
+        finally:
+            server.stop()
+        stray = [p for p in data.rglob("*.tmp") if "quarantine" not in p.parts]
+        assert not stray, f"temp files among the data after a restart: {stray[:5]}"
+        figures["cycles"] += 1
+    return figures
+
+
+def churn(tmp_path: Path, cycles: int) -> dict:
+    """``tests/reliability/memory_churn.py`` in its own process (a clean resident set); its figures."""
+    done = subprocess.run([sys.executable, "-m", "tests.reliability.memory_churn", str(cycles), str(tmp_path)],
+                          capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"memory_churn failed: {done.stderr[-3000:]}")
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+
+
+def damage(frame: bytes, rng: random.Random) -> bytes:
+    """``frame`` with one bit flipped, cut short, extended, or replaced by random bytes."""
+    how = rng.choice(("flip", "truncate", "extend", "random"))
+    if how == "flip":
+        at = rng.randrange(len(frame))
+        return frame[:at] + bytes([frame[at] ^ (1 << rng.randrange(8))]) + frame[at + 1:]
+    if how == "truncate":
+        return frame[:rng.randrange(len(frame))]
+    if how == "extend":
+        return frame + rng.randbytes(rng.randint(1, 64))
+    return rng.randbytes(rng.randint(0, 4096))
+
+
+def fuzz_blocks(tmp_path: Path, cases: int, seed: int = 0) -> dict:
+    """Damaged frames to ``PUT /v1/blocks/{key}`` and ``POST /v1/blocks/put`` of a fresh server.
+
+    Returns:
+        ``{"cases", "statuses": {status: count}, "5xx", "stored", "healthy"}``: "stored" counts
+        damaged frames the server kept (must be 0).
+    """
+    from client_sdk.media import encode_blocks
+
+    rng = random.Random(seed)
+    tokens = list(range(12_000, 12_016))
+    [(key, frame)] = [(bytes(k), bytes(f)) for k, f in encode_blocks(SPECS[0], tokens, expected_kv(0, tokens), "fuzz")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env.update(KVSTORE_DATA_DIR=str(tmp_path / "fuzz-data"), KVSTORE_LOG_LEVEL="warning")
+    server = ServeProcess(env).start()
+    statuses: Counter[int] = Counter()
+    stored = 0
+    try:
+        with httpx.Client(base_url=server.url, headers={"X-KV-Namespace": "fuzz"}, timeout=30) as http:
+            for _ in range(cases):
+                bad = damage(frame, rng)
+                statuses[http.put(f"/v1/blocks/{key.hex()}", content=bad).status_code] += 1
+                body = json.dumps({"blocks": [{"key": key.hex(), "frame": bad.hex()}]})
+                statuses[http.post("/v1/blocks/put", content=body,
+                                   headers={"content-type": "application/json"}).status_code] += 1
+                if http.head(f"/v1/blocks/{key.hex()}").status_code == 200:
+                    stored += 1
+                    http.delete(f"/v1/blocks/{key.hex()}")
+            healthy = http.get("/healthz").status_code == 200
+    finally:
+        server.stop()
+    return {"cases": 2 * cases, "statuses": {str(k): v for k, v in sorted(statuses.items())},
+            "5xx": sum(v for k, v in statuses.items() if k >= 500), "stored": stored, "healthy": healthy}
