@@ -22,9 +22,12 @@ NAMESPACE = "crash"
 
 
 def sequence(client: int, i: int) -> list[int]:
-    """Put ``i`` of ``client``: 64 to 192 tokens (4 to 12 blocks) of its own."""
+    """Put ``i`` of ``client``: 64 to 192 tokens (4 to 12 blocks) of its own.
+
+    Clients 0-3 and ``i`` below 1,000,000 keep every token id under 2**32 and apart.
+    """
     n = 64 + 16 * ((i * 7 + client) % 9)
-    return [client * 100_000_000 + i * 1_000 + t for t in range(n)]
+    return [client * 1_000_000_000 + i * 1_000 + t for t in range(n)]
 
 
 def main(url: str, client: int, start: int) -> None:

@@ -99,6 +99,8 @@ def _sweep(url: str, lossy: bool) -> dict:
 
 
 CLIENTS = 4
+PUTS_PER_CYCLE = 20_000
+"""Room for one client's puts in a cycle (it makes a few hundred): cycle c numbers them from c * this."""
 
 
 def crash_env(data: Path) -> dict[str, str]:
@@ -112,11 +114,13 @@ def crash_env(data: Path) -> dict[str, str]:
 def _cycle(url: str, server: ServeProcess, cycle: int, rng: random.Random) -> dict[int, tuple[list[int], int]]:
     """One storm and kill; each client's acknowledged puts and the one it had in flight."""
     clients = [subprocess.Popen([sys.executable, "-m", "tests.reliability.crash_client", url, str(c),
-                                 str(cycle * 1_000_000)], stdout=subprocess.PIPE, text=True)
+                                 str(cycle * PUTS_PER_CYCLE)], stdout=subprocess.PIPE, text=True)
                for c in range(CLIENTS)]
     try:
-        for proc in clients:
-            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        for c, proc in enumerate(clients):
+            assert proc.stdout is not None
+            if (line := proc.stdout.readline()) != "ready\n":
+                raise RuntimeError(f"crash client {c} did not start (exit {proc.poll()}, said {line!r})")
         proc_timer = rng.uniform(0.3, 2.0)
         try:
             clients[0].wait(timeout=proc_timer)  # a client that dies early fails the test below
@@ -131,7 +135,7 @@ def _cycle(url: str, server: ServeProcess, cycle: int, rng: random.Random) -> di
         out, _ = proc.communicate(timeout=30)
         lines = out.splitlines()
         done = [int(x) for x in lines if x.strip()]  # a line is only ever written whole
-        acked[c] = (done, (done[-1] + 1) if done else cycle * 1_000_000)
+        acked[c] = (done, (done[-1] + 1) if done else cycle * PUTS_PER_CYCLE)
     return acked
 
 
