@@ -1,0 +1,69 @@
+"""ENOSPC at the service: the nvme tier's file system fills up under a stream of puts.
+
+``kvstore serve`` keeps its data directory on a tmpfs of a few MiB (mounted for the test: it
+needs root) and runs shm above nvme. Puts go on well past what both hold. Every failure is a
+typed 507 ``TierFull``, the blocks that were stored read back bit for bit (no partial file is
+ever served), and the server stays up.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections import Counter
+
+import pytest
+import torch
+
+from client_sdk import KVClient
+from kvstore.errors import KVStoreError
+from tests.reliability.load_worker import SPECS, expected_kv
+from tests.server.live import ServeProcess
+
+SPEC = SPECS[0]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to provoke ENOSPC needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_file_system_is_tier_full_and_serves_only_whole_blocks(small_fs, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env.update(KVSTORE_DATA_DIR=str(small_fs / "data"), KVSTORE_TIERS="shm,nvme", KVSTORE_SHM_BYTES="1MiB",
+               KVSTORE_STAGING_BYTES="4MiB", KVSTORE_NVME_BYTES="64MiB", KVSTORE_TIER_CODECS="nvme=raw",
+               KVSTORE_AUDIT_LOG=str(tmp_path / "audit.jsonl"), KVSTORE_LOG_LEVEL="warning")
+    server = ServeProcess(env)
+    server.log_path = tmp_path / "serve.log"  # not on the small file system
+    server.start()
+    stored, errors = [], Counter()
+    try:
+        with KVClient(server.url, namespace="enospc", colocated=False, plan=False) as client:
+            for s in range(40):  # 40 x 128 KiB: 5 MiB against 1 MiB of shm and 3 MiB of disk
+                tokens = [s * 1_000 + t for t in range(64)]
+                try:
+                    client.put_kv(SPEC, tokens, expected_kv(0, tokens))
+                    stored.append(tokens)
+                except KVStoreError as exc:
+                    errors[type(exc).__name__] += 1
+            served = 0
+            for s in range(40):
+                tokens = [s * 1_000 + t for t in range(64)]
+                kv, n = client.get_kv(SPEC, tokens)
+                assert not n or torch.equal(kv, expected_kv(0, tokens[:n])), f"sequence {s}: wrong KV"
+                served += n
+            assert client.health()["status"] == "ok"
+    finally:
+        server.stop()
+    print({"stored": len(stored), "errors": dict(errors), "served_tokens": served})
+    assert set(errors) <= {"TierFull"}, errors
+    assert errors, "the file system never filled: the scenario did not happen"
+    assert stored and served > 0
