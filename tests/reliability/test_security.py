@@ -85,3 +85,26 @@ def test_tenant_b_finds_nothing_of_tenant_a(secured):
     with KVClient(server.url, token=a, namespace="a", plan=False) as tenant_a:  # and A's blocks are intact
         kv, n = tenant_a.get_kv(SPEC, TOKENS)
         assert n == len(TOKENS) and torch.equal(kv, expected_kv(0, TOKENS))
+
+
+def test_every_known_token_is_compared_in_constant_time_whatever_matches(monkeypatch):
+    """No early exit: the first, the last and no token cost the same ``compare_digest`` calls."""
+    import hmac
+
+    from server import auth
+    from server.config import ServerSettings
+
+    tokens = [secrets.token_urlsafe(24) for _ in range(5)]
+    settings = ServerSettings(tokens=json.dumps({t: {"tenant": f"t{i}", "namespaces": [f"t{i}"]} for i, t in enumerate(tokens)}),
+                              admin_token=secrets.token_urlsafe(24))
+    authenticator = auth.Authenticator(settings)
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    for presented in (tokens[0], tokens[-1], secrets.token_urlsafe(24)):
+        calls.clear()
+        try:
+            authenticator.authenticate(f"Bearer {presented}")
+        except Unauthorized:
+            pass
+        assert len(calls) == len(tokens) + 1  # every tenant token and the admin token, every time
