@@ -415,7 +415,7 @@ class RedisTier(Tier):
     def _read(self, r: Any, reads: list[Read]) -> None:
         """Land each frame: one round trip per node and try, each frame in its own MULTI."""
         first = self._read_hint if len(reads) == 1 else 1  # batches: one miss, not many
-        for _ in range(_READ_TRIES):
+        for attempt in range(_READ_TRIES):
             todo = [read for read in reads if not read.done]
             if not todo:
                 break
@@ -423,11 +423,14 @@ class RedisTier(Tier):
                 for pool, group in self._pools(r, todo).items():
                     self._fetch(pool, group, first)
             except (ResponseError, redis.ConnectionError) as exc:
-                if not self._cluster:
+                moved = str(exc).startswith(("MOVED", "ASK"))
+                if not self._cluster or not (moved or isinstance(exc, redis.ConnectionError)):
                     raise
                 with contextlib.suppress(RedisError, RedisClusterException):
                     r.nodes_manager.initialize()  # a slot moved, or a master failed over
-                if not str(exc).startswith(("MOVED", "ASK")):
+                # A lost master's replica serves its slots once the cluster has failed over:
+                # ask again on the new map, so a reader sees a finished failover as latency.
+                if attempt == _READ_TRIES - 1:
                     raise
         for read in reads:
             if read.bad:

@@ -24,7 +24,7 @@ from client_sdk import KVClient
 from kvstore.errors import KVStoreError
 from tests.reliability.load_worker import SPECS, expected_kv
 from tests.server.live import ServeProcess
-from tests.tiers.redis_servers import RedisServer
+from tests.tiers.redis_servers import RedisClusterServers, RedisServer
 
 SPEC = SPECS[0]
 TIMEOUT_S = 10.0
@@ -96,3 +96,35 @@ def test_redis_killed_mid_load_degrades_and_comes_back_without_a_restart(tmp_pat
     assert sum(r["mismatches"] for r in results.values()) == 0
     assert max(r["slowest_s"] for r in results.values()) < TIMEOUT_S
     assert set(errors) <= {"TierUnavailable"}, errors  # typed, and only the one that says Redis is down
+
+
+def test_a_cluster_master_lost_fails_over_to_its_replica_unseen_by_clients(tmp_path):
+    """Redis Cluster, 3 masters with a replica each; one master is killed with every block written.
+
+    Once the replica has taken its slots (about 2 s with a 1 s node timeout), the clients' next
+    gets find every block, bit for bit, and puts go on: nothing to restart, no error to handle.
+    """
+    cluster = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env.update(KVSTORE_DATA_DIR=str(tmp_path / "data"), KVSTORE_REDIS_URL=cluster.url, KVSTORE_TIERS="redis",
+               KVSTORE_TIER_CODECS="redis=raw", KVSTORE_LOG_LEVEL="warning")
+    server = ServeProcess(env).start()
+    try:
+        with KVClient(server.url, namespace="failover", colocated=False, plan=False, timeout_s=TIMEOUT_S) as client:
+            seqs = [[s * 10_000 + t for t in range(64)] for s in range(24)]
+            for tokens in seqs:  # 96 blocks: every master holds some
+                assert client.put_kv(SPEC, tokens, expected_kv(0, tokens)) == 64
+            for node in cluster.masters():  # the replicas have every write before a master goes
+                with node.client() as c:
+                    assert c.execute_command("WAIT", 1, 5000) == 1
+            cluster.masters()[0].kill()
+            cluster.wait_ok(timeout_s=30)  # its replica serves its slots now
+            for tokens in seqs:
+                kv, n = client.get_kv(SPEC, tokens)
+                assert n == 64 and torch.equal(kv, expected_kv(0, tokens))
+            more = [9_999_000 + t for t in range(64)]
+            assert client.put_kv(SPEC, more, expected_kv(0, more)) == 64
+            assert client.get_kv(SPEC, more)[1] == 64
+    finally:
+        server.stop()
+        cluster.stop()

@@ -105,14 +105,22 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """A Redis Cluster of ``masters`` masters and no replicas, on loopback."""
+    """A Redis Cluster of ``masters`` masters, each with ``replicas`` replicas, on loopback.
 
-    def __init__(self, masters: int = 3) -> None:
+    ``node_timeout_ms`` is how long a master may be unreachable before its replica takes over.
+    """
+
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 15000) -> None:
+        self.replicas = replicas
         self.nodes: list[RedisServer] = []
-        for _ in range(masters):
+        for _ in range(masters * (1 + replicas)):
             # cluster-port: the bus port defaults to port+10000, which may be taken.
             self.nodes.append(RedisServer("--cluster-enabled", "yes", "--cluster-config-file",
-                                          "nodes.conf", "--cluster-port", str(free_port())))
+                                          "nodes.conf", "--cluster-port", str(free_port()),
+                                          "--cluster-node-timeout", str(node_timeout_ms),
+                                          # a replica fails over however stale it thinks it is: on a
+                                          # loaded test machine its own estimate refused it
+                                          "--cluster-replica-validity-factor", "0"))
 
     @property
     def url(self) -> str:
@@ -128,7 +136,7 @@ class RedisClusterServers:
             for node in self.nodes:
                 node.start()
             addrs = [f"127.0.0.1:{node.port}" for node in self.nodes]
-            subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+            subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
                             "--cluster-yes"], check=True, capture_output=True, timeout=timeout_s)
             self._wait_ok(time.monotonic() + timeout_s)
         except BaseException:
@@ -137,12 +145,21 @@ class RedisClusterServers:
         return self
 
     def _wait_ok(self, deadline: float) -> None:
+        """Until every live node says ``cluster_state:ok``, with all 16384 slots served by live masters."""
         while True:
             states = []
+            live = {node.port for node in self.nodes if node.proc is not None and node.proc.poll() is None}
             for node in self.nodes:
-                with node.client() as client:
-                    info = client.cluster("info")
-                states.append(info.get("cluster_state") == "ok" and
+                if node.port not in live:
+                    continue
+                try:
+                    with node.client() as client:
+                        info = client.cluster("info")
+                        owners = {int(r[2][1]) for r in client.execute_command("CLUSTER SLOTS")}
+                except redis.RedisError:
+                    states.append(False)
+                    continue
+                states.append(info.get("cluster_state") == "ok" and owners <= live and
                               int(info.get("cluster_slots_ok", 0)) == 16384)
             if all(states):
                 return
@@ -150,8 +167,23 @@ class RedisClusterServers:
                 raise RuntimeError(f"cluster did not reach cluster_state:ok: {states}")
             time.sleep(0.05)
 
-    def flushall(self) -> None:
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Wait for the cluster to serve every slot from a live master again (after a failover)."""
+        self._wait_ok(time.monotonic() + timeout_s)
+
+    def masters(self) -> list[RedisServer]:
+        """The live nodes that are masters now."""
+        out = []
         for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            with node.client() as client:
+                if client.info("replication").get("role") == "master":
+                    out.append(node)
+        return out
+
+    def flushall(self) -> None:
+        for node in self.masters() if self.replicas else self.nodes:
             node.flushall()
 
     def stop(self) -> None:
