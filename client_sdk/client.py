@@ -112,9 +112,9 @@ class KVClient:
         """Store the KV of every full block of ``tokens``; returns tokens covered.
 
         Args:
-            durable: return only once every stored block is known to sit on a durable tier
-                (one more lookup after the put), so it survives a crash of the server; see
-                ``docs/reliability.md`` for what that promises.
+            durable: return only if every stored block sat on a durable tier when checked
+                (one more lookup after the put); on a server whose tiers are all durable, the
+                put then survives a crash of the server. ``docs/reliability.md`` has the rest.
 
         Raises:
             InvalidSpec, InvalidTokens, InvalidKV: bad input (checked here first).

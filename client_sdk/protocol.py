@@ -105,8 +105,8 @@ class PayloadTooLarge(InvalidInput):
     """The body is over the server's limit (413)."""
 
 
-class BodyTimeout(MalformedRequest):
-    """The request body stalled: no part of it arrived within the server's ``body_timeout_s`` (408)."""
+class BodyTimeout(ServiceError, TimeoutError):
+    """The request body stalled or trickled past the server's ``body_timeout_s`` (408)."""
 
 
 class QuotaExceeded(ServiceError):

@@ -348,9 +348,11 @@ class KVStore:
         """Tokens of the longest prefix of ``tokens`` whose blocks this store holds on durable tiers.
 
         A durable tier's acknowledged write survives a crash of this process (``Tier.durable``:
-        nvme with fsync; Redis with an AOF on every master). What this says holds when it is
-        read: placement may later promote a block to a faster, volatile tier, unless every
-        tier is durable (``tiers="nvme"``).
+        nvme with fsync; Redis with an AOF on every master, as seen at start). Only blocks this
+        store's index holds count: one only the shared tier holds is not vouched for. A prefix:
+        blocks after a volatile one cannot be read after a crash anyway. What this says holds
+        when it is read: placement may later promote a block into a volatile tier, and a frame
+        put may rewrite one there, unless every tier is durable (``tiers="nvme"``).
 
         Raises:
             InvalidSpec, InvalidTokens: bad input.

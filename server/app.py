@@ -88,12 +88,17 @@ class _BodyLimit:
 
 
 class _BodyTimeout:
-    """408 for a request body that stalls: each part must arrive within ``idle_s`` of the last.
+    """408 for a request body that stalls or trickles.
 
-    Without it a client that sends headers and then trickles its body (or nothing) holds a
-    connection, a handler and a pooled buffer for as long as it likes. Once the body is
-    complete, ``receive`` passes through untimed: a response may wait on it for a disconnect.
+    Each part must arrive within ``idle_s`` of the last, and a body of declared length must
+    be complete within ``idle_s`` plus its length at ``MIN_BODY_RATE``. Without this a client
+    that sends headers and then a byte now and then holds a connection, a handler and a pooled
+    buffer for as long as it likes. Once the body is complete, or a response has started,
+    ``receive`` passes through untimed: a response may wait on it for a disconnect.
     """
+
+    MIN_BODY_RATE = 1 << 20
+    """Bytes a second a body of declared length must average (1 GiB: 30 s + 17 min)."""
 
     def __init__(self, app: Any, idle_s: float) -> None:
         self.app, self.idle_s = app, idle_s
@@ -101,24 +106,31 @@ class _BodyTimeout:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.idle_s:
             return await self.app(scope, receive, send)
+        declared = next((int(v) for k, v in scope["headers"] if k == b"content-length" and v.isdigit()), None)
+        loop = asyncio.get_running_loop()
+        deadline = None if declared is None else loop.time() + self.idle_s + declared / self.MIN_BODY_RATE
         state = {"reading": True, "stalled": False}
 
         async def timed_receive() -> dict:
             if not state["reading"]:
                 return await receive()
+            wait = self.idle_s if deadline is None else min(self.idle_s, deadline - loop.time())
             try:
-                message = await asyncio.wait_for(receive(), self.idle_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(wait, 0.0)):
+                    message = await receive()
+            except TimeoutError:
                 state["stalled"] = True
-                raise BodyTimeout(f"no part of the request body arrived for {self.idle_s:g} s "
-                                  "(KVSTORE_BODY_TIMEOUT_S)") from None
+                raise BodyTimeout(f"the request body stalled: no part of it for {self.idle_s:g} s, or slower "
+                                  f"than {self.MIN_BODY_RATE >> 20} MiB/s (KVSTORE_BODY_TIMEOUT_S)") from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 state["reading"] = False
             return message
 
         async def closing_send(message: dict) -> None:
-            if state["stalled"] and message["type"] == "http.response.start":  # the rest is not read
-                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            if message["type"] == "http.response.start":
+                state["reading"] = False  # answered: a later receive waits for a disconnect, untimed
+                if state["stalled"]:  # the rest of the body is never read: the connection goes
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
         await self.app(scope, timed_receive, closing_send)

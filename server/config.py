@@ -130,8 +130,9 @@ class ServerSettings:
     graceful_timeout_s: float = 30.0
     """How long shutdown waits for in-flight requests."""
     body_timeout_s: float = 30.0
-    """Longest wait for the next part of a request body (KVSTORE_BODY_TIMEOUT_S); a client that
-    stalls longer (a slow-loris upload) gets 408 and its connection closed. 0: no limit."""
+    """Longest wait for the next part of a request body (KVSTORE_BODY_TIMEOUT_S); a body of
+    declared length must also average 1 MiB/s past it. A client that stalls or trickles longer
+    (a slow-loris upload) gets 408 and its connection closed. 0: no limit."""
     log_level: str = "info"
     flight_port: int | None = None
     """Port of the Arrow Flight bulk path beside the REST app (``server.flight``): None runs
@@ -148,7 +149,7 @@ class ServerSettings:
         if fp and fp == self.port:
             raise InvalidInput(f"flight_port must differ from port ({self.port}): Flight listens beside REST")
         bt = self.body_timeout_s
-        if isinstance(bt, bool) or not isinstance(bt, (int, float)) or not 0 <= bt < float("inf"):
+        if isinstance(bt, bool) or not isinstance(bt, (int, float)) or not 0 <= bt < float("inf"):  # NaN too
             raise InvalidInput(f"body_timeout_s must be a number of seconds >= 0, got {bt!r}")
         object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes))
         object.__setattr__(self, "staging_bytes", parse_size(self.staging_bytes))

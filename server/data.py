@@ -146,10 +146,9 @@ async def lookup(request: Request) -> JSONResponse:
     svc, _, ns = _caller(request)
     spec, tokens = await _spec_and_tokens(request)
     blocks = await svc.run_index(engine.prefix_blocks, svc.store, spec, tokens, ns)
-    durable = {t.name for t in svc.store.tiers if t.durable}
-    durable_blocks = next((i for i, b in enumerate(blocks) if b.tier not in durable), len(blocks))
+    durable = await svc.run_index(svc.store.durable_tokens, spec, tokens, ns)
     return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
-                         "durable_tokens": durable_blocks * spec.block_tokens,
+                         "durable_tokens": min(durable, len(blocks) * spec.block_tokens),
                          "blocks": [{"key": b.key.hex(), "tier": b.tier} for b in blocks]})
 
 

@@ -66,6 +66,9 @@ _READ_TRIES = 4  # transactions per read before a frame rewritten under us count
 _CAS_TRIES = 8  # cluster publishes lost to concurrent writers before giving up
 _KEYSPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")  # no ':', '{' or glob characters
 _HEX_KEY = re.compile(r"^[0-9a-f]{64}$")
+_NOT_A_LOST_NODE = (redis.AuthenticationError, redis.exceptions.AuthorizationError,
+                    redis.exceptions.MaxConnectionsError, redis.BusyLoadingError)
+"""Connection errors that say the node is there: a fresh slot map would not help."""
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError,
                 RedisClusterException)
 _UNAVAILABLE_REPLIES = ("LOADING", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN")  # as Wire sees them
@@ -424,13 +427,15 @@ class RedisTier(Tier):
                     self._fetch(pool, group, first)
             except (ResponseError, redis.ConnectionError) as exc:
                 moved = str(exc).startswith(("MOVED", "ASK"))
-                if not self._cluster or not (moved or isinstance(exc, redis.ConnectionError)):
+                # A lost master (refused connection): its replica serves its slots once the cluster
+                # has failed over, so ask again on a fresh map and a finished failover is latency.
+                # Not a refusal on its merits (auth, no connections left, still loading).
+                lost = isinstance(exc, redis.ConnectionError) and not isinstance(exc, _NOT_A_LOST_NODE)
+                if not self._cluster or not (moved or lost):
                     raise
                 with contextlib.suppress(RedisError, RedisClusterException):
                     r.nodes_manager.initialize()  # a slot moved, or a master failed over
-                # A lost master's replica serves its slots once the cluster has failed over:
-                # ask again on the new map, so a reader sees a finished failover as latency.
-                if attempt == _READ_TRIES - 1:
+                if lost and attempt == _READ_TRIES - 1:
                     raise
         for read in reads:
             if read.bad:

@@ -158,6 +158,45 @@ def test_a_slow_loris_upload_gets_408_and_its_connection_closed(live):
     _intact(server)
 
 
+def test_a_trickled_upload_gets_408_too(live):
+    """A byte every 0.3 s never stalls for the 1 s idle limit, but misses the body's deadline."""
+    server, _, _ = live
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"PUT /v1/blocks/{KEY.hex()} HTTP/1.1\r\nHost: x\r\nX-KV-Namespace: {NS}\r\n"
+                  f"Content-Length: {len(FRAME)}\r\n\r\n".encode())
+        s.settimeout(0.3)
+        started, answer = time.monotonic(), b""
+        for i in range(40):
+            try:
+                s.sendall(FRAME[i:i + 1])
+                answer = s.recv(65536)
+                break
+            except socket.timeout:
+                continue
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert time.monotonic() - started < 5
+    _intact(server)
+
+
+def test_a_stalled_hot_route_upload_gets_408_and_the_next_request_is_served(live):
+    server, _, _ = live
+    from client_sdk._common import kv_parts, tokens_of
+    from client_sdk.protocol import KV_MEDIA
+
+    tokens = list(range(15_000, 15_016))
+    body = b"".join(bytes(p) for p in kv_parts(SPEC, tokens_of(tokens), expected_kv(0, tokens)))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"POST /v1/kv/put HTTP/1.1\r\nHost: x\r\nX-KV-Namespace: {NS}\r\nContent-Type: {KV_MEDIA}\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:1000])
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408") and b"BodyTimeout" in answer, answer[:200]
+        assert s.recv(65536) == b""  # closed
+    with KVClient(server.url, namespace=NS, colocated=False, plan=False) as client:
+        assert client.lookup(SPEC, tokens) == 0  # nothing of the stalled put was stored
+        assert client.put_kv(SPEC, tokens, expected_kv(0, tokens)) == 16
+    _intact(server)
+
+
 def test_bodies_over_the_limit_get_413_declared_or_not(live):
     server, http, _ = live
     big = bytes(LIMIT + 1)
@@ -223,3 +262,12 @@ def test_nan_and_inf_kv_round_trip_raw_or_are_refused_for_int8(live, tmp_path):
             assert client.lookup(SPEC, tokens) == 0
     finally:
         int8.stop()
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_a_bad_body_timeout_is_refused_at_start(value):
+    from kvstore.errors import InvalidInput
+    from server.config import ServerSettings
+
+    with pytest.raises(InvalidInput, match="BODY_TIMEOUT_S|body_timeout_s"):
+        ServerSettings.from_env({"KVSTORE_BODY_TIMEOUT_S": value})

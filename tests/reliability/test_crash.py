@@ -70,8 +70,10 @@ def test_a_durable_put_on_a_volatile_tier_is_refused_not_promised(tmp_path):
             assert n == len(tokens) and torch.equal(kv, expected_kv(0, tokens))
             with pytest.raises(NotDurable):
                 asyncio.run(_async_durable_put(server.url, tokens))
+            assert client.lookup_blocks(SPEC, tokens)["durable_tokens"] == 0
             # once placement has moved it to nvme, the same put is durable (a no-op store)
             client.migrate(client.lookup_blocks(SPEC, tokens)["blocks"][0]["key"], "nvme")
+            assert client.lookup_blocks(SPEC, tokens)["durable_tokens"] == SPEC.block_tokens  # a prefix
             first = tokens[:SPEC.block_tokens]
             assert client.put_kv(SPEC, first, expected_kv(0, first), durable=True) == len(first)
     finally:
