@@ -1,9 +1,10 @@
 """ENOSPC at the service: the nvme tier's file system fills up under a stream of puts.
 
 ``kvstore serve`` keeps its data directory on a tmpfs of a few MiB (mounted for the test: it
-needs root) and runs shm above nvme. Puts go on well past what both hold. Every failure is a
-typed 507 ``TierFull``, the blocks that were stored read back bit for bit (no partial file is
-ever served), and the server stays up.
+needs root). Puts go on well past what the disk holds. With a tier after nvme the blocks that
+do not fit fall back to it and no client sees an error; with none, every failure is a typed
+507 ``TierFull``. Either way the blocks that were stored read back bit for bit (no partial file
+is ever served), and the server stays up.
 """
 
 from __future__ import annotations
@@ -67,3 +68,28 @@ def test_a_full_file_system_is_tier_full_and_serves_only_whole_blocks(small_fs, 
     assert set(errors) <= {"TierFull"}, errors
     assert errors, "the file system never filled: the scenario did not happen"
     assert stored and served > 0
+
+
+def test_a_full_nvme_tier_falls_back_to_the_next_tier(small_fs, tmp_path):
+    """nvme first, cxl after it: once the file system is full, blocks land in cxl, whole."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env.update(KVSTORE_DATA_DIR=str(small_fs / "data"), KVSTORE_TIERS="nvme,cxl", KVSTORE_CXL_BYTES="32MiB",
+               KVSTORE_STAGING_BYTES="4MiB", KVSTORE_NVME_BYTES="64MiB", KVSTORE_TIER_CODECS="nvme=raw,cxl=raw",
+               KVSTORE_AUDIT_LOG=str(tmp_path / "audit.jsonl"), KVSTORE_LOG_LEVEL="warning")
+    server = ServeProcess(env)
+    server.log_path = tmp_path / "serve.log"
+    server.start()
+    try:
+        with KVClient(server.url, namespace="enospc", colocated=False, plan=False) as client:
+            seqs = [[s * 1_000 + t for t in range(64)] for s in range(40)]  # 5 MiB against 3 MiB of disk
+            for tokens in seqs:
+                assert client.put_kv(SPEC, tokens, expected_kv(0, tokens)) == 64  # no error reaches a client
+            tiers = Counter()
+            for tokens in seqs:
+                kv, n = client.get_kv(SPEC, tokens)
+                assert n == 64 and torch.equal(kv, expected_kv(0, tokens))
+                tiers.update(b["tier"] for b in client.lookup_blocks(SPEC, tokens)["blocks"])
+    finally:
+        server.stop()
+    print(dict(tiers))
+    assert tiers["nvme"] > 0 and tiers["cxl"] > 0  # the disk took what fitted, cxl the rest
