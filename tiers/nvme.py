@@ -363,9 +363,13 @@ class NVMeTier(Tier):
                     self._check_open()
                     self._check_fits(key, len(frame), 0)  # the index may have moved while we wrote
                     final = self._path(key_hex)
-                    if key in self._index:
-                        self._keep_spare(final, link=True)  # the old file lives on as a spare
-                    os.replace(tmp, final)
+                    spare = self._keep_spare(final, link=True) if key in self._index else None
+                    try:
+                        os.replace(tmp, final)  # the old file lives on as the spare
+                    except BaseException:
+                        if spare is not None:  # it is still the live file: never rewrite it in place
+                            self._drop_spare(spare)
+                        raise
                 except BaseException:
                     unlink_quietly(tmp)
                     raise
@@ -415,19 +419,29 @@ class NVMeTier(Tier):
     # files that deletes and overwrites would unlink; they live in .recycle/
     # until reused, are never served, and are removed at every start.
 
-    def _keep_spare(self, path: str, *, link: bool) -> bool:
-        """Keep ``path``'s file as a spare (a hard link when it must stay in place). Lock held."""
+    def _keep_spare(self, path: str, *, link: bool) -> str | None:
+        """Keep ``path``'s file as a spare (a hard link when it must stay in place); the spare's
+        path, or None when none was kept. Lock held."""
         if self._recycled_count >= self._max_spares:
-            return False
+            return None
         try:
             size = os.stat(path).st_size
             spare = os.path.join(self._rdir, f"{next(self._tmp_ids)}.spare")
             (os.link if link else os.rename)(path, spare)
         except OSError:
-            return False
+            return None
         self._recycled.setdefault(size, []).append(spare)
         self._recycled_count += 1
-        return True
+        return spare
+
+    def _drop_spare(self, spare: str) -> None:
+        """Forget and remove a spare just kept. Lock held."""
+        for paths in self._recycled.values():
+            if spare in paths:
+                paths.remove(spare)
+                self._recycled_count -= 1
+                break
+        unlink_quietly(spare)
 
     def _rewrite_spare(self, header: bytes, frame: memoryview) -> str | None:
         """A spare file of exactly this frame's file size, rewritten with it and synced; or None."""

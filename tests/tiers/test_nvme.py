@@ -315,6 +315,22 @@ def test_io_error_on_put_is_typed_and_leaves_no_file(open_tier, tmp_path, monkey
     assert bytes(tier.get(key(1))) == payload(7000, 2)
 
 
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_failed_rename_never_leaves_the_live_file_as_a_spare(open_tier, monkeypatch, direct_io):
+    """An overwrite links the old file as a spare before the rename; if the rename fails that
+    link is still the live file, and a later put rewriting the spare would overwrite it."""
+    tier = open_tier(direct_io=direct_io)
+    tier.put(key(1), payload(5000, 1))
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", _eio)
+        with pytest.raises(TierIOError):
+            tier.put(key(1), payload(5000, 2))  # same size: its old file would be the spare
+    for i in range(2, 6):  # puts of that size take spares first
+        tier.put(key(i), payload(5000, i + 10))
+    assert bytes(tier.get(key(1))) == payload(5000, 1)
+    assert all(bytes(tier.get(key(i))) == payload(5000, i + 10) for i in range(2, 6))
+
+
 def test_threads_sharing_keys_keep_index_and_files_in_step(open_tier, tmp_path):
     tier = open_tier()
     sizes = [0, 700, 5000, 20_000]
