@@ -10,7 +10,6 @@ is ever served), and the server stays up.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections import Counter
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from client_sdk import KVClient
 from kvstore.errors import KVStoreError
 from tests.reliability.load_worker import SPECS, expected_kv
+from tests.mounts import small_tmpfs
 from tests.server.live import ServeProcess
 
 SPEC = SPECS[0]
@@ -26,25 +26,22 @@ SPEC = SPECS[0]
 
 @pytest.fixture
 def small_fs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs to provoke ENOSPC needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
+    yield from small_tmpfs(tmp_path / "small", "3m")
+
+
+def _server(small_fs, tmp_path, **settings: str) -> ServeProcess:
+    """``kvstore serve`` with its data on the small file system, its log and audit log off it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env.update(KVSTORE_DATA_DIR=str(small_fs / "data"), KVSTORE_STAGING_BYTES="4MiB", KVSTORE_NVME_BYTES="64MiB",
+               KVSTORE_AUDIT_LOG=str(tmp_path / "audit.jsonl"), KVSTORE_LOG_LEVEL="warning", **settings)
+    server = ServeProcess(env)
+    server.log_path = tmp_path / "serve.log"
+    return server.start()
 
 
 def test_a_full_file_system_is_tier_full_and_serves_only_whole_blocks(small_fs, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(KVSTORE_DATA_DIR=str(small_fs / "data"), KVSTORE_TIERS="shm,nvme", KVSTORE_SHM_BYTES="1MiB",
-               KVSTORE_STAGING_BYTES="4MiB", KVSTORE_NVME_BYTES="64MiB", KVSTORE_TIER_CODECS="nvme=raw",
-               KVSTORE_AUDIT_LOG=str(tmp_path / "audit.jsonl"), KVSTORE_LOG_LEVEL="warning")
-    server = ServeProcess(env)
-    server.log_path = tmp_path / "serve.log"  # not on the small file system
-    server.start()
+    server = _server(small_fs, tmp_path, KVSTORE_TIERS="shm,nvme", KVSTORE_SHM_BYTES="1MiB",
+                     KVSTORE_TIER_CODECS="nvme=raw")
     stored, errors = [], Counter()
     try:
         with KVClient(server.url, namespace="enospc", colocated=False, plan=False) as client:
@@ -72,13 +69,8 @@ def test_a_full_file_system_is_tier_full_and_serves_only_whole_blocks(small_fs, 
 
 def test_a_full_nvme_tier_falls_back_to_the_next_tier(small_fs, tmp_path):
     """nvme first, cxl after it: once the file system is full, blocks land in cxl, whole."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(KVSTORE_DATA_DIR=str(small_fs / "data"), KVSTORE_TIERS="nvme,cxl", KVSTORE_CXL_BYTES="32MiB",
-               KVSTORE_STAGING_BYTES="4MiB", KVSTORE_NVME_BYTES="64MiB", KVSTORE_TIER_CODECS="nvme=raw,cxl=raw",
-               KVSTORE_AUDIT_LOG=str(tmp_path / "audit.jsonl"), KVSTORE_LOG_LEVEL="warning")
-    server = ServeProcess(env)
-    server.log_path = tmp_path / "serve.log"
-    server.start()
+    server = _server(small_fs, tmp_path, KVSTORE_TIERS="nvme,cxl", KVSTORE_CXL_BYTES="32MiB",
+                     KVSTORE_TIER_CODECS="nvme=raw,cxl=raw")
     try:
         with KVClient(server.url, namespace="enospc", colocated=False, plan=False) as client:
             seqs = [[s * 1_000 + t for t in range(64)] for s in range(40)]  # 5 MiB against 3 MiB of disk

@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 
 from kvstore import codec
 from kvstore.errors import InvalidInput, TierFull, TierIOError, TierUnavailable
+from tests.mounts import small_tmpfs
 from tests.tiers.conformance import MiB, TierContract, key, payload, tier_state_machine
 from tests.tiers.nvme_crash_child import crash_frame, crash_key, frame_number
 from tiers.nvme import FORMAT, NVMeTier
@@ -258,16 +259,7 @@ def _fill(view: memoryview, frame: bytes) -> int:
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 1 MiB tmpfs mounted for the test (needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs to provoke ENOSPC needs root")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=True)
+    yield from small_tmpfs(tmp_path / "tiny", "1m")
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
