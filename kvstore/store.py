@@ -146,6 +146,8 @@ class KVStore:
         cold = {name for name, kind in kinds.items() if kind in COLD_KINDS}
         self._tiers = tiers
         self._by_name = {t.name: t for t in tiers}
+        self.durable_tiers = frozenset(t.name for t in tiers if t.durable)
+        """Names of the tiers whose acknowledged writes survive a crash (``Tier.durable``, as at start)."""
         # Hot tiers keep the store's codec; cold ones hold int8 unless told otherwise.
         self._codecs = {
             t.name: Codec.parse(overrides.get(t.name, Codec.INT8 if t.name in cold and default is Codec.RAW else default))
@@ -363,7 +365,7 @@ class KVStore:
         n = 0
         for key in block_hashes(spec, tokens, namespace):
             entry = self._index.get(key)
-            if not _is_current(entry, namespace, spec_fp) or not self._by_name[entry.tier].durable:
+            if not _is_current(entry, namespace, spec_fp) or entry.tier not in self.durable_tiers:
                 break
             n += 1
         return n * spec.block_tokens

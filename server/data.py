@@ -146,9 +146,8 @@ async def lookup(request: Request) -> JSONResponse:
     svc, _, ns = _caller(request)
     spec, tokens = await _spec_and_tokens(request)
     blocks = await svc.run_index(engine.prefix_blocks, svc.store, spec, tokens, ns)
-    durable = await svc.run_index(svc.store.durable_tokens, spec, tokens, ns)
     return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
-                         "durable_tokens": min(durable, len(blocks) * spec.block_tokens),
+                         "durable_tokens": engine.durable_blocks(svc.store, blocks) * spec.block_tokens,
                          "blocks": [{"key": b.key.hex(), "tier": b.tier} for b in blocks]})
 
 

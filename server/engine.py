@@ -22,7 +22,7 @@ from kvstore.store import KVStore
 from kvstore.tier import Tier
 
 __all__ = ["PrefixBlock", "is_closed", "prefix_blocks", "shared_tier", "record_hits", "record_get", "record_lookup",
-           "read_frame", "put_frame", "tier_named", "current_entry", "block_entry"]
+           "read_frame", "put_frame", "tier_named", "current_entry", "block_entry", "durable_blocks"]
 
 log = logging.getLogger("kvstore.server")
 
@@ -81,6 +81,18 @@ def prefix_blocks(store: KVStore, spec: KVSpec, tokens: Any, namespace: str) -> 
             break
         found.append(PrefixBlock(key, entry.tier if entry else shared.name, entry))
     return found
+
+
+def durable_blocks(store: KVStore, blocks: Sequence[PrefixBlock]) -> int:
+    """How many of ``blocks``, from the first, this store's index holds on durable tiers: as
+    ``KVStore.durable_tokens`` counts, without walking the keys again. A block only the shared
+    tier holds (no entry) is not vouched for."""
+    n = 0
+    for b in blocks:
+        if b.entry is None or b.tier not in store.durable_tiers:
+            break
+        n += 1
+    return n
 
 
 def _current(entry: IndexEntry | None, namespace: str, fp: str) -> IndexEntry | None:
