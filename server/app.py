@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from typing import Any, AsyncIterator
 
@@ -87,14 +88,29 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
+class _Upload:
+    """A request body being read: when it last moved, its deadline, whether its task waits on it."""
+
+    __slots__ = ("task", "last", "deadline", "waiting", "stalled")
+
+    def __init__(self, task: asyncio.Task, now: float, deadline: float) -> None:
+        self.task, self.last, self.deadline = task, now, deadline
+        self.waiting = self.stalled = False
+
+
 class _BodyTimeout:
     """408 for a request body that stalls or trickles.
 
     Each part must arrive within ``idle_s`` of the last, and a body of declared length must
     be complete within ``idle_s`` plus its length at ``MIN_BODY_RATE``. Without this a client
     that sends headers and then a byte now and then holds a connection, a handler and a pooled
-    buffer for as long as it likes. Once the body is complete, or a response has started,
-    ``receive`` passes through untimed: a response may wait on it for a disconnect.
+    buffer for as long as it likes.
+
+    One sweep, armed only while some body is being read, checks every ``idle_s / 4`` and
+    cancels the task of a request stalled in ``receive``; that receive turns the cancellation
+    into ``BodyTimeout``. A timer per receive cost 3.4 us each here: 1.7 ms on a 32 MiB put of
+    500 receives. Once the body is complete, or a response has started, ``receive`` passes
+    through: a response may wait on it for a disconnect.
     """
 
     MIN_BODY_RATE = 1 << 20
@@ -102,38 +118,59 @@ class _BodyTimeout:
 
     def __init__(self, app: Any, idle_s: float) -> None:
         self.app, self.idle_s = app, idle_s
+        self._uploads: dict[int, _Upload] = {}
+        self._sweep: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.idle_s:
             return await self.app(scope, receive, send)
-        declared = next((int(v) for k, v in scope["headers"] if k == b"content-length" and v.isdigit()), None)
         loop = asyncio.get_running_loop()
-        deadline = None if declared is None else loop.time() + self.idle_s + declared / self.MIN_BODY_RATE
-        state = {"reading": True, "stalled": False}
+        now = loop.time()
+        declared = next((int(v) for k, v in scope["headers"] if k == b"content-length" and v.isdigit()), None)
+        up = _Upload(asyncio.current_task(), now,  # type: ignore[arg-type]
+                     math.inf if declared is None else now + self.idle_s + declared / self.MIN_BODY_RATE)
+        self._uploads[id(up)] = up
+        if self._sweep is None:
+            self._sweep = loop.call_later(self.idle_s / 4, self._check, loop)
 
         async def timed_receive() -> dict:
-            if not state["reading"]:
+            if id(up) not in self._uploads:
                 return await receive()
-            wait = self.idle_s if deadline is None else min(self.idle_s, deadline - loop.time())
+            up.waiting = True
             try:
-                async with asyncio.timeout(max(wait, 0.0)):
-                    message = await receive()
-            except TimeoutError:
-                state["stalled"] = True
+                message = await receive()
+            except asyncio.CancelledError:
+                if not up.stalled:
+                    raise
+                up.task.uncancel()
                 raise BodyTimeout(f"the request body stalled: no part of it for {self.idle_s:g} s, or slower "
                                   f"than {self.MIN_BODY_RATE >> 20} MiB/s (KVSTORE_BODY_TIMEOUT_S)") from None
+            finally:
+                up.waiting = False
+            up.last = loop.time()
             if message["type"] != "http.request" or not message.get("more_body", False):
-                state["reading"] = False
+                self._uploads.pop(id(up), None)
             return message
 
         async def closing_send(message: dict) -> None:
             if message["type"] == "http.response.start":
-                state["reading"] = False  # answered: a later receive waits for a disconnect, untimed
-                if state["stalled"]:  # the rest of the body is never read: the connection goes
+                self._uploads.pop(id(up), None)  # answered: a later receive waits for a disconnect, untimed
+                if up.stalled:  # the rest of the body is never read: the connection goes
                     message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
-        await self.app(scope, timed_receive, closing_send)
+        try:
+            await self.app(scope, timed_receive, closing_send)
+        finally:
+            self._uploads.pop(id(up), None)
+
+    def _check(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        for up in self._uploads.values():
+            if up.waiting and not up.stalled and (now - up.last >= self.idle_s or now >= up.deadline):
+                up.stalled = True
+                up.task.cancel()
+        self._sweep = loop.call_later(self.idle_s / 4, self._check, loop) if self._uploads else None
 
 
 HOT_ROUTES = (("POST", "/v1/lookup"), ("POST", "/v1/kv/get"), ("POST", "/v1/kv/put"), ("POST", "/v1/kv/handles"))
