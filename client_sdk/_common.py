@@ -30,7 +30,7 @@ from kvstore.keys import block_hashes, check_key, normalize_tokens
 from kvstore.shmview import SHM_DIR, ShmReader, SlotHandle
 from kvstore.spec import KVSpec
 
-__all__ = ["ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena",
+__all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena",
            "HandleCache", "AccessLog",
            "fill_from_batch", "batch_parts", "frames_of",
            "headers_for", "SHM_DIR"]
@@ -70,6 +70,13 @@ def headers_for(token: str | None, namespace: str, content_type: str | None = No
     if content_type:
         headers["Content-Type"] = content_type
     return headers
+
+
+def entries_params(sort: str, order: str, limit: int, offset: int, **filters: Any) -> dict[str, Any]:
+    """Query parameters of ``GET /admin/entries``: filters left at None are not sent."""
+    params: dict[str, Any] = {"sort": sort, "order": order, "limit": limit, "offset": offset}
+    params.update({k: v for k, v in filters.items() if v is not None})
+    return params
 
 
 def check_spec(spec: Any) -> KVSpec:

@@ -270,10 +270,22 @@ class AsyncKVClient:
         return await self._json("GET", "/admin/audit", params={"limit": limit, "offset": offset})
 
     async def entries(self, sort: str = "heat", order: str = "desc", limit: int = 100, offset: int = 0,
-                      namespace: str | None = None, tier: str | None = None) -> dict:
-        params = {"sort": sort, "order": order, "limit": limit, "offset": offset}
-        params.update({k: v for k, v in (("namespace", namespace), ("tier", tier)) if v is not None})
+                      namespace: str | None = None, tier: str | None = None, *,
+                      min_heat_per_s: float | None = None, max_heat_per_s: float | None = None,
+                      min_age_s: float | None = None, max_age_s: float | None = None) -> dict:
+        """A page of index entries (``GET /admin/entries``), sorted and filtered as the route says."""
+        params = c.entries_params(sort, order, limit, offset, namespace=namespace, tier=tier,
+                                  min_heat_per_s=min_heat_per_s, max_heat_per_s=max_heat_per_s,
+                                  min_age_s=min_age_s, max_age_s=max_age_s)
         return await self._json("GET", "/admin/entries", params=params)
+
+    async def heat(self, bins: int = 12) -> dict:
+        """The heat histogram by tier (``GET /admin/heat``)."""
+        return await self._json("GET", "/admin/heat", params={"bins": bins})
+
+    async def history(self, limit: int = 720) -> dict:
+        """The hit ratio over time, overall and by tier (``GET /admin/history``)."""
+        return await self._json("GET", "/admin/history", params={"limit": limit})
 
     async def info(self) -> dict:
         return await self._json("GET", "/v1/info")

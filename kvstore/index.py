@@ -56,6 +56,8 @@ class Index:
         self._busy: set[bytes] = set()
         self._frame_bytes = 0
         self._raw_bytes = 0
+        self._reads: dict[str, int] = {}
+        """Block reads served from each tier since start: every read path ends in ``touch``."""
 
     # -- reads ----------------------------------------------------------------
 
@@ -67,6 +69,11 @@ class Index:
         """``get`` for each key, under one acquisition of the lock (a prefix walk's keys)."""
         with self._cond:
             return list(map(self._entries.get, keys))
+
+    def reads_by_tier(self) -> dict[str, int]:
+        """Block reads ``touch`` has counted, by the tier each block was in when read."""
+        with self._cond:
+            return dict(self._reads)
 
     def totals(self) -> tuple[int, int, int]:
         """(entries, frame bytes, raw KV bytes)."""
@@ -106,11 +113,13 @@ class Index:
     def touch(self, keys: Iterable[BlockHash], now_s: float, counts: Iterable[int] | None = None) -> None:
         """Record a hit (``counts[i]`` hits) on each key: O(1) per key, one short lock hold."""
         with self._cond:
+            reads = self._reads
             for key, n in zip(keys, counts if counts is not None else itertools.repeat(1)):
                 entry = self._entries.get(key)
                 if entry is not None:
                     entry.hits += n
                     entry.last_access_s = now_s
+                    reads[entry.tier] = reads.get(entry.tier, 0) + n
 
     def clear(self) -> None:
         with self._cond:

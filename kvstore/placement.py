@@ -125,9 +125,14 @@ class MoveRecord:
     size: int
     reason: str
 
-    def to_dict(self) -> dict:
-        return {"time_s": self.time_s, "key": self.key.hex(), "src": self.src, "dst": self.dst,
-                "bytes": self.size, "reason": self.reason}
+    def to_dict(self, now: float | None = None) -> dict:
+        """With ``now`` (a reading of the same clock), also ``age_s``: ``time_s`` is placement's
+        clock (monotonic in a store), not wall time."""
+        out = {"time_s": self.time_s, "key": self.key.hex(), "src": self.src, "dst": self.dst,
+               "bytes": self.size, "reason": self.reason}
+        if now is not None:
+            out["age_s"] = now - self.time_s
+        return out
 
 
 @dataclass(slots=True)
@@ -519,8 +524,23 @@ class PlacementManager:
                 "leases": r.leases,
                 "scorer": self.scorer.name,
                 "heat_memories": list(r.heat.parts),
-                "moves": [m.to_dict() for m in r.moves],
+                "moves": [m.to_dict(now) for m in r.moves],
             }
+
+    def heat_rates(self, sample: int = 100_000) -> tuple[list[tuple[str, float]], int]:
+        """(tier, reads per second now) of up to ``sample`` entries, and how many entries there are.
+
+        Beyond ``sample`` entries every k-th is taken, so one call holds the lock
+        for a bounded time however large the store (a dashboard asks every few seconds).
+        A never-read entry reads 0.0.
+        """
+        now = self.clock()
+        with self._lock:
+            total = len(self._res)
+            step = max(1, -(-total // sample)) if sample > 0 else 1
+            residents = itertools.islice(self._res.values(), 0, None, step)
+            rate, names = self.scorer.rate, [t.name for t in self.tiers]
+            return [(names[r.tier], rate(r.heat, now)) for r in residents], total
 
     def log(self, limit: int = 100) -> list[MoveRecord]:
         """The latest moves, newest last."""

@@ -94,6 +94,9 @@ class StoreStats:
     """The shared tier's write policy, bytes written and blocks adopted from other nodes."""
     heat: dict[str, Any] = field(default_factory=dict)
     """The heat scorer; for ``adaptive-rate``, the memory it follows and its shadow hits."""
+    reads_by_tier: dict[str, int] = field(default_factory=dict)
+    """Block reads served from each tier since start, on every read path (gets, shm handles,
+    block routes, co-located reads reported back): with ``tokens_hit`` it splits hits by tier."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -538,8 +541,9 @@ class KVStore:
         return self._mover.execute(MoveOrder(key, entry.tier, tier, entry.size, reason))
 
     def moves(self, limit: int = 100) -> list[dict[str, Any]]:
-        """The store's latest moves, newest last."""
-        return [m.to_dict() for m in self.placement.log(limit)]
+        """The store's latest moves, newest last; ``age_s`` says how long ago each was."""
+        now = self.placement.clock()
+        return [m.to_dict(now) for m in self.placement.log(limit)]
 
     def run_placement(self) -> int:
         """One placement round now (what the background mover does); returns moves made."""
@@ -587,7 +591,14 @@ class KVStore:
             moves=self.placement.counters(),
             heat=self.placement.scorer_state(),
             shared=self._shared.stats() if self._shared is not None else {},
+            reads_by_tier=self._index.reads_by_tier(),
         )
+
+    def read_counters(self) -> tuple[StoreCounters, dict[str, int]]:
+        """The counters and block reads by tier, without asking any tier (cheap: for sampling)."""
+        with self._counter_lock:
+            counters = StoreCounters(**asdict(self._counters))
+        return counters, self._index.reads_by_tier()
 
     def close(self) -> None:
         """Close every tier. Idempotent; the store refuses calls afterwards."""

@@ -6,6 +6,7 @@ bytes) before they answer; the record's fsync runs in the I/O pool, like tier wo
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -125,12 +126,17 @@ async def admin_tiers(request: Request) -> dict:
     svc = svc_of(request)
 
     def tiers() -> list[dict]:
-        usage = svc.store.placement.usage()
+        placement = svc.store.placement
+        usage = placement.usage()
+        policies = {p.name: p for p in placement.tiers}
         out = []
         for t in svc.store.tiers:
             s = t.stats().to_dict()
             s["placement_bytes"] = usage.get(t.name)
             s["state"] = "unavailable" if s["details"].get("connected") == "no" else "ok"
+            policy = policies.get(t.name)
+            s["high_watermark_frac"] = policy.high_watermark_frac if policy else None
+            s["low_watermark_frac"] = policy.low_watermark_frac if policy else None
             out.append(s)
         return out
 
@@ -143,8 +149,17 @@ _SORTS = {"heat", "size", "age", "last_access"}
 @router.get("/entries")
 async def admin_entries(request: Request, sort: str = Query("heat"), order: str = Query("desc"),
                         limit: int = Query(100, ge=1, le=10_000), offset: int = Query(0, ge=0),
-                        namespace: str | None = None, tier: str | None = None) -> dict:
-    """Index entries, sorted by ``heat``, ``size``, ``age`` or ``last_access``, and paginated."""
+                        namespace: str | None = None, tier: str | None = None,
+                        min_heat_per_s: float | None = Query(None, ge=0),
+                        max_heat_per_s: float | None = Query(None, ge=0),
+                        min_age_s: float | None = Query(None, ge=0),
+                        max_age_s: float | None = Query(None, ge=0)) -> dict:
+    """Index entries, sorted by ``heat``, ``size``, ``age`` or ``last_access``, and paginated.
+
+    Filters: ``namespace``, ``tier``, heat (reads per second now, as ``explain`` shows it)
+    between ``min_heat_per_s`` and ``max_heat_per_s``, age (seconds since the write) between
+    ``min_age_s`` and ``max_age_s``; ``total`` counts the entries that pass.
+    """
     if sort not in _SORTS:
         raise InvalidInput(f"sort: must be one of {sorted(_SORTS)}, got {sort!r}")
     if order not in ("asc", "desc"):
@@ -154,7 +169,13 @@ async def admin_entries(request: Request, sort: str = Query("heat"), order: str 
     def page() -> tuple[int, list[dict]]:
         now = time.time()
         entries = [e for e in svc.store.entries()
-                   if (namespace is None or e.namespace == namespace) and (tier is None or e.tier == tier)]
+                   if (namespace is None or e.namespace == namespace) and (tier is None or e.tier == tier)
+                   and (min_age_s is None or now - e.created_s >= min_age_s)
+                   and (max_age_s is None or now - e.created_s <= max_age_s)]
+        if min_heat_per_s is not None or max_heat_per_s is not None:
+            lo, hi = min_heat_per_s or 0.0, math.inf if max_heat_per_s is None else max_heat_per_s
+            rates = {e.key: (svc.store.placement.explain(e.key) or {}).get("heat_per_s", 0.0) for e in entries}
+            entries = [e for e in entries if lo <= rates[e.key] <= hi]
         if sort == "heat":
             entries = coldest_first(svc.store, entries)  # ascending heat
         else:
@@ -196,3 +217,45 @@ async def admin_audit(request: Request, limit: int = Query(100, ge=1, le=10_000)
 async def admin_moves(request: Request, limit: int = Query(100, ge=1, le=10_000)) -> dict:
     """Placement's latest moves, newest last."""
     return {"moves": svc_of(request).store.moves(limit)}
+
+
+@router.get("/heat")
+async def admin_heat(request: Request, bins: int = Query(12, ge=1, le=100)) -> dict:
+    """A histogram of heat (reads per second now) by tier: ``bins`` log-spaced bins between
+    the lowest and highest rate above zero, plus ``zero`` for entries that read as 0."""
+    svc = svc_of(request)
+    rates, total = await svc.run(svc.store.placement.heat_rates)
+    return heat_histogram(rates, [t.name for t in svc.store.tiers], bins, total)
+
+
+def heat_histogram(rates: list[tuple[str, float]], tiers: list[str], bins: int, total: int) -> dict:
+    """``{"bins": [{"lo", "hi", "counts": {tier: n}}], "zero": {tier: n}, "entries", "sampled"}``;
+    counts are scaled up when ``rates`` is a sample of ``total`` entries."""
+    scale = total / len(rates) if rates else 1.0
+    zero = dict.fromkeys(tiers, 0)
+    positive = [(t, r) for t, r in rates if r > 0 and math.isfinite(r)]
+    for t, r in rates:
+        if not r > 0:
+            zero[t] = zero.get(t, 0) + 1
+    out_bins: list[dict] = []
+    if positive:
+        lo, hi = math.log10(min(r for _, r in positive)), math.log10(max(r for _, r in positive))
+        width = (hi - lo) / bins or 1.0  # one rate for all: a single bin around it
+        n = bins if hi > lo else 1
+        counts = [dict.fromkeys(tiers, 0) for _ in range(n)]
+        for t, r in positive:
+            i = min(n - 1, int((math.log10(r) - lo) / width))
+            counts[i][t] = counts[i].get(t, 0) + 1
+        for i, c in enumerate(counts):
+            out_bins.append({"lo": 10 ** (lo + i * width), "hi": 10 ** (lo + (i + 1) * width),
+                             "counts": {t: round(v * scale) for t, v in c.items()}})
+    return {"bins": out_bins, "zero": {t: round(v * scale) for t, v in zero.items()}, "entries": total,
+            "sampled": len(rates) < total, "unit": "reads per second"}
+
+
+@router.get("/history")
+async def admin_history(request: Request, limit: int = Query(720, ge=1, le=10_000)) -> dict:
+    """The hit ratio over time, overall and by tier (``server.history``): one point per
+    sampling interval, oldest first, the last running to now."""
+    history = svc_of(request).history
+    return {"interval_s": history.interval_s, "points": history.points(limit)}

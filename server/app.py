@@ -25,7 +25,7 @@ from client_sdk.protocol import BodyTimeout, PayloadTooLarge, error_body
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.store import KVStore
-from server import admin, blocks, data, layers, ops, planning
+from server import admin, blocks, dashboard, data, layers, ops, planning
 from server.config import ServerSettings
 from server.errors import install_error_handlers, store_error, unexpected_error
 from server.service import Service
@@ -218,6 +218,8 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        svc.history.start(asyncio.get_running_loop())
+        svc.closers.append(svc.history.stop)
         if settings.flight_port is not None:
             from server.flight import start_flight  # pyarrow loads only when Flight is asked for
 
@@ -236,6 +238,7 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     app.include_router(data.router)
     app.include_router(blocks.router)
     app.include_router(admin.router)
+    app.include_router(dashboard.router)
     app.include_router(ops.router)
     app.include_router(planning.router)
     app.include_router(layers.router)

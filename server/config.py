@@ -133,6 +133,9 @@ class ServerSettings:
     """Longest wait for the next part of a request body (KVSTORE_BODY_TIMEOUT_S); a body of
     declared length must also average 1 MiB/s past it. A client that stalls or trickles longer
     (a slow-loris upload) gets 408 and its connection closed. 0: no limit."""
+    history_interval_s: float = 5.0
+    """Seconds between samples of the read counters for ``/admin/history`` (the dashboard's
+    hit ratio over time); 720 samples are kept, an hour at the default."""
     log_level: str = "info"
     flight_port: int | None = None
     """Port of the Arrow Flight bulk path beside the REST app (``server.flight``): None runs
@@ -151,6 +154,9 @@ class ServerSettings:
         bt = self.body_timeout_s
         if isinstance(bt, bool) or not isinstance(bt, (int, float)) or not 0 <= bt < float("inf"):  # NaN too
             raise InvalidInput(f"body_timeout_s must be a number of seconds >= 0, got {bt!r}")
+        hi = self.history_interval_s
+        if isinstance(hi, bool) or not isinstance(hi, (int, float)) or not 0 < hi < float("inf"):
+            raise InvalidInput(f"history_interval_s must be a number of seconds > 0, got {hi!r}")
         object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes))
         object.__setattr__(self, "staging_bytes", parse_size(self.staging_bytes))
         if self.admin_token is not None and len(self.admin_token) < _MIN_TOKEN_CHARS:
@@ -212,7 +218,7 @@ def _parse(name: str, raw: str) -> Any:
         if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise InvalidInput(f"1/0, true/false or yes/no, got {raw!r}")
         return raw.strip().lower() in ("1", "true", "yes")
-    if name in ("graceful_timeout_s", "body_timeout_s"):
+    if name in ("graceful_timeout_s", "body_timeout_s", "history_interval_s"):
         return float(raw)
     if name == "torch_threads":
         if not raw.strip().isdigit():

@@ -287,13 +287,17 @@ def _touch(svc: Service, ns: str, keys: list, reads: list[int], counts: dict[str
 
 def _handles(svc: Service, spec, tokens, ns: str) -> list[dict]:
     blocks = engine.prefix_blocks(svc.store, spec, tokens, ns)
-    out = []
+    out, read_here = [], []
     for b in blocks:
         handle = svc.shm.handle(b.key) if b.tier == svc.shm.name else None
         out.append({"key": b.key.hex(), "tier": b.tier, "checksum": b.entry.checksum if b.entry else None,
                     "handle": None if handle is None else
                     {"index": handle.index, "offset": handle.offset, "length": handle.length, "gen": handle.gen}})
-    engine.record_hits(svc.store, [b.key for b in blocks if b.entry is not None])
+        if handle is not None and b.entry is not None:
+            read_here.append(b.key)
+    # Only the blocks the client reads through a handle: it fetches the others with
+    # /v1/blocks/get, which counts them itself (counting them here too read them twice).
+    engine.record_hits(svc.store, read_here)
     bt = spec.block_tokens
     engine.record_get(svc.store, spec.full_blocks(len(tokens)) * bt, len(blocks) * bt)
     return out

@@ -30,6 +30,7 @@ from kvstore.store import KVStore
 from server.audit import AuditLog
 from server.auth import Authenticator, Principal
 from server.config import ServerSettings
+from server.history import History
 from server.errors import field_error
 from server.metrics import Metrics
 from server.staging import StagingArena
@@ -134,6 +135,8 @@ class Service:
         if settings.colocated and self.shm is not None:
             self.staging = StagingArena(settings.staging_bytes)
         self.metrics = Metrics(store.stats, self._figures)
+        self.history = History(store, settings.history_interval_s)
+        """Read counters over time (``/admin/history``); sampling starts with the app."""
         self.offers: dict[str, Any] = {}
         """Extra media this server offers, by name (``flight``, ``redis``), as ``/v1/info`` shows them:
         a client's planner counts them among its candidates."""
