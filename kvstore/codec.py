@@ -30,7 +30,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Iterator
 
 import lz4.block
 import numpy as np
@@ -55,6 +55,9 @@ __all__ = [
     "read_header",
     "verify",
     "frame_meta",
+    "raw_payload_offset",
+    "seal_raw",
+    "stream_payload",
 ]
 
 # torch.frombuffer warns on read-only buffers; decode only ever reads from them.
@@ -108,7 +111,9 @@ class Codec(str, Enum):
 
 _CODEC_ID = {Codec.RAW: 1, Codec.INT8: 2, Codec.INT8_LZ4: 3}
 _CODEC_BY_ID = {v: k for k, v in _CODEC_ID.items()}
-_DTYPE_ID = {"float16": 1, "bfloat16": 2, "float32": 3}
+_FRAME_DTYPES = {**DTYPES, "uint8": torch.uint8}
+"""KV dtypes, and uint8 for frames of opaque bytes (another system's payload, kept exactly): raw only."""
+_DTYPE_ID = {"float16": 1, "bfloat16": 2, "float32": 3, "uint8": 4}
 _DTYPE_BY_ID = {v: k for k, v in _DTYPE_ID.items()}
 _LAYOUT_NONE, _LAYOUT_KIVI = 0, 1  # KIVI: K per channel, V per token
 _SCALE_ID = {"float16": 1, "float32": 2}
@@ -166,7 +171,7 @@ class FrameHeader:
     @property
     def raw_nbytes(self) -> int:
         """Bytes of the decoded tensor."""
-        return self.numel * DTYPES[self.dtype].itemsize
+        return self.numel * _FRAME_DTYPES[self.dtype].itemsize
 
 
 # -- sizes ----------------------------------------------------------------------
@@ -193,19 +198,25 @@ def frame_size(
     numel = math.prod(shape)
     head = _header_len(len(shape)) + _pad(meta_len)
     if codec is Codec.RAW:
-        return head + numel * DTYPES[dname].itemsize
+        return head + numel * _FRAME_DTYPES[dname].itemsize
+    _check_lossy_dtype(dname)
     n_k, n_v = _scale_counts(_int8_shape(shape))
     return head + _pad((n_k + n_v) * DTYPES[scale_dtype].itemsize) + numel
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
     if isinstance(dtype, torch.dtype):
-        for name, value in DTYPES.items():
+        for name, value in _FRAME_DTYPES.items():
             if value == dtype:
                 return name
-    elif dtype in DTYPES:
+    elif dtype in _FRAME_DTYPES:
         return dtype
-    raise InvalidKV(f"codec supports dtypes {sorted(DTYPES)}, got {dtype!r}")
+    raise InvalidKV(f"codec supports dtypes {sorted(_FRAME_DTYPES)}, got {dtype!r}")
+
+
+def _check_lossy_dtype(dname: str) -> None:
+    if dname not in DTYPES:  # uint8: bytes that are not ours to quantize
+        raise InvalidKV(f"the int8 codecs hold KV of {sorted(DTYPES)}; a {dname} frame is kept raw")
 
 
 def _check_scale_dtype(scale_dtype: Any) -> str:
@@ -286,6 +297,8 @@ def encode_into(
         raise InvalidKV(f"frames hold tensors of 1 to {MAX_NDIM} dims, got {len(shape)}")
     meta = _check_meta(meta)
     _check_scale_dtype(scale_dtype)
+    if codec is not Codec.RAW:
+        _check_lossy_dtype(dname)
     kv = kv.detach()  # a tensor with autograd history must not drag it into the scratch
     if kv.device.type != "cpu":
         try:
@@ -328,11 +341,19 @@ def encode_into(
                 flags |= _FLAG_LZ4
         layout, sid = _LAYOUT_KIVI, _SCALE_ID[scale_dtype]
 
-    frame_len = payload_off + payload_len
+    return _seal(mv, codec, dname, shape, len(meta), flags, layout, sid, scales_len, payload_off + payload_len,
+                 raw_len)
+
+
+def _seal(mv: memoryview, codec: Codec, dname: str, shape: tuple[int, ...], meta_len: int, flags: int,
+          layout: int, sid: int, scales_len: int, frame_len: int, raw_len: int) -> int:
+    """Checksum the body already in ``mv`` and write the header in front of it; the frame's length."""
+    header_len = _header_len(len(shape))
+    payload_len = frame_len - (header_len + _pad(meta_len) + _pad(scales_len))
     body_sum = xxhash.xxh3_64_intdigest(mv[header_len:frame_len])
     fixed = _FIXED.pack(
         MAGIC, VERSION, _CODEC_ID[codec], _DTYPE_ID[dname], flags, layout, sid, len(shape), 0,
-        len(meta), scales_len, payload_len, raw_len, body_sum,
+        meta_len, scales_len, payload_len, raw_len, body_sum,
     )
     dims = struct.pack(f"<{len(shape)}Q", *shape)
     end = len(fixed) + len(dims)
@@ -341,6 +362,41 @@ def encode_into(
     mv[end : header_len - 8] = bytes(header_len - 8 - end)
     mv[header_len - 8 : header_len] = _U64.pack(xxhash.xxh3_64_intdigest(mv[: header_len - 8]))
     return frame_len
+
+
+def raw_payload_offset(ndim: int, meta_len: int) -> int:
+    """Where the payload of a raw frame of ``ndim`` dims and ``meta_len`` meta bytes starts."""
+    return _header_len(ndim) + _pad(meta_len)
+
+
+def seal_raw(out: Any, dtype: str | torch.dtype, shape: tuple[int, ...], meta: bytes = b"") -> int:
+    """Finish a raw frame whose payload the caller already wrote into ``out``.
+
+    The payload sits at ``raw_payload_offset(len(shape), len(meta))``: bytes received
+    from a socket go straight there, with no tensor and no copy. This writes the meta
+    and the header around them.
+
+    Returns:
+        The frame's length; the frame is ``out[:n]``.
+
+    Raises:
+        InvalidKV: an unsupported dtype or shape, or ``out`` too small or read-only.
+        InvalidInput: bad ``meta``.
+    """
+    dname = _dtype_name(dtype)
+    shape = tuple(int(d) for d in shape)
+    if not 1 <= len(shape) <= MAX_NDIM or min(shape) < 0:
+        raise InvalidKV(f"frames hold tensors of 1 to {MAX_NDIM} dims, got shape {list(shape)}")
+    meta = _check_meta(meta)
+    mv = _bytes_view(out)
+    meta_off = _header_len(len(shape))
+    payload_off = meta_off + _pad(len(meta))
+    raw_len = math.prod(shape) * _FRAME_DTYPES[dname].itemsize
+    if mv.readonly or len(mv) < payload_off + raw_len:
+        raise InvalidKV(f"output buffer must be writable and hold {payload_off + raw_len} bytes, got {len(mv)}")
+    mv[meta_off : meta_off + len(meta)] = meta
+    mv[meta_off + len(meta) : payload_off] = bytes(payload_off - meta_off - len(meta))
+    return _seal(mv, Codec.RAW, dname, shape, len(meta), 0, _LAYOUT_NONE, 0, 0, payload_off + raw_len, raw_len)
 
 
 def _view(mv: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
@@ -507,11 +563,11 @@ def read_header(frame: Any, *, prefix: bool = False) -> FrameHeader:
     lz4 = bool(flags & _FLAG_LZ4)
     if codec is Codec.RAW:
         ok = (layout == _LAYOUT_NONE and sid == 0 and scales_len == 0 and not lz4
-              and payload_len == raw_len == numel * DTYPES[dtype].itemsize)
+              and payload_len == raw_len == numel * _FRAME_DTYPES[dtype].itemsize)
         scale_dtype = None
     else:
         scale_dtype = _SCALE_BY_ID.get(sid)
-        if layout != _LAYOUT_KIVI or scale_dtype is None or (lz4 and codec is Codec.INT8):
+        if layout != _LAYOUT_KIVI or scale_dtype is None or (lz4 and codec is Codec.INT8) or dtype not in DTYPES:
             raise UnsupportedFrame(f"unknown int8 scale layout {layout} / scale dtype {sid} / flags {flags:#x}")
         try:
             n_k, n_v = _scale_counts(_int8_shape(shape))
@@ -543,6 +599,37 @@ def verify(frame: Any) -> FrameHeader:
     if xxhash.xxh3_64_intdigest(mv[header.header_len : header.frame_len]) != header.body_checksum:
         raise CorruptFrame("frame body checksum mismatch")
     return header
+
+
+def stream_payload(frame: Any, header: FrameHeader, chunk_bytes: int = 1 << 20) -> Iterator[memoryview]:
+    """A frame's stored payload in pieces of ``chunk_bytes``, checked as they go.
+
+    Each piece is hashed just before it is yielded; the last one is yielded only once
+    the whole body checksum matched. A reader that sends the pieces on therefore never
+    delivers a damaged payload whole: it gets ``CorruptFrame`` before the last piece
+    (and should close the connection, so the peer sees a short read, never wrong bytes).
+    Hashing a piece right before it is sent also reads it from cache, not memory, twice.
+
+    Args:
+        header: ``read_header(frame)``.
+
+    Raises:
+        CorruptFrame: the body checksum does not match.
+    """
+    mv = _bytes_view(frame)
+    digest = xxhash.xxh3_64()
+    digest.update(mv[header.header_len : header.payload_offset])
+    start, end = header.payload_offset, header.frame_len
+    if start == end:
+        if digest.intdigest() != header.body_checksum:
+            raise CorruptFrame("frame body checksum mismatch")
+        return
+    for off in range(start, end, chunk_bytes):
+        piece = mv[off : min(end, off + chunk_bytes)]
+        digest.update(piece)
+        if off + chunk_bytes >= end and digest.intdigest() != header.body_checksum:
+            raise CorruptFrame("frame body checksum mismatch")
+        yield piece
 
 
 def transcode(frame: Any, codec: "str | Codec") -> Any:
@@ -596,7 +683,7 @@ def decode(frame: Any, *, out: torch.Tensor | None = None, expect_checksum: int 
         verify(frame)  # int8 reads the whole payload several times anyway; raw hashes as it copies
     if expect_checksum is not None and header.body_checksum != expect_checksum:
         raise CorruptFrame("frame is sound but is not the one recorded for this key")
-    dtype = DTYPES[header.dtype]
+    dtype = _FRAME_DTYPES[header.dtype]
     if out is None:
         out = torch.empty(header.shape, dtype=dtype)
     elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != header.shape or out.dtype != dtype
@@ -616,7 +703,7 @@ def decode(frame: Any, *, out: torch.Tensor | None = None, expect_checksum: int 
         raise InvalidKV(f"out cannot be written: {exc}") from exc
 
 
-SAME_SIZE_INTS = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
+SAME_SIZE_INTS = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
 """Integer types by element size: numpy has no bfloat16, so KV bytes are copied as these."""
 
 
@@ -659,7 +746,7 @@ def _decode_raw(mv: memoryview, header: FrameHeader, out: torch.Tensor) -> torch
 
 
 def _decode_body(frame: Any, header: FrameHeader, out: torch.Tensor) -> torch.Tensor:
-    dtype = DTYPES[header.dtype]
+    dtype = _FRAME_DTYPES[header.dtype]
     mv = _bytes_view(frame)
     if header.codec is Codec.RAW:
         out.copy_(_view(mv, dtype, header.payload_offset, header.numel).view(header.shape))

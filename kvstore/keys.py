@@ -31,6 +31,8 @@ __all__ = [
     "block_hashes",
     "iter_block_hashes",
     "block_meta",
+    "named_key",
+    "name_fingerprint",
     "normalize_tokens",
     "validate_namespace",
     "to_hex",
@@ -43,6 +45,8 @@ BlockHash = NewType("BlockHash", bytes)
 
 HASH_BYTES = 32
 _DOMAIN = b"kvstore/block-key/v1\x00"  # bump if the encoding ever changes
+_NAMED = b"kvstore/named-key/v1\x00"
+_NAMED_SPEC = b"kvstore/named-spec/v1\x00"
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 _TOKEN_DTYPE = np.dtype("<u4")
@@ -150,14 +154,37 @@ def block_hashes(spec: KVSpec, tokens: Any, namespace: str = "default") -> list[
     return list(iter_block_hashes(spec, tokens, namespace))
 
 
-def block_meta(namespace: str, spec_fingerprint: str, depth: int) -> bytes:
+def block_meta(namespace: str, spec_fingerprint: str, depth: int, **extra: Any) -> bytes:
     """The metadata every stored frame carries: namespace, spec fingerprint and chain depth.
 
     Kept in the frame so a durable tier's contents can be re-indexed after a
     restart, and so a frame put by key is checked against the request's namespace.
+    ``extra`` (JSON values) rides along for whoever wrote the frame, e.g. another
+    protocol's description of its payload.
     """
-    return json.dumps({"v": 1, "ns": validate_namespace(namespace), "spec": spec_fingerprint, "depth": depth},
-                      separators=(",", ":")).encode()
+    return json.dumps({"v": 1, "ns": validate_namespace(namespace), "spec": spec_fingerprint, "depth": depth,
+                       **extra}, separators=(",", ":")).encode()
+
+
+def named_key(namespace: str, domain: str, name: str) -> BlockHash:
+    """The key of an entry named by a string instead of a token chain (another system's key).
+
+    ``blake3(named-domain || namespace || domain || name)``, every part length-prefixed, so
+    it never equals a token-chain key, another namespace's or another domain's.
+    """
+    h = blake3.blake3(_NAMED)
+    for part in (validate_namespace(namespace), domain, name):
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(4, "little"))
+        h.update(data)
+    return BlockHash(h.digest())
+
+
+def name_fingerprint(domain: str, name: str) -> str:
+    """A spec fingerprint (64 hex digits) for entries of another system's model, named by ``name``."""
+    h = blake3.blake3(_NAMED_SPEC)
+    h.update(f"{domain}\x00{name}".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
 
 
 def to_hex(key: bytes) -> str:

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, Tier
 from kvstore.shared import SharedTier, WritePolicy, find_shared
 from kvstore.keys import BlockHash, block_hashes, block_meta, check_key, iter_block_hashes, normalize_tokens
 from kvstore.spec import KVSpec
-from kvstore.tier import Tier, TierStats
+from kvstore.tier import FrameWriter, Tier, TierStats
 
 __all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
 
@@ -427,6 +427,11 @@ class KVStore:
         self._index.touch(keys, time.time(), counts)
         self.placement.accessed(keys, counts)
 
+    def drop_corrupt(self, entry: IndexEntry) -> None:
+        """Unpublish and delete a frame a reader outside ``get_kv`` found damaged (unless it
+        was rewritten meanwhile); counted in ``corrupt_blocks``, as ``get_kv`` counts its own."""
+        self._drop(entry, corrupt=True)
+
     def count_lookup(self) -> None:
         """Count a lookup a service answered from its own index walk."""
         self._count(lookup_calls=1)
@@ -435,12 +440,16 @@ class KVStore:
         """Count gets a service served without ``get_kv`` (e.g. through shm handles)."""
         self._count(get_calls=calls, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
 
-    def put_frame(self, key: BlockHash, frame: Any, namespace: str) -> IndexEntry:
+    def put_frame(self, key: BlockHash, frame: Any, namespace: str, *, make_room: bool = False) -> IndexEntry:
         """Store an already encoded frame under ``key``, in the first tier with room.
 
         The frame must verify and carry kvstore metadata for ``namespace``: a
         tenant cannot plant a block in another's namespace. The same frame again,
         or a key another namespace holds, is a no-op that returns the current entry.
+
+        Args:
+            make_room: place it as ``put_kv`` places a block (admission, then demote or
+                evict colder entries to make room) instead of falling through full tiers.
 
         Raises:
             FrameError: the frame does not verify or has no kvstore metadata.
@@ -454,36 +463,98 @@ class KVStore:
         probe = entry_from_frame(key, "", frame, time.time())
         if probe.namespace != namespace:
             raise InvalidInput(f"frame metadata namespace {probe.namespace!r} is not the request's {namespace!r}")
+        first = self._room_for(probe.size) if make_room else 0  # outside the claim: it moves other keys
+
+        def write(tier: Tier) -> IndexEntry:
+            tier.put(key, frame)
+            return replace(probe, tier=tier.name)
+
         with self._index.claim(key):
             old = self._index.get(key)
             if old is not None and (old.namespace != namespace or old.checksum == probe.checksum):
                 return old
-            failure: TierError | None = None
-            for tier in self._tiers:
-                try:
-                    tier.put(key, frame)
-                except TierFull as exc:
-                    failure = failure or exc
-                    continue
-                except TierError as exc:
-                    self._count(tier_errors=1)
-                    log.warning("tier %s failed a frame put (%s); trying the next", tier.name, exc)
-                    failure = exc
-                    continue
-                entry = replace(probe, tier=tier.name)
-                self._index.add(entry)
-                if old is not None and old.tier != tier.name:
-                    self._delete_frame(old)
-                self.placement.admitted(key, tier.name, entry.size, depth=entry.depth)
-                if self._shared is not None and self._shared.policy.mode == "write_through" \
-                        and tier.name != self._shared.name:
+            return self._publish_frame(key, old, first, probe.size, write, lambda: frame, lambda: False)
+
+    def put_frame_with(self, key: BlockHash, namespace: str, size: int, writer: FrameWriter, *,
+                       make_room: bool = True) -> IndexEntry:
+        """Store a frame that ``writer`` writes in place: into the tier's own memory where the
+        tier lends it (``Tier.put_with``), so bytes read from a socket land in their slot with
+        no staging copy.
+
+        ``writer`` gets a writable view of ``size`` bytes, writes a whole sealed frame that
+        carries kvstore metadata for ``namespace``, and returns its length. Its header is
+        checked and its metadata read; its body checksum is the one ``writer`` sealed (this is
+        for frames the server builds itself, not ones a client sent). A tier that refuses
+        before ``writer`` ran (full) passes the put to the next; once it ran, the put ends there.
+
+        Raises:
+            whatever ``writer`` raises: nothing is stored.
+            FrameError, InvalidInput: the frame is not a kvstore frame of ``namespace``.
+            TierFull: no tier has room. TierError: the tier failed.
+        """
+        from kvstore.recovery import entry_from_head
+
+        self._check_open()
+        key = check_key(key)
+        first = self._room_for(size) if make_room else 0
+        ran: list[IndexEntry] = []
+
+        def write(tier: Tier) -> IndexEntry:
+            def fill(view: memoryview) -> int:
+                ran.append(None)  # type: ignore[arg-type]  # the writer started: no other tier gets a try
+                n = writer(view)
+                ran[-1] = entry_from_head(key, tier.name, view[:n], n, time.time())
+                return n
+
+            tier.put_with(key, size, fill)
+            entry = ran[-1]
+            if entry.namespace != namespace:
+                tier.delete(key)
+                raise InvalidInput(f"frame metadata namespace {entry.namespace!r} is not {namespace!r}")
+            return entry
+
+        with self._index.claim(key):
+            old = self._index.get(key)
+            if old is not None and old.namespace != namespace:
+                raise InvalidInput(f"key {key.hex()} belongs to another namespace")
+            frame_of = lambda: self._by_name[ran[-1].tier].get(key)  # noqa: E731 - only for write-through
+            return self._publish_frame(key, old, first, size, write, frame_of, lambda: bool(ran))
+
+    def _publish_frame(self, key: BlockHash, old: IndexEntry | None, first: int, size: int,
+                       write: Callable[[Tier], IndexEntry], frame_of: Callable[[], Any],
+                       committed: Callable[[], bool]) -> IndexEntry:
+        """Under ``key``'s claim: ``write`` the frame into the first tier from ``first`` that takes
+        it, then index it. A failure once ``committed()`` says the bytes are spent is raised."""
+        failure: TierError | None = None
+        for tier in self._tiers[first:]:
+            try:
+                entry = write(tier)
+            except TierFull as exc:
+                if committed():
+                    raise
+                failure = failure or exc
+                continue
+            except TierError as exc:
+                self._count(tier_errors=1)
+                if committed():
+                    raise
+                log.warning("tier %s failed a frame put (%s); trying the next", tier.name, exc)
+                failure = exc
+                continue
+            self._index.add(entry)
+            if old is not None and old.tier != tier.name:
+                self._delete_frame(old)
+            self.placement.admitted(key, tier.name, entry.size, depth=entry.depth)
+            if self._shared is not None and self._shared.policy.mode == "write_through" \
+                    and tier.name != self._shared.name:
+                frame = frame_of()
+                if frame is not None:
                     self._shared.after_put(entry, codec_mod.decode(frame), codec_mod.frame_meta(frame))
-                self._count(blocks_written=1)
-                return entry
+            self._count(blocks_written=1)
+            return entry
         if isinstance(failure, TierError) and not isinstance(failure, TierFull):
             raise failure
-        raise TierFull(f"no tier has room for a {len(memoryview(frame).cast('B'))}-byte frame",
-                       stored_tokens=0) from failure
+        raise TierFull(f"no tier has room for a {size}-byte frame", stored_tokens=0) from failure
 
     # -- placement ------------------------------------------------------------------
 
@@ -568,7 +639,11 @@ class KVStore:
             The index of that tier; the write falls through to slower tiers if it is still full.
         """
         top = self._tiers[0]
-        size = codec_mod.frame_size(block.shape, block.dtype, self._codecs[top.name], meta_len=_META_BUDGET)
+        return self._room_for(codec_mod.frame_size(block.shape, block.dtype, self._codecs[top.name],
+                                                   meta_len=_META_BUDGET))
+
+    def _room_for(self, size: int) -> int:
+        """The index of the tier a new frame of ``size`` bytes goes to, with room made there."""
         target = self.placement.place_new(size)
         for order in self.placement.make_room(target, size):
             self._mover.execute(order)

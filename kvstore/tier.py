@@ -2,8 +2,8 @@
 
 A tier stores opaque frames under 32-byte keys. It never looks inside a frame
 (that is the codec's job) and never decides what to keep (that is placement's).
-Seven abstract methods and four attributes make a tier; batched forms and
-``put_with`` have looping defaults that a tier overrides when its backing can
+Seven abstract methods and four attributes make a tier; batched forms,
+``put_with`` and ``read_with`` have defaults that a tier overrides when its backing can
 do better (pipelines, in-place writes into an arena).
 
 Rules every tier keeps (``tests/tiers/conformance.py`` checks them):
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from kvstore.errors import InvalidInput
 from kvstore.keys import BlockHash
@@ -33,6 +33,8 @@ Buffer = Any
 
 FrameWriter = Callable[[memoryview], int]
 """Fills a writable view and returns how many bytes it used."""
+
+T = TypeVar("T")
 
 
 def writable_bytes(out: Buffer) -> memoryview:
@@ -173,6 +175,16 @@ class Tier(ABC):
             raise InvalidInput(f"out holds {len(dst)} bytes, the frame needs {len(src)}")
         dst[: len(src)] = src
         return len(src)
+
+    def read_with(self, key: BlockHash, reader: Callable[[memoryview], T]) -> T | None:
+        """``reader(frame)`` for the frame under ``key``; None (and no call) when absent.
+
+        The view is valid only during the call and must not be kept. Arena tiers in
+        host memory lend the slot itself, held busy so it is neither freed nor moved
+        until the call returns: a server can verify a frame and send it with no copy.
+        """
+        frame = self.get(key)
+        return None if frame is None else reader(memoryview(frame).cast("B"))
 
     def head(self, key: BlockHash, nbytes: int) -> tuple[Buffer, int] | None:
         """The first ``nbytes`` of ``key``'s frame and the frame's full length; None when absent.

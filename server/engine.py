@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
+from kvstore import codec as codec_mod
+from kvstore.codec import FrameHeader
 from kvstore.errors import FrameError, TierError
 from kvstore.index import IndexEntry
 from kvstore.keys import BlockHash, block_hashes, normalize_tokens
@@ -22,9 +24,10 @@ from kvstore.store import KVStore
 from kvstore.tier import Tier
 
 __all__ = ["PrefixBlock", "is_closed", "prefix_blocks", "shared_tier", "record_hits", "record_get", "record_lookup",
-           "read_frame", "put_frame", "tier_named", "current_entry", "block_entry", "durable_blocks"]
+           "read_frame", "read_frame_with", "put_frame", "tier_named", "current_entry", "block_entry", "durable_blocks"]
 
 log = logging.getLogger("kvstore.server")
+T = TypeVar("T")
 
 
 def is_closed(store: KVStore) -> bool:
@@ -151,6 +154,59 @@ def read_frame(store: KVStore, key: BlockHash, namespaces: frozenset[str] | None
         if frame is not None:
             record_hits(store, [key])
             return frame, entry
+    return None
+
+
+_DAMAGED = object()
+
+
+def read_frame_with(store: KVStore, key: BlockHash, namespaces: frozenset[str] | None,
+                    reader: Callable[[memoryview, FrameHeader, IndexEntry], T], *, verify: bool = True) -> T | None:
+    """``reader(frame, header, entry)`` over ``key``'s verified frame, lent by its tier for the call.
+
+    An arena tier in host memory lends the slot itself, so a frame can be checked and
+    sent with no copy. Returns None (reader not called) when the block is absent, of
+    another namespace, unreadable or damaged; a damaged frame is dropped. Counted as a read.
+    ``reader`` must not return None, which means "moved meanwhile: look again" here.
+
+    Args:
+        verify: False checks the header only and leaves the body to ``reader``, which must
+            read it through ``codec.stream_payload``; a ``FrameError`` it raises drops the
+            block and is raised on.
+    """
+    for _ in range(2):  # a block that moved between the index read and the tier read: once more
+        entry = current_entry(store, key, namespaces)
+        tier = None if entry is None else tier_named(store, entry.tier)
+        if entry is None or tier is None:
+            return None
+        damage: list[FrameError] = []
+
+        def checked(view: memoryview) -> Any:
+            try:
+                header = codec_mod.verify(view) if verify else codec_mod.read_header(view)
+            except FrameError as exc:
+                damage.append(exc)
+                return _DAMAGED
+            if header.body_checksum != entry.checksum:  # sound, but rewritten since the index read
+                return None
+            return reader(view, header, entry)
+
+        try:
+            got = tier.read_with(key, checked)
+        except TierError as exc:
+            log.warning("tier %s failed a block read (%s); served as a miss", entry.tier, exc)
+            return None
+        except FrameError as exc:  # the reader found the body damaged part-way
+            log.warning("block %s in tier %s is damaged (%s); dropped", key.hex(), entry.tier, exc)
+            store.drop_corrupt(entry)
+            raise
+        if got is _DAMAGED:
+            log.warning("block %s in tier %s is damaged (%s); dropped as a miss", key.hex(), entry.tier, damage[0])
+            store.drop_corrupt(entry)
+            return None
+        if got is not None:
+            record_hits(store, [key])
+            return got
     return None
 
 

@@ -375,3 +375,42 @@ def test_large_raw_frame_is_hashed_while_copied_and_still_refused_when_damaged()
     frame[-3] ^= 0x40  # one bit in the last layer
     with pytest.raises(CorruptFrame, match="checksum"):
         codec.decode(frame, out=out)
+
+
+def test_a_bytes_frame_is_raw_only_and_sealed_around_a_payload_in_place():
+    meta = b'{"who":"lmcache"}'
+    payload = bytes(range(256)) * 4096 + b"tail"  # 1 MiB and an odd tail
+    at = codec.raw_payload_offset(1, len(meta))
+    buf = bytearray(at + len(payload) + 100)
+    buf[at:at + len(payload)] = payload  # as a socket would have written it
+    n = codec.seal_raw(buf, "uint8", (len(payload),), meta)
+    frame = bytes(buf[:n])
+    header = verify(frame)
+    assert (header.dtype, header.shape, header.codec, header.raw_nbytes) == ("uint8", (len(payload),), Codec.RAW,
+                                                                           len(payload))
+    assert frame_meta(frame) == meta and bytes(decode(frame).numpy()) == payload
+    with pytest.raises(InvalidKV, match="kept raw"):
+        codec.transcode(frame, "int8")  # opaque bytes are never quantized
+    with pytest.raises(InvalidKV, match="kept raw"):
+        encode(torch.zeros(4, 2, 1, 16, 8, dtype=torch.uint8), "int8")
+    with pytest.raises(InvalidKV):
+        codec.seal_raw(bytearray(at + 10), "uint8", (len(payload),), meta)  # too small
+    assert codec.seal_raw(bytearray(at), "uint8", (0,), b"") == codec.raw_payload_offset(1, 0)
+
+
+def test_stream_payload_holds_back_the_last_piece_of_a_damaged_frame():
+    x = kv(shape=(8, 2, 4, 64, 64))  # 1 MiB of fp16
+    frame = bytearray(encode(x))
+    header = read_header(frame)
+    pieces = list(codec.stream_payload(frame, header, 100_000))
+    assert b"".join(pieces) == bytes(frame[header.payload_offset:]) and len(pieces) == -(-header.payload_len // 100_000)
+    for where in (header.payload_offset, len(frame) - 1, header.meta_offset + 1):  # first, last, the meta
+        bad = bytearray(frame)
+        bad[where] ^= 1
+        got = []
+        with pytest.raises(CorruptFrame):
+            for piece in codec.stream_payload(bad, read_header(bad), 100_000):
+                got.append(bytes(piece))
+        assert sum(map(len, got)) < header.payload_len  # never the whole payload
+    empty = encode(torch.zeros(0, dtype=torch.float16))
+    assert list(codec.stream_payload(empty, read_header(empty))) == []

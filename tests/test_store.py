@@ -515,3 +515,44 @@ def test_get_kv_into_a_reused_buffer(spec):
             store.get_kv(spec, TOKENS[:64], out=torch.zeros(spec.kv_shape(64), dtype=torch.float32,
                                                             requires_grad=True).to(spec.torch_dtype))
         assert store.stats().counters.corrupt_blocks == 0 and store.lookup(spec, TOKENS[:64]) == 64
+
+
+def test_put_frame_with_writes_in_place_and_fails_cleanly(spec, tmp_path):
+    """The lm:// listener's path: a frame the writer produces (from a socket) in the tier's memory."""
+    from kvstore import codec as codec_mod
+    from kvstore.keys import block_meta, named_key
+    from tiers.shm import ShmTier
+
+    meta = block_meta("ns", "ab" * 32, 0, extra={"x": 1})
+    at = codec_mod.raw_payload_offset(1, len(meta))
+
+    def writer_of(payload: bytes):
+        def writer(view: memoryview) -> int:
+            view[at:at + len(payload)] = payload
+            return codec_mod.seal_raw(view, "uint8", (len(payload),), meta)
+        return writer
+
+    key = named_key("ns", "test", "a")
+    with KVStore([ShmTier(1 * MiB), MemoryTier(4 * MiB)], background=False) as store:
+        entry = store.put_frame_with(key, "ns", at + 4096, writer_of(b"q" * 4096))
+        assert entry.tier == "shm" and entry.raw_bytes == 4096 and store.entry(key) == entry
+        got = store.tiers[0].read_with(key, lambda v: bytes(codec_mod.decode(v).numpy()))
+        assert got == b"q" * 4096
+        # Too big for shm, and shm refuses before the writer runs: the next tier takes it.
+        big = store.put_frame_with(named_key("ns", "test", "b"), "ns", at + 2 * MiB, writer_of(b"z" * 2 * MiB))
+        assert big.tier == "memory"
+
+        def failing(view: memoryview) -> int:  # a peer that goes away part-way
+            view[at:at + 10] = b"partial..."
+            raise ConnectionResetError("peer left")
+
+        with pytest.raises(ConnectionResetError):
+            store.put_frame_with(named_key("ns", "test", "c"), "ns", at + 4096, failing)
+        assert store.entry(named_key("ns", "test", "c")) is None and len(store.entries()) == 2
+        assert store.tiers[0].stats().used_bytes == entry.size  # the reservation was given back
+        with pytest.raises(InvalidInput, match="namespace"):
+            store.put_frame_with(named_key("other", "test", "d"), "other", at + 16, writer_of(b"w" * 16))
+        assert store.entry(named_key("other", "test", "d")) is None
+        with pytest.raises(TierFull):
+            store.put_frame_with(named_key("ns", "test", "e"), "ns", at + 8 * MiB, writer_of(b"y"),
+                                 make_room=False)

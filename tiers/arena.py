@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import threading
 from abc import abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from kvstore.errors import InvalidInput, StoreClosed, TierFull
 from kvstore.keys import BlockHash, check_key
 from kvstore.pool import Move, SlabAllocator
 from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats, writable_bytes
+
+T = TypeVar("T")
 
 __all__ = ["ArenaTier", "Slot", "default_max_entries"]
 
@@ -126,6 +129,14 @@ class ArenaTier(Tier):
 
     def _copy_out_into(self, offset: int, length: int, out: memoryview) -> None:
         out[:length] = memoryview(self._copy_out(offset, length)).cast("B")
+
+    @contextmanager
+    def _lent(self, offset: int, length: int) -> Iterator[memoryview]:
+        """The slot's bytes for the length of a ``with``; the slot is held busy meanwhile.
+
+        This default lends a copy; arenas in host memory override it to lend the slot.
+        """
+        yield memoryview(self._copy_out(offset, length)).cast("B")
 
     def _publish(self, key: bytes, slot: Slot) -> None:
         """The slot now holds ``key``'s frame. Lock held."""
@@ -280,6 +291,17 @@ class ArenaTier(Tier):
                 raise InvalidInput(f"out holds {len(view)} bytes, the frame needs {slot.length}")
             self._copy_out_into(slot.offset, slot.length, view)
             return slot.length
+        finally:
+            with self._lock:
+                self._unbusy(slot.offset)
+
+    def read_with(self, key: BlockHash, reader: Callable[[memoryview], T]) -> T | None:
+        slot = self._pin(key)
+        if slot is None:
+            return None
+        try:
+            with self._lent(slot.offset, slot.length) as view:
+                return reader(view)
         finally:
             with self._lock:
                 self._unbusy(slot.offset)

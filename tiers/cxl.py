@@ -33,6 +33,7 @@ for in-flight copies (including a slow ``put_with`` writer) to finish.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -42,6 +43,8 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Iterator
+
 import numpy as np
 
 from kvstore.errors import InvalidInput, StoreClosed, TierIOError
@@ -340,6 +343,15 @@ class CXLTier(ArenaTier):
         arr = self._enter()
         try:
             return arr[offset:offset + length].copy()
+        finally:
+            self._leave()
+
+    @contextlib.contextmanager
+    def _lent(self, offset: int, length: int) -> Iterator[memoryview]:
+        arr = self._enter()  # kept mapped while lent: close waits for us
+        try:
+            with memoryview(arr[offset:offset + length]) as view:
+                yield view
         finally:
             self._leave()
 

@@ -37,6 +37,8 @@ import os
 import re
 import secrets
 import weakref
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 
@@ -209,6 +211,11 @@ class ShmTier(ArenaTier):
 
     def _copy_out_into(self, offset: int, length: int, out: memoryview) -> None:
         out[:length] = self._view[offset:offset + length]
+
+    @contextmanager
+    def _lent(self, offset: int, length: int) -> Iterator[memoryview]:
+        with self._view[offset:offset + length] as view:  # the slot itself, busy while lent
+            yield view
 
     def _fill(self, offset: int, size: int, writer: FrameWriter) -> int:
         with self._view[offset:offset + size] as view:  # the encoder writes into the arena itself

@@ -152,6 +152,20 @@ class TierContract:
         with pytest.raises(InvalidInput):
             tier.get_into(key(1), np.zeros((2, 8192), np.uint8)[:, ::2])  # not contiguous
 
+    def test_read_with_lends_the_frame_for_the_call(self, tier):
+        tier.put(key(1), payload(5000, 1))
+        assert tier.read_with(key(1), lambda view: (len(view), bytes(view[:64]))) == (5000, payload(5000, 1)[:64])
+        assert tier.read_with(key(2), lambda view: pytest.fail("called for a missing key")) is None
+        # The frame read under the call is the one stored, even with a rewrite of another key meanwhile.
+        def rewrite_and_read(view):
+            tier.put(key(3), payload(5000, 3))
+            return bytes(view)
+        assert tier.read_with(key(1), rewrite_and_read) == payload(5000, 1)
+        # A reader that fails leaves the frame readable and deletable.
+        with pytest.raises(ZeroDivisionError):
+            tier.read_with(key(1), lambda view: 1 / 0)
+        assert tier.get(key(1)) is not None and tier.delete(key(1))
+
     def test_head_gives_a_prefix_and_the_length(self, tier):
         tier.put(key(1), payload(5000, 1))
         head, length = tier.head(key(1), 100)
