@@ -6,10 +6,18 @@ with one JSON line on stdout, so a benchmark can interleave LMCache samples
 with its own:
 
     {"cmd": "setup", "backend": B, "shape": [2, 32, 256, 1024], "dtype": "bfloat16",
-     "redis_url": "redis://127.0.0.1:PORT", "torch_threads": N}  -> {"ok": true}
+     "redis_url": "redis://127.0.0.1:PORT", "torch_threads": N}  -> {"ok": true, "server_pid": pid | null}
     {"cmd": "sample", "backend": B, "op": "put" | "get"} -> {"ok": true, "seconds": s, "bytes": n}
     {"cmd": "verify", "backend": B}                     -> {"ok": true, "equal": bool}
+    {"cmd": "put_key", "backend": B, "key": n, "seed": s}   -> {"ok": true}
+    {"cmd": "get_key", "backend": B, "key": n, "seed": s}   -> {"ok": true, "found": bool, "equal": bool,
+                                                             "shape": [...], "dtype": str, "fmt": str}
+    {"cmd": "exists_key", "backend": B, "key": n}        -> {"ok": true, "exists": bool}
+    {"cmd": "list_keys", "backend": B}                   -> {"ok": true, "connector": ..., "wire": [str]}
     {"cmd": "close"}                                    -> {"ok": true}, then exit
+
+The *_key commands work on chunk key ``n`` with data that is a pure function of
+the seed ``s`` (what the kvstore integration test checks a server against).
 
 A failed command answers {"ok": false, "error": "<type>: <message>"} and the
 driver reads on. Several backends may be set up at once.
@@ -25,6 +33,8 @@ Backends (B):
   RemoteBackend with an lm:// URL, as an LMCache engine would reach it.
 - redis: the same RemoteBackend with a redis:// URL, against a Redis server
   that the caller runs.
+- any other name, with "lm_url": the same RemoteBackend over that lm:// URL, to a
+  server the caller runs (kvstore's lm:// listener).
 
 Remote puts and gets go through RemoteBackend, so they include what LMCache
 adds around the connector: the event-loop hop, the naive serde and the
@@ -114,8 +124,9 @@ class Chunk:
         # Reused for every get: see the module docstring.
         self.out = torch.zeros(self.shape, dtype=self.dtype)
 
-    def random(self) -> torch.Tensor:
-        return torch.randn(self.shape).to(self.dtype)
+    def random(self, seed: int | None = None) -> torch.Tensor:
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        return torch.randn(self.shape, generator=gen).to(self.dtype)
 
     def key(self, n: int) -> CacheEngineKey:
         return CacheEngineKey(MODEL, 1, 0, n, self.dtype)
@@ -320,8 +331,12 @@ class Driver:
             except BaseException:
                 _stop(proc)
                 raise
+        elif req.get("lm_url"):
+            if not str(req["lm_url"]).startswith("lm://"):
+                raise ValueError(f"lm_url must be lm://HOST:PORT, got {req['lm_url']!r}")
+            backend = Remote(chunk, req["lm_url"], self.event_loop())
         else:
-            raise ValueError(f"unknown backend {name!r}")
+            raise ValueError(f"unknown backend {name!r} (give lm_url for a server of your own)")
         try:
             # Store the chunk get samples read, and read it once: this also
             # warms connections and memory so the first sample is not a cold one.
@@ -331,7 +346,8 @@ class Driver:
             backend.close()
             raise
         self.backends[name] = backend
-        return {"ok": True}
+        server = getattr(backend, "server", None)
+        return {"ok": True, "server_pid": server.pid if server is not None else None}
 
     def sample(self, req: dict[str, Any]) -> dict[str, Any]:
         backend = self.backend(req["backend"])
@@ -363,6 +379,54 @@ class Driver:
         backend.get(key, out)
         return {"ok": True, "equal": bool(torch.equal(out, data))}
 
+    def remote(self, req: dict[str, Any]) -> Remote:
+        backend = self.backend(req["backend"])
+        if not isinstance(backend, Remote):
+            raise ValueError(f"backend {req['backend']!r} is not a remote one")
+        return backend
+
+    def put_key(self, req: dict[str, Any]) -> dict[str, Any]:
+        backend = self.remote(req)
+        key = backend.chunk.key(int(req["key"]))
+        backend.prepare_put(key)
+        backend.put(key, backend.chunk.random(int(req["seed"])))
+        return {"ok": True}
+
+    def get_key(self, req: dict[str, Any]) -> dict[str, Any]:
+        backend = self.remote(req)
+        chunk = backend.chunk
+        obj = backend.remote.get_blocking(chunk.key(int(req["key"])))
+        if obj is None:
+            return {"ok": True, "found": False}
+        try:
+            md = obj.metadata
+            return {"ok": True, "found": True, "equal": bool(torch.equal(obj.tensor, chunk.random(int(req["seed"])))),
+                    "shape": list(md.shape), "dtype": str(md.dtype).replace("torch.", ""), "fmt": md.fmt.name}
+        finally:
+            obj.ref_count_down()
+
+    def exists_key(self, req: dict[str, Any]) -> dict[str, Any]:
+        backend = self.remote(req)
+        return {"ok": True, "exists": bool(backend.remote.contains(backend.chunk.key(int(req["key"]))))}
+
+    def list_keys(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The connector's own ``list()`` (a stub in LMCache 0.5.6: None, and nothing sent), and
+        LIST on the wire, built and read with LMCache's own message classes."""
+        from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage
+
+        backend = self.remote(req)
+        connector = backend.remote.connection
+        listed = asyncio.run_coroutine_threadsafe(connector.list(), self.event_loop()).result(WAIT_TIMEOUT_S)
+        host, port = backend.url[len("lm://"):].rsplit(":", 1)
+        msg = ClientMetaMessage(ClientCommand.LIST, backend.chunk.key(0), 0, MemoryFormat.KV_2LTD, torch.float16,
+                                torch.Size([0, 0, 0, 0]))
+        with socket.create_connection((host, int(port)), timeout=WAIT_TIMEOUT_S) as sock:
+            sock.sendall(msg.serialize())
+            meta = ServerMetaMessage.deserialize(_recv_exact(sock, ServerMetaMessage.packlength()))
+            body = _recv_exact(sock, meta.length).decode()
+        return {"ok": True, "connector": listed, "code": int(meta.code), "wire": body.split("\n") if body else [],
+                "connector_class": type(getattr(connector, "getWrappedConnector", lambda: connector)()).__name__}
+
     def close(self) -> None:
         errors = []
         for name, backend in list(self.backends.items()):
@@ -378,6 +442,17 @@ class Driver:
             raise RuntimeError("; ".join(errors))
 
 
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError(f"the server closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
 def _reply(obj: dict[str, Any]) -> None:
     _REPLIES.write(json.dumps(obj) + "\n")
     _REPLIES.flush()
@@ -385,7 +460,8 @@ def _reply(obj: dict[str, Any]) -> None:
 
 def main() -> int:
     driver = Driver()
-    handlers = {"setup": driver.setup, "sample": driver.sample, "verify": driver.verify}
+    handlers = {"setup": driver.setup, "sample": driver.sample, "verify": driver.verify, "put_key": driver.put_key,
+                "get_key": driver.get_key, "exists_key": driver.exists_key, "list_keys": driver.list_keys}
     try:
         for line in sys.stdin:
             if not line.strip():

@@ -114,15 +114,16 @@ def render(result: dict, page: Path) -> None:
     replace_section(page, f"{tables(result)}\n\n" + "\n\n".join(images))
 
 
-def replace_section(page: Path, body: str) -> None:
-    """Put ``body`` between ``page``'s ``<!-- bench:results -->`` markers, keeping the rest.
+def replace_section(page: Path, body: str, name: str = "results") -> None:
+    """Put ``body`` between ``page``'s ``<!-- bench:<name> -->`` markers, keeping the rest.
 
     Raises:
         ValueError: the page lacks the markers.
     """
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     text = page.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{page} has no {START} ... {END} section to fill")
-    head, _, rest = text.partition(START)
-    _, _, tail = rest.partition(END)
-    page.write_text(f"{head}{START}\n\n{body}\n\n{END}{tail}")
+    if start not in text or end not in text:
+        raise ValueError(f"{page} has no {start} ... {end} section to fill")
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    page.write_text(f"{head}{start}\n\n{body}\n\n{end}{tail}")

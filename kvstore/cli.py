@@ -14,6 +14,7 @@
     kvstore bench planner|flight|layers [--quick] [--repeats N] [--torch-threads N] [--out DIR]
     kvstore bench reliability [--quick] [--out DIR] [--docs PAGE]
     kvstore bench all [--quick] [--with-lmcache | --no-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
+    kvstore bench lmcache [--quick] [--with-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
@@ -92,6 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     rel.add_argument("--docs", default=None, help="render the table into this page (docs/reliability.md)")
     rel.set_defaults(repeats=None)
 
+    lmb = which.add_parser("lmcache", help="LMCache's own client against LMCache's server and kvstore's lm:// "
+                                             "listener: put/get GiB/s of 32 MiB chunks, one run")
+    lmb.add_argument("--quick", action="store_true", help="5 samples a row (about a minute)")
+    lmb.add_argument("--with-lmcache", dest="lmcache", action="store_const", const="with", default="auto",
+                     help="install LMCache 0.5.6 into .venv-lmcache when missing (about a minute)")
+    lmb.add_argument("--repeats", type=int, default=None, help="samples a row (default 21; 5 with --quick)")
+    lmb.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
+    lmb.add_argument("--docs", default=None, help="render the results into this page (docs/benchmarks.md)")
+
     every = which.add_parser("all", help="limits, kvstore's paths and its peers side by side; TTFT; scale")
     every.add_argument("--quick", action="store_true", help="3 samples a row, short windows (under 3 minutes)")
     lmc = every.add_mutually_exclusive_group()
@@ -131,6 +141,9 @@ def _serve_parser(sub: Any) -> None:
     flag("--no-colocated", action="store_true", help="do not offer the shared-memory path (KVSTORE_COLOCATED=0)")
     flag("--flight-port", type=int, default=None,
          help="also serve Arrow Flight on this port, 0 for a free one (KVSTORE_FLIGHT_PORT; default: none)")
+    flag("--lmcache-port", type=int, default=None,
+         help="also serve LMCache's lm:// protocol on this port, 0 for a free one (KVSTORE_LMCACHE_PORT; "
+              "default: none); chunks go to namespace KVSTORE_LMCACHE_NAMESPACE (lmcache)")
     flag("--log-level", default=None, help="debug, info, warning (KVSTORE_LOG_LEVEL)")
 
 
@@ -197,7 +210,7 @@ def _bench(args: argparse.Namespace) -> int:
         "codec": _bench_codec, "tiers": _bench_tiers, "service": _bench_service,
         "placement": _bench_traces, "write-policy": _bench_traces,
         "planner": _bench_module, "flight": _bench_module, "layers": _bench_module, "all": _bench_all,
-        "reliability": _bench_reliability,
+        "reliability": _bench_reliability, "lmcache": _bench_lmcache,
     }
     return benches[args.bench](args)
 
@@ -253,6 +266,26 @@ def _bench_reliability(args: argparse.Namespace) -> int:
         return 2
     except RuntimeError as exc:
         print(f"kvstore bench reliability: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _bench_lmcache(args: argparse.Namespace) -> int:
+    from bench.lm_backend import run
+
+    if args.repeats is not None and args.repeats < 1:
+        print(f"kvstore bench lmcache: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    if args.docs is not None and not os.path.isfile(args.docs):
+        print(f"kvstore bench lmcache: --docs {args.docs}: no such page", file=sys.stderr)
+        return 2
+    try:
+        run(quick=args.quick, repeats=args.repeats, lmcache=args.lmcache, out_dir=args.out, docs=args.docs)
+    except ValueError as exc:  # a page without markers
+        print(f"kvstore bench lmcache: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"kvstore bench lmcache: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -318,7 +351,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = ServerSettings.from_env(
             host=args.host, port=args.port, tokens_file=args.tokens_file, admin_token=args.admin_token,
             tier_codecs=args.tier_codecs, max_body_bytes=args.max_body_bytes, log_level=args.log_level,
-            colocated=False if args.no_colocated else None, flight_port=args.flight_port)
+            colocated=False if args.no_colocated else None, flight_port=args.flight_port,
+            lmcache_port=args.lmcache_port)
     except KVStoreError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2

@@ -117,7 +117,8 @@ async def admin_stats(request: Request) -> dict:
     out = stats.to_dict()
     out["service"] = {"uptime_s": time.time() - svc.started_s, "auth": svc.auth.enabled,
                       "staging": svc.staging.stats() if svc.staging else None,
-                      "audit_records": svc.audit.list(0)[0]}
+                      "audit_records": svc.audit.list(0)[0],
+                      "lmcache": svc.lmcache.stats() if svc.lmcache is not None else None}
     return out
 
 

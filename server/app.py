@@ -227,6 +227,11 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
             svc.closers.append(lambda: side.close(settings.graceful_timeout_s))
             svc.offers["flight"] = {"port": side.port}
             log.info("kvstore: Arrow Flight on port %d", side.port)
+        if settings.lmcache_port is not None:
+            from server.lmcache_listener import start_lmcache
+
+            svc.lmcache = lm = start_lmcache(svc, settings)
+            svc.closers.append(lambda: lm.close(settings.graceful_timeout_s))
         yield
         log.info("kvstore: shutting down; closing the store (flushes durable tiers, releases shm)")
         svc.close()

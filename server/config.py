@@ -140,6 +140,14 @@ class ServerSettings:
     flight_port: int | None = None
     """Port of the Arrow Flight bulk path beside the REST app (``server.flight``): None runs
     none, 0 takes a free port at start (``/v1/info`` shows it as ``media.flight.port``)."""
+    lmcache_port: int | None = None
+    """Port of the ``lm://`` listener for LMCache's remote connector (``server.lmcache_listener``),
+    on ``host``: None runs none, 0 takes a free one (``/admin/stats`` shows it)."""
+    lmcache_host: str | None = None
+    """Where the ``lm://`` listener binds; default REST's host, or loopback when auth is off.
+    LMCache's protocol has no authentication: bind it where only LMCache workers reach it."""
+    lmcache_namespace: str = "lmcache"
+    """The namespace LMCache's chunks are stored in."""
     grants: dict[str, TenantGrant] = field(default_factory=dict, compare=False)
     """Parsed tokens (filled from ``tokens_file`` and ``tokens``)."""
 
@@ -151,6 +159,15 @@ class ServerSettings:
             raise InvalidInput(f"flight_port must be None or an int in [0, 65535], got {fp!r}")
         if fp and fp == self.port:
             raise InvalidInput(f"flight_port must differ from port ({self.port}): Flight listens beside REST")
+        lp = self.lmcache_port
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 65535):
+            raise InvalidInput(f"lmcache_port must be None or an int in [0, 65535], got {lp!r}")
+        if lp and lp in (self.port, fp):
+            raise InvalidInput(f"lmcache_port must differ from port and flight_port, got {lp}")
+        try:
+            validate_namespace(self.lmcache_namespace)
+        except InvalidInput as exc:
+            raise InvalidInput(f"lmcache_namespace: {exc}") from None
         bt = self.body_timeout_s
         if isinstance(bt, bool) or not isinstance(bt, (int, float)) or not 0 <= bt < float("inf"):  # NaN too
             raise InvalidInput(f"body_timeout_s must be a number of seconds >= 0, got {bt!r}")
@@ -210,7 +227,7 @@ class ServerSettings:
 
 
 def _parse(name: str, raw: str) -> Any:
-    if name in ("port", "flight_port"):
+    if name in ("port", "flight_port", "lmcache_port"):
         if not raw.strip().isdigit():
             raise InvalidInput(f"a port number, got {raw!r}")
         return int(raw)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 __all__ = ["Metrics"]
@@ -104,4 +104,11 @@ class Metrics:
                                  ["op", "choice"], registry=self.registry)
         self.rollbacks = Counter("kvstore_planner_rollbacks", "Canary policies rolled back, by who.",
                                  ["by"], registry=self.registry)
+        self.lmcache_requests = Counter("kvstore_lmcache_requests", "lm:// listener requests, by command and outcome.",
+                                        ["command", "result"], registry=self.registry)
+        self.lmcache_closed = Counter("kvstore_lmcache_closed_connections",
+                                      "lm:// connections the listener closed on bad input, by reason.",
+                                      ["reason"], registry=self.registry)
+        self.lmcache_connections = Gauge("kvstore_lmcache_connections", "Open lm:// connections.",
+                                         registry=self.registry)
         self.registry.register(_StoreCollector(stats, extra))  # type: ignore[arg-type]

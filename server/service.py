@@ -143,6 +143,8 @@ class Service:
         redis_tier = next((t for t, k in zip(store.tiers, kinds) if k == "redis"), None)
         if redis_tier is not None:  # the keyspace only: a client brings its own URL and credentials
             self.offers["redis"] = {"keyspace": getattr(redis_tier, "keyspace", "default"), "tier": redis_tier.name}
+        self.lmcache: Any = None
+        """The ``lm://`` listener (``server.lmcache_listener``) when ``lmcache_port`` is set."""
         self.closers: list[Callable[[], None]] = []
         """Run first at close (in reverse order): servers started beside the app, e.g. Arrow Flight."""
 
