@@ -253,21 +253,28 @@ def _bench_module(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_reported(name: str, docs: str | None, run: Callable[[], object],
+                    failures: tuple[type[BaseException], ...] = (RuntimeError,)) -> int:
+    """Run a bench that renders ``docs``: 2 for a bad page (missing, or without its markers)
+    or bad input, 1 for ``failures`` (a server that did not start, a failed install), else 0."""
+    if docs is not None and not os.path.isfile(docs):
+        print(f"kvstore bench {name}: --docs {docs}: no such page", file=sys.stderr)
+        return 2
+    try:
+        run()
+    except ValueError as exc:  # a page without markers, a size that is no whole number of tokens
+        print(f"kvstore bench {name}: {exc}", file=sys.stderr)
+        return 2
+    except failures as exc:
+        print(f"kvstore bench {name}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _bench_reliability(args: argparse.Namespace) -> int:
     from bench.reliability import run
 
-    if args.docs is not None and not os.path.isfile(args.docs):
-        print(f"kvstore bench reliability: --docs {args.docs}: no such page", file=sys.stderr)
-        return 2
-    try:
-        run(quick=args.quick, out_dir=args.out, docs=args.docs)
-    except ValueError as exc:  # a page without markers
-        print(f"kvstore bench reliability: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        print(f"kvstore bench reliability: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return _bench_reported("reliability", args.docs, lambda: run(quick=args.quick, out_dir=args.out, docs=args.docs))
 
 
 def _bench_lmcache(args: argparse.Namespace) -> int:
@@ -276,18 +283,8 @@ def _bench_lmcache(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         print(f"kvstore bench lmcache: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
         return 2
-    if args.docs is not None and not os.path.isfile(args.docs):
-        print(f"kvstore bench lmcache: --docs {args.docs}: no such page", file=sys.stderr)
-        return 2
-    try:
-        run(quick=args.quick, repeats=args.repeats, lmcache=args.lmcache, out_dir=args.out, docs=args.docs)
-    except ValueError as exc:  # a page without markers
-        print(f"kvstore bench lmcache: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        print(f"kvstore bench lmcache: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return _bench_reported("lmcache", args.docs, lambda: run(quick=args.quick, repeats=args.repeats,
+                                                             lmcache=args.lmcache, out_dir=args.out, docs=args.docs))
 
 
 def _bench_all(args: argparse.Namespace) -> int:
@@ -304,22 +301,14 @@ def _bench_all(args: argparse.Namespace) -> int:
 
     try:
         lists = {"sizes": listed(args.sizes, parse_size, 1), "prompts": listed(args.prompts, int, 16),
-                 "clients": listed(args.clients, int, 1), "stored": listed(args.stored, lambda v: 0 if v == "0" else parse_size(v), 0)}
+                 "clients": listed(args.clients, int, 1),
+                 "stored": listed(args.stored, lambda v: 0 if v == "0" else parse_size(v), 0)}
     except ValueError as exc:
         print(f"kvstore bench all: {exc}", file=sys.stderr)
         return 2
-    if args.docs is not None and not os.path.isfile(args.docs):
-        print(f"kvstore bench all: --docs {args.docs}: no such page", file=sys.stderr)
-        return 2
-    try:
-        run(quick=args.quick, lmcache=args.lmcache, repeats=args.repeats, out_dir=args.out, docs=args.docs, **lists)
-    except ValueError as exc:  # a size that is no whole number of tokens, a page without markers
-        print(f"kvstore bench all: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeError, ImportError) as exc:  # a child that failed to start, a failed install
-        print(f"kvstore bench all: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return _bench_reported("all", args.docs, lambda: run(quick=args.quick, lmcache=args.lmcache, repeats=args.repeats,
+                                                         out_dir=args.out, docs=args.docs, **lists),
+                           failures=(RuntimeError, ImportError))
 
 
 def _bench_service(args: argparse.Namespace) -> int:
