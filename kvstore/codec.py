@@ -30,7 +30,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterator
+from typing import Any
 
 import lz4.block
 import numpy as np
@@ -57,7 +57,6 @@ __all__ = [
     "frame_meta",
     "raw_payload_offset",
     "seal_raw",
-    "stream_payload",
 ]
 
 # torch.frombuffer warns on read-only buffers; decode only ever reads from them.
@@ -599,37 +598,6 @@ def verify(frame: Any) -> FrameHeader:
     if xxhash.xxh3_64_intdigest(mv[header.header_len : header.frame_len]) != header.body_checksum:
         raise CorruptFrame("frame body checksum mismatch")
     return header
-
-
-def stream_payload(frame: Any, header: FrameHeader, chunk_bytes: int = 1 << 20) -> Iterator[memoryview]:
-    """A frame's stored payload in pieces of ``chunk_bytes``, checked as they go.
-
-    Each piece is hashed just before it is yielded; the last one is yielded only once
-    the whole body checksum matched. A reader that sends the pieces on therefore never
-    delivers a damaged payload whole: it gets ``CorruptFrame`` before the last piece
-    (and should close the connection, so the peer sees a short read, never wrong bytes).
-    Hashing a piece right before it is sent also reads it from cache, not memory, twice.
-
-    Args:
-        header: ``read_header(frame)``.
-
-    Raises:
-        CorruptFrame: the body checksum does not match.
-    """
-    mv = _bytes_view(frame)
-    digest = xxhash.xxh3_64()
-    digest.update(mv[header.header_len : header.payload_offset])
-    start, end = header.payload_offset, header.frame_len
-    if start == end:
-        if digest.intdigest() != header.body_checksum:
-            raise CorruptFrame("frame body checksum mismatch")
-        return
-    for off in range(start, end, chunk_bytes):
-        piece = mv[off : min(end, off + chunk_bytes)]
-        digest.update(piece)
-        if off + chunk_bytes >= end and digest.intdigest() != header.body_checksum:
-            raise CorruptFrame("frame body checksum mismatch")
-        yield piece
 
 
 def transcode(frame: Any, codec: "str | Codec") -> Any:

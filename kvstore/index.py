@@ -110,10 +110,12 @@ class Index:
             self._raw_bytes -= entry.raw_bytes
             return entry
 
-    def touch(self, keys: Iterable[BlockHash], now_s: float, counts: Iterable[int] | None = None) -> None:
-        """Record a hit (``counts[i]`` hits) on each key: O(1) per key, one short lock hold."""
+    def touch(self, keys: Iterable[BlockHash], now_s: float, counts: Iterable[int] | None = None, *,
+              tally: bool = True) -> None:
+        """Record a hit (``counts[i]`` hits) on each key: O(1) per key, one short lock hold.
+        ``tally=False`` leaves them out of ``reads_by_tier``."""
         with self._cond:
-            reads = self._reads
+            reads = self._reads if tally else {}
             for key, n in zip(keys, counts if counts is not None else itertools.repeat(1)):
                 entry = self._entries.get(key)
                 if entry is not None:

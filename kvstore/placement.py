@@ -530,9 +530,9 @@ class PlacementManager:
     def heat_rates(self, sample: int = 100_000) -> tuple[list[tuple[str, float]], int]:
         """(tier, reads per second now) of up to ``sample`` entries, and how many entries there are.
 
-        Beyond ``sample`` entries every k-th is taken, so one call holds the lock
-        for a bounded time however large the store (a dashboard asks every few seconds).
-        A never-read entry reads 0.0.
+        Beyond ``sample`` entries every k-th is taken, so the scorer runs on at most ``sample``
+        of them (a dashboard asks every few seconds); the walk over the rest, under the lock,
+        is a skip per entry. A never-read entry reads 0.0.
         """
         now = self.clock()
         with self._lock:

@@ -104,6 +104,14 @@ class StoreStats:
         return data
 
 
+@dataclass(slots=True)
+class _Written:
+    """What ``put_frame_with``'s writer did: started (its bytes are spent), and the entry it wrote."""
+
+    started: bool = False
+    entry: IndexEntry | None = None
+
+
 class KVStore:
     """The engine facade over an ordered list of tiers (fastest first).
 
@@ -415,22 +423,25 @@ class KVStore:
     def closed(self) -> bool:
         return self._closed
 
-    def touch(self, keys: Sequence[BlockHash], counts: Sequence[int] | None = None) -> None:
+    def touch(self, keys: Sequence[BlockHash], counts: Sequence[int] | None = None, *, tally: bool = True) -> None:
         """Count reads that bypassed ``get_kv`` (a co-located client, a block route) as accesses.
 
         Args:
             counts: reads of each key (default one each).
+            tally: count them in ``reads_by_tier`` too; False for reads whose tokens no get counted
+                (another protocol's), which would otherwise skew the per-tier hit ratio.
         """
         keys = list(keys)
         if counts is not None and len(counts) != len(keys):
             raise InvalidInput(f"touch: {len(counts)} counts for {len(keys)} keys")
-        self._index.touch(keys, time.time(), counts)
+        self._index.touch(keys, time.time(), counts, tally=tally)
         self.placement.accessed(keys, counts)
 
-    def drop_corrupt(self, entry: IndexEntry) -> None:
-        """Unpublish and delete a frame a reader outside ``get_kv`` found damaged (unless it
-        was rewritten meanwhile); counted in ``corrupt_blocks``, as ``get_kv`` counts its own."""
-        self._drop(entry, corrupt=True)
+    def drop_entry(self, entry: IndexEntry, *, corrupt: bool) -> None:
+        """Unpublish a block a reader outside ``get_kv`` found damaged (``corrupt``: its frame is
+        deleted, counted in ``corrupt_blocks``) or gone from its tier (``stale_blocks``), as
+        ``get_kv`` does with its own; a block rewritten meanwhile is left alone."""
+        self._drop(entry, corrupt=corrupt)
 
     def count_lookup(self) -> None:
         """Count a lookup a service answered from its own index walk."""
@@ -476,7 +487,7 @@ class KVStore:
             return self._publish_frame(key, old, first, probe.size, write, lambda: frame, lambda: False)
 
     def put_frame_with(self, key: BlockHash, namespace: str, size: int, writer: FrameWriter, *,
-                       make_room: bool = True) -> IndexEntry:
+                       make_room: bool = False) -> IndexEntry:
         """Store a frame that ``writer`` writes in place: into the tier's own memory where the
         tier lends it (``Tier.put_with``), so bytes read from a socket land in their slot with
         no staging copy.
@@ -486,6 +497,14 @@ class KVStore:
         checked and its metadata read; its body checksum is the one ``writer`` sealed (this is
         for frames the server builds itself, not ones a client sent). A tier that refuses
         before ``writer`` ran (full) passes the put to the next; once it ran, the put ends there.
+
+        A failed ``writer`` stores nothing, but an overwrite may lose the frame it replaced
+        (a full arena frees it to make room): its index entry then goes too, never left
+        pointing at nothing.
+
+        Args:
+            make_room: demote or evict colder entries first, as ``put_kv`` does; off by default,
+                so that nothing is evicted for bytes that may never arrive.
 
         Raises:
             whatever ``writer`` raises: nothing is stored.
@@ -497,28 +516,36 @@ class KVStore:
         self._check_open()
         key = check_key(key)
         first = self._room_for(size) if make_room else 0
-        ran: list[IndexEntry] = []
+        written = _Written()
 
         def write(tier: Tier) -> IndexEntry:
             def fill(view: memoryview) -> int:
-                ran.append(None)  # type: ignore[arg-type]  # the writer started: no other tier gets a try
+                written.started = True  # the bytes are being spent: no other tier gets a try
                 n = writer(view)
-                ran[-1] = entry_from_head(key, tier.name, view[:n], n, time.time())
+                entry = entry_from_head(key, tier.name, view[:n], n, time.time())
+                if entry.namespace != namespace:  # refused before commit: the tier keeps what it had
+                    raise InvalidInput(f"frame metadata namespace {entry.namespace!r} is not {namespace!r}")
+                written.entry = entry
                 return n
 
             tier.put_with(key, size, fill)
-            entry = ran[-1]
-            if entry.namespace != namespace:
-                tier.delete(key)
-                raise InvalidInput(f"frame metadata namespace {entry.namespace!r} is not {namespace!r}")
-            return entry
+            assert written.entry is not None
+            return written.entry
 
-        with self._index.claim(key):
-            old = self._index.get(key)
-            if old is not None and old.namespace != namespace:
-                raise InvalidInput(f"key {key.hex()} belongs to another namespace")
-            frame_of = lambda: self._by_name[ran[-1].tier].get(key)  # noqa: E731 - only for write-through
-            return self._publish_frame(key, old, first, size, write, frame_of, lambda: bool(ran))
+        def frame_of() -> Any:  # for write-through only
+            return self._by_name[written.entry.tier].get(key) if written.entry is not None else None
+
+        old: IndexEntry | None = None
+        try:
+            with self._index.claim(key):
+                old = self._index.get(key)
+                if old is not None and old.namespace != namespace:
+                    raise InvalidInput(f"key {key.hex()} belongs to another namespace")
+                return self._publish_frame(key, old, first, size, write, frame_of, lambda: written.started)
+        except BaseException:
+            if old is not None and written.entry is None and not self._by_name[old.tier].contains(key):
+                self._drop(old, corrupt=False)  # outside the claim: _drop takes it
+            raise
 
     def _publish_frame(self, key: BlockHash, old: IndexEntry | None, first: int, size: int,
                        write: Callable[[Tier], IndexEntry], frame_of: Callable[[], Any],
@@ -547,9 +574,12 @@ class KVStore:
             self.placement.admitted(key, tier.name, entry.size, depth=entry.depth)
             if self._shared is not None and self._shared.policy.mode == "write_through" \
                     and tier.name != self._shared.name:
-                frame = frame_of()
-                if frame is not None:
-                    self._shared.after_put(entry, codec_mod.decode(frame), codec_mod.frame_meta(frame))
+                try:  # the shared tier holds a copy: losing it degrades, never fails, a put that is stored
+                    frame = frame_of()
+                    if frame is not None:
+                        self._shared.after_put(entry, codec_mod.decode(frame), codec_mod.frame_meta(frame))
+                except (FrameError, TierError) as exc:
+                    log.warning("write-through of %s failed: %s", key.hex(), exc)
             self._count(blocks_written=1)
             return entry
         if isinstance(failure, TierError) and not isinstance(failure, TierFull):

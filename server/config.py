@@ -144,8 +144,8 @@ class ServerSettings:
     """Port of the ``lm://`` listener for LMCache's remote connector (``server.lmcache_listener``),
     on ``host``: None runs none, 0 takes a free one (``/admin/stats`` shows it)."""
     lmcache_host: str | None = None
-    """Where the ``lm://`` listener binds; default REST's host, or loopback when auth is off.
-    LMCache's protocol has no authentication: bind it where only LMCache workers reach it."""
+    """Where the ``lm://`` listener binds; default loopback, whatever REST binds: LMCache's
+    protocol has no authentication, so set this only where only LMCache workers reach it."""
     lmcache_namespace: str = "lmcache"
     """The namespace LMCache's chunks are stored in."""
     grants: dict[str, TenantGrant] = field(default_factory=dict, compare=False)

@@ -121,11 +121,12 @@ def record_lookup(store: KVStore) -> None:
     store.count_lookup()
 
 
-def record_hits(store: KVStore, keys: Sequence[BlockHash], counts: Sequence[int] | None = None) -> None:
+def record_hits(store: KVStore, keys: Sequence[BlockHash], counts: Sequence[int] | None = None, *,
+                tally: bool = True) -> None:
     """Count reads that bypassed ``get_kv`` (shm handles, block gets) as accesses
-    (``counts[i]`` reads of ``keys[i]`` when given)."""
+    (``counts[i]`` reads of ``keys[i]`` when given); ``tally`` as for ``KVStore.touch``."""
     if keys:
-        store.touch(keys, counts)
+        store.touch(keys, counts, tally=tally)
 
 
 def record_get(store: KVStore, tokens_requested: int, tokens_hit: int, gets: int = 1) -> None:
@@ -161,21 +162,20 @@ _DAMAGED = object()
 
 
 def read_frame_with(store: KVStore, key: BlockHash, namespaces: frozenset[str] | None,
-                    reader: Callable[[memoryview, FrameHeader, IndexEntry], T], *, verify: bool = True) -> T | None:
+                    reader: Callable[[memoryview, FrameHeader, IndexEntry], T], *, tally: bool = True) -> T | None:
     """``reader(frame, header, entry)`` over ``key``'s verified frame, lent by its tier for the call.
 
-    An arena tier in host memory lends the slot itself, so a frame can be checked and
-    sent with no copy. Returns None (reader not called) when the block is absent, of
-    another namespace, unreadable or damaged; a damaged frame is dropped. Counted as a read.
-    ``reader`` must not return None, which means "moved meanwhile: look again" here.
-
-    Args:
-        verify: False checks the header only and leaves the body to ``reader``, which must
-            read it through ``codec.stream_payload``; a ``FrameError`` it raises drops the
-            block and is raised on.
+    An arena tier in host memory lends the slot itself, held so it is neither freed nor
+    moved meanwhile, so a frame can be checked and then sent with no copy. Returns None
+    (reader not called) when the block is absent, of another namespace, unreadable or
+    damaged; a damaged frame, or an entry whose frame is gone, is dropped. Counted as a
+    read (heat); ``tally=False`` leaves it out of the per-tier read counts, for reads whose
+    tokens no get counted (another protocol's). ``reader`` must not return None, which
+    means "moved meanwhile: look again" here.
     """
+    entry = None
     for _ in range(2):  # a block that moved between the index read and the tier read: once more
-        entry = current_entry(store, key, namespaces)
+        last, entry = entry, current_entry(store, key, namespaces)
         tier = None if entry is None else tier_named(store, entry.tier)
         if entry is None or tier is None:
             return None
@@ -183,7 +183,7 @@ def read_frame_with(store: KVStore, key: BlockHash, namespaces: frozenset[str] |
 
         def checked(view: memoryview) -> Any:
             try:
-                header = codec_mod.verify(view) if verify else codec_mod.read_header(view)
+                header = codec_mod.verify(view)
             except FrameError as exc:
                 damage.append(exc)
                 return _DAMAGED
@@ -196,17 +196,16 @@ def read_frame_with(store: KVStore, key: BlockHash, namespaces: frozenset[str] |
         except TierError as exc:
             log.warning("tier %s failed a block read (%s); served as a miss", entry.tier, exc)
             return None
-        except FrameError as exc:  # the reader found the body damaged part-way
-            log.warning("block %s in tier %s is damaged (%s); dropped", key.hex(), entry.tier, exc)
-            store.drop_corrupt(entry)
-            raise
         if got is _DAMAGED:
             log.warning("block %s in tier %s is damaged (%s); dropped as a miss", key.hex(), entry.tier, damage[0])
-            store.drop_corrupt(entry)
+            store.drop_entry(entry, corrupt=True)
             return None
         if got is not None:
-            record_hits(store, [key])
+            record_hits(store, [key], tally=tally)
             return got
+        if entry is last:  # the same entry twice and no frame: it is gone from its tier
+            store.drop_entry(entry, corrupt=False)
+            return None
     return None
 
 

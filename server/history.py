@@ -8,7 +8,8 @@ interval's ratios.
 
 Tier ``t``'s hit ratio over an interval is the share of requested tokens that
 were served from ``t``: the interval's token hit ratio, split by the tier each
-read block was in. The split is by blocks (``IndexEntry`` does not know its
+read block was in. Reads whose tokens no get counts (LMCache's chunks over the
+``lm://`` listener) are left out of both. The split is by blocks (``IndexEntry`` does not know its
 block size in tokens), which is exact when the interval's reads share one
 ``block_tokens``; the per-tier ratios then add up to the whole hit ratio.
 """
@@ -16,6 +17,7 @@ block size in tokens), which is exact when the interval's reads share one
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,12 +27,17 @@ from kvstore.store import KVStore
 
 __all__ = ["History", "Sample"]
 
+log = logging.getLogger("kvstore.server")
+
 
 @dataclass(frozen=True, slots=True)
 class Sample:
     """The store's read counters at one moment."""
 
     time_s: float
+    """Wall-clock time, for display."""
+    mono_s: float
+    """Monotonic clock, for the interval's length."""
     get_calls: int
     tokens_requested: int
     tokens_hit: int
@@ -61,7 +68,8 @@ class History:
 
     def _now(self) -> Sample:
         counters, reads = self.store.read_counters()
-        return Sample(time.time(), counters.get_calls, counters.tokens_requested, counters.tokens_hit, reads)
+        return Sample(time.time(), time.monotonic(), counters.get_calls, counters.tokens_requested,
+                      counters.tokens_hit, reads)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Sample now, then every ``interval_s`` on ``loop`` until ``stop``."""
@@ -69,8 +77,12 @@ class History:
         self._timer = loop.call_later(self.interval_s, self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.sample()
-        self._timer = loop.call_later(self.interval_s, self._tick, loop)
+        try:
+            self.sample()
+        except Exception:  # noqa: BLE001 - a failed sample (a closing store) must not end the sampling
+            log.exception("history: a sample failed")
+        finally:
+            self._timer = loop.call_later(self.interval_s, self._tick, loop)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -104,5 +116,5 @@ def _point(a: Sample, b: Sample, names: list[str]) -> dict[str, Any]:
             tiers[t] = None
         else:
             tiers[t] = ratio * reads[t] / total_reads if total_reads else 0.0
-    return {"time_s": b.time_s, "seconds": b.time_s - a.time_s, "gets": b.get_calls - a.get_calls,
+    return {"time_s": b.time_s, "seconds": b.mono_s - a.mono_s, "gets": b.get_calls - a.get_calls,
             "tokens_requested": requested, "hit_ratio": ratio, "tiers": tiers}

@@ -15,13 +15,14 @@ per-request allocation and no staging copy.
 Bad input closes that connection, with the reason logged and counted in
 ``kvstore_lmcache_closed_connections_total{reason}``: a short read, a length over
 the limit, a payload whose length does not match its shape and dtype, an unknown
-command, format or dtype, a malformed key, or a request that stalls mid-way past
-``io_timeout_s``. The listener and every other connection go on; nothing is stored
-from a request that did not arrive whole. An idle connection between requests may
-stay open as long as the client likes: LMCache's does.
+command, format or dtype, a malformed key, or a request that stalls or trickles
+(each request must arrive, and each answer be taken, within ``io_timeout_s`` plus its
+length at ``MIN_RATE``). The listener and every other connection go on; nothing is
+stored from a request that did not arrive whole. An idle connection between requests
+may stay open as long as the client likes: LMCache's does.
 
-The protocol has no authentication. The listener serves one namespace and nothing
-else; bind it where only the LMCache workers can reach it.
+The protocol has no authentication. The listener serves one namespace, and binds
+loopback unless told otherwise: bind it where only the LMCache workers can reach it.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
-from kvstore.errors import FrameError, KVStoreError
-from server.lmcache_protocol import (CLIENT_META, FAIL, SUCCESS, BadRequest, Command, Request, parse_key,
-                                     parse_request, payload_length, server_meta)
+from kvstore.errors import KVStoreError
 from server.config import ServerSettings, is_loopback
+from server.lmcache_protocol import (CLIENT_META, FAIL, SERVER_META, SUCCESS, BadRequest, Command, Request,
+                                     parse_key, parse_request, payload_length, server_meta)
 from server.lmcache_store import LMCacheChunks
 from server.service import Service
 
@@ -46,6 +48,10 @@ _ACCEPT_POLL_S = 0.25
 """How often the accept loop looks whether it should stop."""
 _DRAIN_BYTES = 4 << 20
 """Buffer for reading off a payload that could not be stored."""
+_SEND_PIECE_BYTES = 4 << 20
+"""Answers go out in pieces this big, so a reader that stalls is caught by the deadline."""
+MIN_RATE = 1 << 20
+"""Bytes a second a request or an answer must average past ``io_timeout_s`` (as REST's bodies)."""
 
 
 class ShortRead(BadRequest):
@@ -53,6 +59,25 @@ class ShortRead(BadRequest):
 
     def __init__(self, message: str) -> None:
         super().__init__("short read", message)
+
+
+class _Deadline:
+    """Until when one request may take to arrive, or one answer to be taken."""
+
+    __slots__ = ("at", "timeout_s")
+
+    def __init__(self, timeout_s: float | None, nbytes: int) -> None:
+        self.timeout_s = timeout_s
+        self.at = None if timeout_s is None else time.monotonic() + timeout_s + nbytes / MIN_RATE
+
+    def left(self) -> float | None:
+        """Seconds left (None: no limit); raises TimeoutError once none is."""
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
 
 
 class LMCacheListener:
@@ -63,7 +88,8 @@ class LMCacheListener:
         host, port: where to listen; port 0 takes a free one (``self.port`` says which).
         namespace: where the chunks live.
         max_payload_bytes: a PUT of more is refused (the connection is closed).
-        io_timeout_s: a request that has started must arrive, and an answer be taken, within this.
+        io_timeout_s: how long a request that has started may stall, or an answer wait to be
+            taken, before the connection is closed; 0 for no limit.
         max_connections: connections beyond this are closed at once.
 
     Raises:
@@ -73,11 +99,12 @@ class LMCacheListener:
     def __init__(self, svc: Service, host: str, port: int, namespace: str, *, max_payload_bytes: int,
                  io_timeout_s: float = 30.0, max_connections: int = 256) -> None:
         self.svc = svc
-        self.chunks = LMCacheChunks(svc.store, namespace)
+        self.chunks = LMCacheChunks(svc.store, namespace, svc.buffers)
         self.max_payload_bytes = max_payload_bytes
         self.io_timeout_s = io_timeout_s or None
         self.max_connections = max_connections
-        self._sock = socket.create_server((host, port), backlog=128)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=128)
         self._sock.settimeout(_ACCEPT_POLL_S)
         self.host, self.port = self._sock.getsockname()[:2]
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -111,7 +138,8 @@ class LMCacheListener:
             thread.start()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop accepting, end every connection, and wait for their threads (up to ``timeout_s``)."""
+        """Stop accepting, end every connection, and wait for their threads: ``timeout_s`` in all."""
+        deadline = time.monotonic() + timeout_s
         self._closing.set()
         self._accepter.join(timeout_s)
         self._sock.close()
@@ -119,11 +147,14 @@ class LMCacheListener:
             conns = dict(self._conns)
         for conn in conns:
             try:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading the next request
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading or sending
             except OSError:
                 pass
         for thread in conns.values():
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = sum(t.is_alive() for t in conns.values())
+        if alive:
+            log.warning("lm:// listener: %d connection threads still busy after %.0f s", alive, timeout_s)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -139,17 +170,17 @@ class LMCacheListener:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._closing.is_set():
-                conn.settimeout(None)  # between requests: as long as the client likes
-                if not _recv_exact(conn, memoryview(head), first=True, timeout_s=self.io_timeout_s):
+                if not _recv_exact(conn, memoryview(head), None, first=True, timeout_s=self.io_timeout_s):
                     return  # closed between requests: the normal end
                 self._handle(conn, parse_request(head))
         except BadRequest as exc:
             log.warning("lm:// %s: closing the connection: %s", peer, exc)
             metrics.lmcache_closed.labels(exc.reason).inc()
-        except FrameError as exc:  # a GET found its chunk damaged part-way: the client must not get it whole
-            log.warning("lm:// %s: closing the connection mid-answer: %s", peer, exc)
-            metrics.lmcache_closed.labels("damaged chunk").inc()
-        except OSError as exc:  # reset, or a stalled send: the client is gone or not reading
+        except TimeoutError:  # an answer the client did not take in time
+            log.warning("lm:// %s: closing the connection: the client took no answer for %s s",
+                        peer, self.io_timeout_s)
+            metrics.lmcache_closed.labels("stalled reader").inc()
+        except OSError as exc:  # reset: the client is gone
             if not self._closing.is_set():
                 log.info("lm:// %s: connection ended: %s", peer, exc)
         except Exception:  # noqa: BLE001 - one connection's bug must not take the listener down
@@ -163,27 +194,24 @@ class LMCacheListener:
 
     def _handle(self, conn: socket.socket, req: Request) -> None:
         metrics = self.svc.metrics.lmcache_requests
-        conn.settimeout(self.io_timeout_s)
         if req.command is Command.PUT:
             self._put(conn, req)
         elif req.command is Command.GET:
-            found = self.chunks.get(parse_key(req.key), conn.sendall)
-            if found:
-                metrics.labels("GET", "hit").inc()
-            else:
-                conn.sendall(server_meta(FAIL))
-                metrics.labels("GET", "miss").inc()
+            sent = self.chunks.get(parse_key(req.key), self._sender(conn))
+            if not sent:
+                self._send(conn, server_meta(FAIL))
+            metrics.labels("GET", "hit" if sent else "miss").inc()
         elif req.command is Command.EXIST:
             found = self.chunks.exists(parse_key(req.key))
-            conn.sendall(server_meta(SUCCESS if found else FAIL))
+            self._send(conn, server_meta(SUCCESS if found else FAIL))
             metrics.labels("EXIST", "hit" if found else "miss").inc()
         elif req.command is Command.LIST:
             body = "\n".join(self.chunks.list_keys()).encode()
-            conn.sendall(server_meta(SUCCESS, len(body)))
-            conn.sendall(body)
+            self._send(conn, server_meta(SUCCESS, len(body)))
+            self._send(conn, body)
             metrics.labels("LIST", "ok").inc()
         else:  # HEALTH
-            conn.sendall(server_meta(SUCCESS))
+            self._send(conn, server_meta(SUCCESS))
             metrics.labels("HEALTH", "ok").inc()
 
     def _put(self, conn: socket.socket, req: Request) -> None:
@@ -194,11 +222,13 @@ class LMCacheListener:
         if want is not None and want != req.length:
             raise BadRequest("length mismatch", f"PUT of {req.length} bytes, but shape {list(req.shape)} of dtype "
                                                 f"code {req.dtype} takes {want}")
-        received: list[bool] = []
+        deadline = _Deadline(self.io_timeout_s, req.length)
+        received = False
 
         def receive(view: memoryview) -> None:
-            _recv_exact(conn, view, first=False, timeout_s=self.io_timeout_s)
-            received.append(True)
+            nonlocal received
+            received = True
+            _recv_exact(conn, view, deadline, first=False, timeout_s=self.io_timeout_s)
 
         try:
             self.chunks.put(key, req, receive)
@@ -206,64 +236,91 @@ class LMCacheListener:
             raise  # a short read: the connection goes
         except KVStoreError as exc:  # no answer to carry it in: a later EXIST says 400
             if not received:  # refused before the payload was read: read it off, to stay in step
-                self._drain(conn, req.length)
+                self._drain(conn, req.length, deadline)
             log.warning("lm:// PUT %s not stored: %s: %s", key.canonical(), type(exc).__name__, exc)
             self.svc.metrics.lmcache_requests.labels("PUT", "failed").inc()
             return
         self.svc.metrics.transfer.labels("in", "lmcache").inc(req.length)
         self.svc.metrics.lmcache_requests.labels("PUT", "stored").inc()
 
-    def _drain(self, conn: socket.socket, n: int) -> None:
+    def _drain(self, conn: socket.socket, n: int, deadline: _Deadline) -> None:
         buf = self.svc.buffers.acquire(min(n, _DRAIN_BYTES))
         try:
             view = memoryview(buf)
             while n > 0:
                 k = min(n, len(view))
-                _recv_exact(conn, view[:k], first=False, timeout_s=self.io_timeout_s)
+                _recv_exact(conn, view[:k], deadline, first=False, timeout_s=self.io_timeout_s)
                 n -= k
         finally:
             self.svc.buffers.release(buf)
+
+    def _sender(self, conn: socket.socket):
+        """``send`` for one answer: its pieces share one deadline, sized by what it sends."""
+        deadline: list[_Deadline] = []
+
+        def send(data: memoryview | bytes) -> None:
+            if not deadline:  # the meta comes first, and says how long the payload after it is
+                deadline.append(_Deadline(self.io_timeout_s, SERVER_META.unpack(bytes(data))[1]))
+            self._send(conn, data, deadline[0])
+
+        return send
+
+    def _send(self, conn: socket.socket, data: memoryview | bytes, deadline: _Deadline | None = None) -> None:
+        """Send ``data`` whole by ``deadline`` (TimeoutError otherwise). A 36-byte meta goes in one
+        call: LMCache's connector reads it with a single ``recv``."""
+        deadline = deadline or _Deadline(self.io_timeout_s, len(data))
+        view = memoryview(data).cast("B")
+        for at in range(0, len(view), _SEND_PIECE_BYTES):
+            conn.settimeout(deadline.left())
+            conn.sendall(view[at : at + _SEND_PIECE_BYTES])
 
 
 def start_lmcache(svc: Service, settings: ServerSettings) -> LMCacheListener:
     """The listener of ``settings.lmcache_port`` over ``svc``, started.
 
-    It binds ``lmcache_host``, else REST's host, but loopback whenever auth is off (``serve``'s rule).
+    It binds ``lmcache_host``, loopback when that is not set: the protocol has no
+    authentication, so reaching it from other hosts is a choice to make, not a default.
 
     Raises:
         OSError: the port cannot be bound.
     """
     assert settings.lmcache_port is not None
-    host = settings.lmcache_host or (settings.host if settings.auth_enabled or is_loopback(settings.host)
-                                     else "127.0.0.1")
-    lm = LMCacheListener(svc, host, settings.lmcache_port, settings.lmcache_namespace,
-                         max_payload_bytes=settings.max_body_bytes, io_timeout_s=settings.body_timeout_s)
+    lm = LMCacheListener(svc, settings.lmcache_host or "127.0.0.1", settings.lmcache_port,
+                         settings.lmcache_namespace, max_payload_bytes=settings.max_body_bytes,
+                         io_timeout_s=settings.body_timeout_s)
     if not is_loopback(lm.host):
         log.warning("kvstore: the lm:// listener on %s:%d has no authentication (LMCache's protocol has none): "
-                    "whoever reaches it reads and writes namespace %r", lm.host, lm.port, settings.lmcache_namespace)
+                    "whoever reaches it reads and writes namespace %r, and can make room there by evicting "
+                    "other entries", lm.host, lm.port, settings.lmcache_namespace)
     log.info("kvstore: LMCache lm:// listener on %s:%d, namespace %r", lm.host, lm.port, settings.lmcache_namespace)
     return lm
 
 
-def _recv_exact(conn: socket.socket, view: memoryview, *, first: bool, timeout_s: float | None) -> bool:
-    """Fill ``view`` from ``conn``. False when the peer closed before the first byte of a
-    request (``first``): a normal end between requests.
+def _recv_exact(conn: socket.socket, view: memoryview, deadline: _Deadline | None, *, first: bool,
+                timeout_s: float | None) -> bool:
+    """Fill ``view`` from ``conn`` by ``deadline``. With ``first`` (a request's first bytes) the
+    wait for its first byte has no limit, the rest ``timeout_s``; False when the peer closed
+    before that first byte: a normal end between requests.
 
     Raises:
-        ShortRead: the peer closed, or stalled past ``timeout_s``, part-way.
+        ShortRead: the peer closed, stalled, or trickled past the deadline, part-way.
     """
     got, n = 0, len(view)
+    if first:
+        conn.settimeout(None)  # between requests: as long as the client likes
     while got < n:
         try:
+            if deadline is not None:
+                conn.settimeout(deadline.left())
             k = conn.recv_into(view[got:], n - got)
         except TimeoutError:
-            raise ShortRead(f"short read: {got} of {n} bytes, then nothing for {timeout_s:g} s") from None
+            raise ShortRead(f"short read: {got} of {n} bytes by the deadline ({timeout_s} s, then "
+                            f"{MIN_RATE >> 20} MiB/s)") from None
         if k == 0:
             if first and got == 0:
                 return False
             raise ShortRead(f"short read: the peer closed after {got} of {n} bytes")
         if got == 0 and first:
-            conn.settimeout(timeout_s)  # a request has begun: the rest must follow
+            deadline = _Deadline(timeout_s, n)  # a request has begun: the rest must follow
         got += k
     return True
-

@@ -72,8 +72,9 @@ DTYPES = {0: (None, 0), 1: ("float16", 2), 2: ("float16", 2), 3: ("bfloat16", 2)
 _KEY_DTYPES = frozenset({"half", "bfloat16", "float", "double", "int8", "uint8", "int16", "int32", "int64",
                          "bool", "fp8_e4m3fn", "fp8_e4m3fnuz", "fp8_e5m2", "fp8_e5m2fnuz"})
 """The dtype names LMCache writes into key strings."""
-_HASH = re.compile(r"^-?[0-9a-fA-F]+$")
-_INT = re.compile(r"^-?[0-9]+$")
+_HASH = re.compile(r"-?[0-9a-fA-F]+")
+_INT = re.compile(r"-?[0-9]+")
+_LAYER = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() takes "²", which int() refuses
 _MAX_HASH_DIGITS = 64
 
 
@@ -153,15 +154,15 @@ def parse_key(text: str) -> LMKey:
     if len(parts) < 5 or not parts[0]:
         raise BadRequest("malformed key", f"key {text[:80]!r}: need model@world_size@worker_id@chunk_hash@dtype")
     model, ws, worker, chunk, dtype, *rest = parts
-    if not (_INT.match(ws) and _INT.match(worker)):
+    if not (_INT.fullmatch(ws) and _INT.fullmatch(worker)):
         raise BadRequest("malformed key", f"key {text[:80]!r}: world_size and worker_id must be integers")
-    if not _HASH.match(chunk) or len(chunk) > _MAX_HASH_DIGITS:
+    if not _HASH.fullmatch(chunk) or len(chunk) > _MAX_HASH_DIGITS:
         raise BadRequest("malformed key",
                          f"key {text[:80]!r}: the chunk hash must be hex (at most {_MAX_HASH_DIGITS} digits)")
     if dtype not in _KEY_DTYPES:
         raise BadRequest("malformed key", f"key {text[:80]!r}: unknown dtype {dtype!r}")
     layer_id = None
-    if rest and rest[0].isdigit():  # a layer-wise key (LMCache's LayerCacheEngineKey)
+    if rest and _LAYER.fullmatch(rest[0]):  # a layer-wise key (LMCache's LayerCacheEngineKey)
         layer_id, rest = int(rest[0]), rest[1:]
     tags = []
     for tag in rest:

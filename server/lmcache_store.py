@@ -10,32 +10,32 @@ The entry's spec fingerprint is ``name_fingerprint("lmcache", model@world_size@w
 ``/admin/evict`` by fingerprint takes one model's chunks (one worker's shard). A uint8
 frame is never quantized, so a demotion into an int8 tier keeps it exact. Otherwise the
 entries are like any other: placement moves and evicts them, pins hold them, and
-``/admin/explain`` and ``/metrics`` show them.
+``/admin/explain`` and ``/metrics`` show them. With a shared tier (Redis), a chunk another
+node put is found there, as ``/v1/blocks`` finds blocks.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 from typing import Any, Callable
 
 from kvstore import codec as codec_mod
-from kvstore.errors import FrameError, TierError
+from kvstore.errors import FrameError, TierError, TierFull
 from kvstore.keys import BlockHash, block_meta, name_fingerprint, named_key, validate_namespace
 from kvstore.store import KVStore
 from server import engine
 from server.lmcache_protocol import SUCCESS, LMKey, Request, server_meta
+from server.service import BufferPool
 
 __all__ = ["LMCacheChunks", "DOMAIN"]
 
 log = logging.getLogger("kvstore.lmcache")
 
-_SEND_PIECE_BYTES = 1 << 20
-"""A GET's payload is hashed and sent a piece at a time: the piece is still in cache when sent."""
-
 DOMAIN = "lmcache"
 """Folded into every key and fingerprint, so LMCache's names never meet another system's."""
+_HEAD_BYTES = 4096
+"""A chunk frame's header and metadata fit well inside this (LIST reads no more)."""
 
 
 class LMCacheChunks:
@@ -44,15 +44,12 @@ class LMCacheChunks:
     Args:
         store: the engine.
         namespace: where the chunks live.
+        buffers: reused buffers, for a put that must make room before it is stored.
     """
 
-    def __init__(self, store: KVStore, namespace: str) -> None:
-        self.store, self.namespace = store, validate_namespace(namespace)
+    def __init__(self, store: KVStore, namespace: str, buffers: BufferPool) -> None:
+        self.store, self.namespace, self.buffers = store, validate_namespace(namespace), buffers
         self._scope = frozenset({namespace})
-        self._names: dict[bytes, str] = {}
-        """Block key -> LMCache key string, for LIST: learnt from puts, and from frames for
-        entries found at start (read once, when first listed)."""
-        self._names_lock = threading.Lock()
 
     def block_key(self, key: LMKey) -> BlockHash:
         return named_key(self.namespace, DOMAIN, key.canonical())
@@ -62,45 +59,56 @@ class LMCacheChunks:
     def put(self, key: LMKey, req: Request, receive: Callable[[memoryview], None]) -> None:
         """Store ``req``'s chunk, whose payload ``receive`` reads into the view it is given.
 
-        The view is the payload's place in the frame, in the tier's own memory where the
-        tier lends it (shm, cxl): the bytes are received once, where they stay. Room is made
-        as ``put_kv`` makes it: colder entries are demoted, and the last tier evicts.
+        Where a tier has room, the view is the payload's place in its frame, in the tier's
+        own memory where it lends it (shm, cxl): the bytes are received once, where they
+        stay. Where none has, the payload is received into a pooled buffer first, and only
+        then is room made (colder entries demoted, the last tier evicting): a request whose
+        bytes never come evicts nothing.
 
         Raises:
             whatever ``receive`` raises (nothing is stored).
-            TierFull, TierError: no tier took it. ``receive`` may not have run then: the
-                caller must then read the payload off the connection itself.
+            TierFull, TierError: no tier took it; the payload has been read off by then.
         """
         meta = block_meta(self.namespace, name_fingerprint(DOMAIN, key.model_part()), 0,
                           lmcache={"key": key.canonical(), "fmt": req.fmt, "dtype": req.dtype,
                                    "shape": list(req.shape), "length": req.length})
         at = codec_mod.raw_payload_offset(1, len(meta))
+        size = at + req.length
+        received = False
 
         def writer(view: memoryview) -> int:
-            receive(view[at : at + req.length])
+            nonlocal received
+            received = True
+            receive(view[at:size])
             return codec_mod.seal_raw(view, "uint8", (req.length,), meta)
 
         bkey = self.block_key(key)
-        self.store.put_frame_with(bkey, self.namespace, at + req.length, writer)
-        with self._names_lock:
-            self._names[bkey] = key.canonical()
-
+        try:
+            self.store.put_frame_with(bkey, self.namespace, size, writer)
+            return
+        except TierFull:
+            if received:
+                raise
+        buf = self.buffers.acquire(size)  # every tier is full: take the bytes, then make room
+        try:
+            with memoryview(buf) as view:
+                n = writer(view)
+                self.store.put_frame(bkey, view[:n], self.namespace, make_room=True)
+        finally:
+            self.buffers.release(buf)
 
     # -- GET, EXIST, LIST ----------------------------------------------------------------------
 
     def exists(self, key: LMKey) -> bool:
-        return engine.current_entry(self.store, self.block_key(key), self._scope) is not None
+        return engine.block_entry(self.store, self.block_key(key), self._scope) is not None
 
     def get(self, key: LMKey, send: Callable[[memoryview], None]) -> bool:
         """Send the stored chunk of ``key`` (its 36-byte meta in one call, then the payload) with
         ``send``, straight from the tier's memory where it can lend it; False on a miss.
 
-        The payload is checked as it goes out (``codec.stream_payload``): its last piece is
-        sent only once the whole checksum matched, so a damaged chunk never arrives whole.
-
-        Raises:
-            CorruptFrame: the chunk turned out damaged part-way (it is dropped): close the
-                connection, so the client sees a short read.
+        The whole frame is checked before its first byte goes: a damaged chunk is a miss
+        (and dropped), answered like any miss, so the client's connection stays usable
+        (LMCache does not reconnect one it lost).
         """
         bkey = self.block_key(key)
 
@@ -109,41 +117,42 @@ class LMCacheChunks:
             if info.get("length") != header.payload_len:  # not a chunk LMCache put (a block put by key)
                 return False
             send(memoryview(server_meta(SUCCESS, info["length"], info["fmt"], info["dtype"], tuple(info["shape"]))))
-            for piece in codec_mod.stream_payload(view, header, _SEND_PIECE_BYTES):
-                send(piece)
+            send(view[header.payload_offset : header.frame_len])
             return True
 
-        return bool(engine.read_frame_with(self.store, bkey, self._scope, answer, verify=False))
+        found = engine.read_frame_with(self.store, bkey, self._scope, answer, tally=False)
+        if found is None and engine.shared_tier(self.store) is not None \
+                and engine.current_entry(self.store, bkey, self._scope) is None:
+            got = engine.read_frame(self.store, bkey, self._scope)  # another node's, in the shared tier
+            if got is not None:
+                with memoryview(got[0]).cast("B") as view:
+                    found = answer(view, codec_mod.read_header(view), got[1])
+        return bool(found)
 
     def list_keys(self) -> list[str]:
-        """The key strings of every chunk stored in the namespace."""
-        entries = [e for e in self.store.entries() if e.namespace == self.namespace]
+        """The key strings of every chunk this store holds in the namespace.
+
+        Each is read from its frame's metadata (a prefix of the frame; not a read of the
+        chunk, so it warms nothing).
+        """
         names = []
-        for e in entries:
-            with self._names_lock:
-                name = self._names.get(e.key)
-            if name is None:
-                name = self._name_from_frame(e.key)
-                if name is None:
-                    continue  # not an LMCache chunk (a block put by key), or gone meanwhile
-                with self._names_lock:
-                    self._names[e.key] = name
-            names.append(name)
-        live = {e.key for e in entries}
-        with self._names_lock:  # forget what was evicted or deleted
-            for k in [k for k in self._names if k not in live]:
-                del self._names[k]
+        for e in self.store.entries():
+            if e.namespace != self.namespace:
+                continue
+            tier = engine.tier_named(self.store, e.tier)
+            try:
+                got = tier.head(e.key, _HEAD_BYTES) if tier is not None else None
+                if got is None:
+                    continue  # gone meanwhile
+                head = memoryview(got[0]).cast("B")
+                header = codec_mod.read_header(head, prefix=True)
+                name = _chunk_info(head, header).get("key")
+            except (FrameError, TierError) as exc:
+                log.warning("LIST: block %s unreadable (%s); left out", e.key.hex(), exc)
+                continue
+            if isinstance(name, str):  # else not an LMCache chunk (a block put by key)
+                names.append(name)
         return names
-
-    def _name_from_frame(self, bkey: BlockHash) -> str | None:
-        def name(view: memoryview, header: codec_mod.FrameHeader, entry: Any) -> str:
-            return _chunk_info(view, header).get("key", "")
-
-        try:
-            got = engine.read_frame_with(self.store, bkey, self._scope, name)
-        except (FrameError, TierError):
-            return None
-        return got or None
 
 
 def _chunk_info(view: memoryview, header: codec_mod.FrameHeader) -> dict[str, Any]:

@@ -306,6 +306,10 @@ class ArenaTier(Tier):
             with self._lock:
                 self._unbusy(slot.offset)
 
+    def head(self, key: BlockHash, nbytes: int) -> tuple[Buffer, int] | None:
+        # Copy the prefix only: the default would copy the whole frame to read its header.
+        return self.read_with(key, lambda view: (bytes(view[:nbytes]), len(view)))
+
     def _pin(self, key: bytes) -> Slot | None:
         with self._lock:
             self._check_open()

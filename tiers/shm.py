@@ -239,6 +239,8 @@ class ShmTier(ArenaTier):
             self._words[at] += 1  # odd before the bytes can change
 
     def _pinned_elsewhere(self, slot: Slot) -> bool:
+        if self._closed:  # the lock file is closed (its fd may be another file's now): nothing to ask
+            return False
         return lock_row(self._fd, fcntl.F_WRLCK, slot.index, test=True)
 
     def _reserve(self, key: bytes, size: int) -> Slot:

@@ -14,6 +14,8 @@ const state = {
   tiers: [],           // names, in store order
   entries: { sort: "heat", order: "desc", offset: 0, limit: 50, filters: {} },
   selectedKey: null,
+  refreshing: false,
+  again: false,
   evictBody: null,     // the body of the last dry run, which the confirm button sends for real
 };
 
@@ -149,6 +151,24 @@ function stopRefresh() {
 // -- refresh ---------------------------------------------------------------------------------------
 
 async function refresh() {
+  // One refresh at a time: on a slow server they would pile up. One asked for meanwhile (after an
+  // eviction, say) runs right after the one in flight, so what it shows is never older than the action.
+  if (state.refreshing) {
+    state.again = true;
+    return;
+  }
+  state.refreshing = true;
+  try {
+    do {
+      state.again = false;
+      await refreshOnce();
+    } while (state.again);
+  } finally {
+    state.refreshing = false;
+  }
+}
+
+async function refreshOnce() {
   const calls = {
     stats: api("/admin/stats"),
     tiers: api("/admin/tiers"),
@@ -365,6 +385,7 @@ async function explain(key) {
   $("pin-result").textContent = "";
   let info;
   try { info = await api("/admin/explain/" + key); } catch (err) { showError("explain", err); return; }
+  if (state.selectedKey !== key) return;  // another row was clicked while this one was asked for
   $("explain").hidden = false;
   $("explain-key").textContent = key;
   const facts = [["tier", info.tier], ["namespace", info.namespace], ["size", fmtBytes(info.size)],

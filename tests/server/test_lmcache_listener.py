@@ -97,6 +97,8 @@ def test_chunks_are_entries_like_any_other(lmserver):
     while srv.store.entry(key).hits != before + 1 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert srv.store.entry(key).hits == before + 1
+    assert srv.store.stats().reads_by_tier == {}  # heat, but not the per-tier split of get_kv's tokens
+    assert lm.list_keys(sock) == ["m@2@1@ff@half"] and srv.store.entry(key).hits == before + 1  # LIST reads no chunk
     moved = httpx.post(f"{srv.url}/admin/migrate", json={"key": key.hex(), "tier": "memory"}, headers=AUTH).json()
     assert moved["moved"] is True
     assert lm.get(sock, "m@2@1@ff@half")[1] == data
@@ -239,7 +241,8 @@ def test_a_put_no_tier_can_take_is_read_off_and_the_connection_stays_in_step(lms
     sock.close()
 
 
-def test_a_damaged_chunk_never_arrives_whole(lmserver):
+def test_a_damaged_chunk_is_a_miss_and_the_connection_stays(lmserver):
+    """LMCache never reconnects: a chunk found damaged is answered as a miss, not a closed connection."""
     srv = lmserver()
     sock = lm.connect(srv.lm_port)
     data = chunk(3 * MiB, 4)
@@ -248,16 +251,68 @@ def test_a_damaged_chunk_never_arrives_whole(lmserver):
     shm = srv.store.tiers[0]
     slot = shm._slots[named_key("lmcache", "lmcache", "m@1@0@dd@half")]
     shm._view[slot.offset + slot.length - 10] ^= 0xFF  # a bit flip near the end of the payload
-    sock.sendall(lm.meta(lm.GET, "m@1@0@dd@half"))
-    head = lm.answer(sock)
-    assert head[0] == 200 and head[1] == len(data)
-    with pytest.raises(ConnectionError):
-        lm.recv_exact(sock, head[1])  # the last piece never comes: a short read, not wrong bytes
-    sock.close()
-    again = lm.connect(srv.lm_port)
-    assert not lm.exists(again, "m@1@0@dd@half")  # dropped
+    assert lm.get(sock, "m@1@0@dd@half") == ((400, 0, 1, 2, 0, 0, 0, 0, 0), None)  # never the bytes
+    assert not lm.exists(sock, "m@1@0@dd@half")  # dropped
     assert srv.store.stats().counters.corrupt_blocks == 1
-    again.close()
+    assert lm.health(sock) == 200
+    sock.close()
+
+
+def test_a_header_whose_payload_never_comes_evicts_nothing(lmserver):
+    """Room is made only once the bytes are in hand: a bare PUT header on a full store takes nothing."""
+    srv = lmserver(KVStore([ShmTier(3 * MiB), MemoryTier(3 * MiB)], background=False), body_timeout_s=0.5)
+    sock = lm.connect(srv.lm_port)
+    for i in range(3):
+        lm.put(sock, f"m@1@0@{i}@half", chunk(MiB, i), lm.BINARY, lm.UINT8, (MiB, 0, 0, 0))
+    assert all(lm.exists(sock, f"m@1@0@{i}@half") for i in range(3))
+    held = {e.key for e in srv.store.entries()}
+    liar = lm.connect(srv.lm_port)
+    liar.sendall(lm.meta(lm.PUT, "m@1@0@b16@half", 2 * MiB, lm.BINARY, lm.UINT8, (2 * MiB, 0, 0, 0)))
+    assert lm.is_closed(liar)  # the body never came: closed at the deadline
+    assert {e.key for e in srv.store.entries()} == held and srv.store.stats().counters.blocks_evicted == 0
+    # The same put made whole does make room, by evicting the coldest.
+    lm.put(sock, "m@1@0@b16@half", chunk(2 * MiB, 9), lm.BINARY, lm.UINT8, (2 * MiB, 0, 0, 0))
+    assert lm.get(sock, "m@1@0@b16@half")[1] == chunk(2 * MiB, 9)
+    assert srv.store.stats().counters.blocks_evicted > 0
+    sock.close()
+    liar.close()
+
+
+def test_a_trickled_payload_is_cut_off_at_the_deadline(lmserver):
+    srv = lmserver(body_timeout_s=0.5)
+    sock = lm.connect(srv.lm_port)
+    sock.sendall(lm.meta(lm.PUT, "m@1@0@7@half", 2 * MiB, lm.BINARY, lm.UINT8, (2 * MiB, 0, 0, 0)))
+    started = time.monotonic()
+    closed = False
+    while time.monotonic() - started < 10 and not closed:  # a byte every 0.2 s: never idle for 0.5 s
+        try:
+            sock.sendall(b"x")
+        except OSError:
+            closed = True
+        time.sleep(0.2)
+        closed = closed or lm.is_closed(sock, timeout_s=0.01)
+    assert closed and time.monotonic() - started < 5  # 0.5 s + 2 MiB at 1 MiB/s, not forever
+    assert srv.store.entries() == []
+    sock.close()
+
+
+def test_an_overwrite_cut_short_never_leaves_the_index_pointing_at_nothing(lmserver):
+    """A full arena frees the old frame to make room for its replacement; if the replacement's bytes
+    never come, the key is gone (a miss), never a 200 from EXIST and a 400 from GET."""
+    srv = lmserver(KVStore([ShmTier(4 * MiB)], background=False))
+    sock = lm.connect(srv.lm_port)
+    lm.put(sock, "m@1@0@0f@half", chunk(3 * MiB, 1), lm.BINARY, lm.UINT8, (3 * MiB, 0, 0, 0))
+    assert lm.exists(sock, "m@1@0@0f@half")
+    cut = lm.connect(srv.lm_port)
+    cut.sendall(lm.meta(lm.PUT, "m@1@0@0f@half", 3 * MiB, lm.BINARY, lm.UINT8, (3 * MiB, 0, 0, 0)) + b"z" * 1000)
+    cut.shutdown(socket.SHUT_WR)
+    assert lm.is_closed(cut)
+    exists = lm.exists(sock, "m@1@0@0f@half")
+    head, got = lm.get(sock, "m@1@0@0f@half")
+    assert (exists, head[0], got) == (False, 400, None)  # gone from the tier and the index alike
+    assert srv.store.entries() == [] and srv.store.stats().counters.stale_blocks == 1  # dropped by the failed put
+    sock.close()
+    cut.close()
 
 
 def test_listener_settings_and_its_end(serve_app):

@@ -156,11 +156,15 @@ class TierContract:
         tier.put(key(1), payload(5000, 1))
         assert tier.read_with(key(1), lambda view: (len(view), bytes(view[:64]))) == (5000, payload(5000, 1)[:64])
         assert tier.read_with(key(2), lambda view: pytest.fail("called for a missing key")) is None
-        # The frame read under the call is the one stored, even with a rewrite of another key meanwhile.
+        # The lent frame stays the one stored while the key is deleted and rewritten meanwhile.
         def rewrite_and_read(view):
-            tier.put(key(3), payload(5000, 3))
+            assert tier.delete(key(1))
+            tier.put(key(1), payload(5000, 3))
+            tier.put(key(4), payload(5000, 4))
             return bytes(view)
         assert tier.read_with(key(1), rewrite_and_read) == payload(5000, 1)
+        assert tier.read_with(key(1), bytes) == payload(5000, 3)
+        assert tier.head(key(1), 64) == (payload(5000, 3)[:64], 5000)
         # A reader that fails leaves the frame readable and deletable.
         with pytest.raises(ZeroDivisionError):
             tier.read_with(key(1), lambda view: 1 / 0)
