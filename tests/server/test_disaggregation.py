@@ -69,3 +69,30 @@ def test_two_servers_share_a_redis_cluster(tmp_path, redis_cluster):
     finally:
         a.stop()
         b.stop()
+
+
+def test_lmcache_chunks_put_through_one_server_are_found_through_another(tmp_path, redis_server):
+    """LMCache workers on two nodes, each talking to its own kvstore's lm:// listener."""
+    from tests.server import lmwire as lm
+    from tests.tiers.redis_servers import free_port
+
+    env = dict(KVSTORE_REDIS_URL=redis_server.url, KVSTORE_REDIS_KEYSPACE="disagg-lm")
+    ports = free_port(), free_port()
+    a = ServeProcess(small_env(tmp_path / "a", **env), "--lmcache-port", str(ports[0])).start()
+    try:
+        b = ServeProcess(small_env(tmp_path / "b", **env), "--lmcache-port", str(ports[1])).start()
+        try:
+            data = bytes(range(256)) * 4096  # 1 MiB; the Redis tier's int8 default never touches it
+            to_a, to_b = lm.connect(ports[0]), lm.connect(ports[1])
+            lm.put(to_a, "m@1@0@abc@bfloat16", data, lm.KV_2LTD, lm.BF16, (2, 1, 256, 1024))
+            assert lm.exists(to_a, "m@1@0@abc@bfloat16")
+            assert lm.exists(to_b, "m@1@0@abc@bfloat16")
+            head, got = lm.get(to_b, "m@1@0@abc@bfloat16")
+            assert got == data and head[2:8] == (lm.KV_2LTD, lm.BF16, 2, 1, 256, 1024)
+            assert not lm.exists(to_b, "m@1@0@abd@bfloat16")
+            to_a.close()
+            to_b.close()
+        finally:
+            b.stop()
+    finally:
+        a.stop()
