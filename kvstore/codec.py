@@ -340,15 +340,14 @@ def encode_into(
                 flags |= _FLAG_LZ4
         layout, sid = _LAYOUT_KIVI, _SCALE_ID[scale_dtype]
 
-    return _seal(mv, codec, dname, shape, len(meta), flags, layout, sid, scales_len, payload_off + payload_len,
-                 raw_len)
+    return _seal(mv, codec, dname, shape, len(meta), flags, layout, sid, scales_len, payload_len, raw_len)
 
 
 def _seal(mv: memoryview, codec: Codec, dname: str, shape: tuple[int, ...], meta_len: int, flags: int,
-          layout: int, sid: int, scales_len: int, frame_len: int, raw_len: int) -> int:
+          layout: int, sid: int, scales_len: int, payload_len: int, raw_len: int) -> int:
     """Checksum the body already in ``mv`` and write the header in front of it; the frame's length."""
     header_len = _header_len(len(shape))
-    payload_len = frame_len - (header_len + _pad(meta_len) + _pad(scales_len))
+    frame_len = header_len + _pad(meta_len) + _pad(scales_len) + payload_len
     body_sum = xxhash.xxh3_64_intdigest(mv[header_len:frame_len])
     fixed = _FIXED.pack(
         MAGIC, VERSION, _CODEC_ID[codec], _DTYPE_ID[dname], flags, layout, sid, len(shape), 0,
@@ -395,7 +394,7 @@ def seal_raw(out: Any, dtype: str | torch.dtype, shape: tuple[int, ...], meta: b
         raise InvalidKV(f"output buffer must be writable and hold {payload_off + raw_len} bytes, got {len(mv)}")
     mv[meta_off : meta_off + len(meta)] = meta
     mv[meta_off + len(meta) : payload_off] = bytes(payload_off - meta_off - len(meta))
-    return _seal(mv, Codec.RAW, dname, shape, len(meta), 0, _LAYOUT_NONE, 0, 0, payload_off + raw_len, raw_len)
+    return _seal(mv, Codec.RAW, dname, shape, len(meta), 0, _LAYOUT_NONE, 0, 0, raw_len, raw_len)
 
 
 def _view(mv: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:

@@ -115,13 +115,14 @@ class Index:
         """Record a hit (``counts[i]`` hits) on each key: O(1) per key, one short lock hold.
         ``tally=False`` leaves them out of ``reads_by_tier``."""
         with self._cond:
-            reads = self._reads if tally else {}
+            reads = self._reads
             for key, n in zip(keys, counts if counts is not None else itertools.repeat(1)):
                 entry = self._entries.get(key)
                 if entry is not None:
                     entry.hits += n
                     entry.last_access_s = now_s
-                    reads[entry.tier] = reads.get(entry.tier, 0) + n
+                    if tally:
+                        reads[entry.tier] = reads.get(entry.tier, 0) + n
 
     def clear(self) -> None:
         with self._cond:

@@ -33,10 +33,10 @@ import threading
 import time
 from typing import Any
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import TierError
 from server.config import ServerSettings, is_loopback
-from server.lmcache_protocol import (CLIENT_META, FAIL, SERVER_META, SUCCESS, BadRequest, Command, Request,
-                                     parse_key, parse_request, payload_length, server_meta)
+from server.lmcache_protocol import (CLIENT_META, FAIL, SUCCESS, BadRequest, Command, Request, parse_key,
+                                     parse_request, payload_length, server_meta)
 from server.lmcache_store import LMCacheChunks
 from server.service import Service
 
@@ -46,8 +46,6 @@ log = logging.getLogger("kvstore.lmcache")
 
 _ACCEPT_POLL_S = 0.25
 """How often the accept loop looks whether it should stop."""
-_DRAIN_BYTES = 4 << 20
-"""Buffer for reading off a payload that could not be stored."""
 _SEND_PIECE_BYTES = 4 << 20
 """Answers go out in pieces this big, so a reader that stalls is caught by the deadline."""
 MIN_RATE = 1 << 20
@@ -197,7 +195,7 @@ class LMCacheListener:
         if req.command is Command.PUT:
             self._put(conn, req)
         elif req.command is Command.GET:
-            sent = self.chunks.get(parse_key(req.key), self._sender(conn))
+            sent = self.chunks.get(parse_key(req.key), lambda data: self._send(conn, data))
             if not sent:
                 self._send(conn, server_meta(FAIL))
             metrics.labels("GET", "hit" if sent else "miss").inc()
@@ -223,52 +221,23 @@ class LMCacheListener:
             raise BadRequest("length mismatch", f"PUT of {req.length} bytes, but shape {list(req.shape)} of dtype "
                                                 f"code {req.dtype} takes {want}")
         deadline = _Deadline(self.io_timeout_s, req.length)
-        received = False
 
         def receive(view: memoryview) -> None:
-            nonlocal received
-            received = True
             _recv_exact(conn, view, deadline, first=False, timeout_s=self.io_timeout_s)
 
-        try:
+        try:  # a short read (BadRequest) closes the connection; a TierError comes with the payload read off
             self.chunks.put(key, req, receive)
-        except BadRequest:
-            raise  # a short read: the connection goes
-        except KVStoreError as exc:  # no answer to carry it in: a later EXIST says 400
-            if not received:  # refused before the payload was read: read it off, to stay in step
-                self._drain(conn, req.length, deadline)
+        except TierError as exc:  # no answer to carry it in: a later EXIST says 400
             log.warning("lm:// PUT %s not stored: %s: %s", key.canonical(), type(exc).__name__, exc)
             self.svc.metrics.lmcache_requests.labels("PUT", "failed").inc()
             return
         self.svc.metrics.transfer.labels("in", "lmcache").inc(req.length)
         self.svc.metrics.lmcache_requests.labels("PUT", "stored").inc()
 
-    def _drain(self, conn: socket.socket, n: int, deadline: _Deadline) -> None:
-        buf = self.svc.buffers.acquire(min(n, _DRAIN_BYTES))
-        try:
-            view = memoryview(buf)
-            while n > 0:
-                k = min(n, len(view))
-                _recv_exact(conn, view[:k], deadline, first=False, timeout_s=self.io_timeout_s)
-                n -= k
-        finally:
-            self.svc.buffers.release(buf)
-
-    def _sender(self, conn: socket.socket):
-        """``send`` for one answer: its pieces share one deadline, sized by what it sends."""
-        deadline: list[_Deadline] = []
-
-        def send(data: memoryview | bytes) -> None:
-            if not deadline:  # the meta comes first, and says how long the payload after it is
-                deadline.append(_Deadline(self.io_timeout_s, SERVER_META.unpack(bytes(data))[1]))
-            self._send(conn, data, deadline[0])
-
-        return send
-
-    def _send(self, conn: socket.socket, data: memoryview | bytes, deadline: _Deadline | None = None) -> None:
-        """Send ``data`` whole by ``deadline`` (TimeoutError otherwise). A 36-byte meta goes in one
-        call: LMCache's connector reads it with a single ``recv``."""
-        deadline = deadline or _Deadline(self.io_timeout_s, len(data))
+    def _send(self, conn: socket.socket, data: memoryview | bytes) -> None:
+        """Send ``data`` whole within ``io_timeout_s`` plus its length at ``MIN_RATE`` (TimeoutError
+        otherwise). A 36-byte meta goes in one call: LMCache's connector reads it with one ``recv``."""
+        deadline = _Deadline(self.io_timeout_s, len(data))
         view = memoryview(data).cast("B")
         for at in range(0, len(view), _SEND_PIECE_BYTES):
             conn.settimeout(deadline.left())

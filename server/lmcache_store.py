@@ -21,7 +21,7 @@ import logging
 from typing import Any, Callable
 
 from kvstore import codec as codec_mod
-from kvstore.errors import FrameError, TierError, TierFull
+from kvstore.errors import FrameError, TierError
 from kvstore.keys import BlockHash, block_meta, name_fingerprint, named_key, validate_namespace
 from kvstore.store import KVStore
 from server import engine
@@ -67,7 +67,8 @@ class LMCacheChunks:
 
         Raises:
             whatever ``receive`` raises (nothing is stored).
-            TierFull, TierError: no tier took it; the payload has been read off by then.
+            TierFull, TierError: no tier took it. The payload has been read off by then,
+                so the connection stays in step.
         """
         meta = block_meta(self.namespace, name_fingerprint(DOMAIN, key.model_part()), 0,
                           lmcache={"key": key.canonical(), "fmt": req.fmt, "dtype": req.dtype,
@@ -86,10 +87,10 @@ class LMCacheChunks:
         try:
             self.store.put_frame_with(bkey, self.namespace, size, writer)
             return
-        except TierFull:
+        except TierError:  # TierFull included
             if received:
                 raise
-        buf = self.buffers.acquire(size)  # every tier is full: take the bytes, then make room
+        buf = self.buffers.acquire(size)  # no tier took it as it is: take the bytes, then make room
         try:
             with memoryview(buf) as view:
                 n = writer(view)
