@@ -260,6 +260,15 @@ class AsyncKVClient:
     async def admin_stats(self) -> dict:
         return await self._json("GET", "/admin/stats")
 
+    async def connectors(self) -> list[dict]:
+        """Engine connectors' counters by namespace and engine (admin token)."""
+        return (await self._json("GET", "/admin/connectors"))["connectors"]
+
+    async def report_connector(self, engine: str, instance: str, counters: dict[str, float]) -> None:
+        """An engine connector's cumulative counters, for the server's /metrics and dashboard."""
+        await self._json("POST", "/v1/connectors/report",
+                         {"engine": engine, "instance": instance, "counters": counters})
+
     async def tiers(self) -> list[dict]:
         return (await self._json("GET", "/admin/tiers"))["tiers"]
 

@@ -253,6 +253,14 @@ class KVClient:
     def admin_stats(self) -> dict:
         return self._json("GET", "/admin/stats")
 
+    def connectors(self) -> list[dict]:
+        """Engine connectors' counters by namespace and engine (admin token)."""
+        return self._json("GET", "/admin/connectors")["connectors"]
+
+    def report_connector(self, engine: str, instance: str, counters: dict[str, float]) -> None:
+        """An engine connector's cumulative counters, for the server's /metrics and dashboard."""
+        self._json("POST", "/v1/connectors/report", {"engine": engine, "instance": instance, "counters": counters})
+
     def tiers(self) -> list[dict]:
         return self._json("GET", "/admin/tiers")["tiers"]
 

@@ -122,6 +122,12 @@ async def admin_stats(request: Request) -> dict:
     return out
 
 
+@router.get("/connectors")
+async def admin_connectors(request: Request) -> dict:
+    """Engine connectors' counters by namespace and engine (``server.connectors``)."""
+    return {"connectors": svc_of(request).connectors.summary()}
+
+
 @router.get("/tiers")
 async def admin_tiers(request: Request) -> dict:
     svc = svc_of(request)

@@ -25,7 +25,7 @@ from client_sdk.protocol import BodyTimeout, PayloadTooLarge, error_body
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.store import KVStore
-from server import admin, blocks, dashboard, data, layers, ops, planning
+from server import admin, blocks, connectors, dashboard, data, layers, ops, planning
 from server.config import ServerSettings
 from server.errors import install_error_handlers, store_error, unexpected_error
 from server.service import Service
@@ -247,6 +247,7 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     app.include_router(ops.router)
     app.include_router(planning.router)
     app.include_router(layers.router)
+    app.include_router(connectors.router)
     hot = {(m, r.path): r for r in data.router.routes if isinstance(r, APIRoute) for m in r.methods
            if (m, r.path) in HOT_ROUTES}
     if len(hot) != len(HOT_ROUTES):

@@ -32,6 +32,7 @@ from server.auth import Authenticator, Principal
 from server.config import ServerSettings
 from server.history import History
 from server.errors import field_error
+from server.connector_board import ConnectorBoard
 from server.metrics import Metrics
 from server.staging import StagingArena
 
@@ -135,6 +136,9 @@ class Service:
         if settings.colocated and self.shm is not None:
             self.staging = StagingArena(settings.staging_bytes)
         self.metrics = Metrics(store.stats, self._figures)
+        self.connectors = ConnectorBoard()
+        """Engine connectors' counters (``POST /v1/connectors/report``), in ``/metrics`` too."""
+        self.metrics.registry.register(self.connectors)  # type: ignore[arg-type]
         self.history = History(store, settings.history_interval_s)
         """Read counters over time (``/admin/history``); sampling starts with the app."""
         self.offers: dict[str, Any] = {}

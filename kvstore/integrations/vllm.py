@@ -1,0 +1,430 @@
+"""kvstore as a vLLM v1 KV connector: ``KVStoreConnector``.
+
+Configure it with::
+
+    --kv-transfer-config '{"kv_connector":"KVStoreConnector",
+        "kv_connector_module_path":"kvstore.integrations.vllm", "kv_role":"kv_both",
+        "kv_load_failure_policy":"recompute",
+        "kv_connector_extra_config":{"url":"http://127.0.0.1:8470","namespace":"default"}}'
+
+It talks to a running ``kvstore serve`` through the SDK (shared memory on the
+same host, HTTP otherwise). Blocks are stored under kvstore's own chained keys
+over the token ids, in the canonical ``[L, 2, H, T, D]`` layout, with a
+``KVSpec`` derived from the model (``spec_from_vllm``): so a transformers agent
+using ``kvstore.integrations.hf.spec_for`` with the same model id, weights
+fingerprint and block size reads what vLLM stored, and the reverse.
+
+Scheduler side: ``get_num_new_matched_tokens`` answers from one lookup per
+request (cached until the request is scheduled), aligned to the block size and
+never covering the last prompt token; the loads and saves it plans ride to the
+worker in ``KVStoreConnectorMetadata``. Worker side: ``vllm_transfer.Load`` and
+``vllm_transfer.Saver``. A request that had a save keeps its blocks
+(``request_finished`` answers True) until the worker reports the save done.
+
+Extra config keys: ``url`` (default ``$KVSTORE_URL`` or ``http://127.0.0.1:8470``),
+``namespace`` (``default``), ``token`` (default ``$KVSTORE_TOKEN``),
+``fingerprint`` (default: ``weights_fingerprint`` of the model directory),
+``model_id`` (default: the served model name), ``save_decode`` (default true: at a
+request's end, also save the full blocks of what it generated), ``timeout_s`` (10),
+``colocated`` (default null: shared memory when the server is on this host; false: HTTP always).
+
+Refused at start-up, with the reason: tensor or pipeline parallelism, MLA,
+sliding-window, hybrid and other non-full-attention KV, a quantized KV cache
+(``kv_cache_dtype`` other than ``auto``), and dtypes the store has no spec for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from client_sdk import KVClient
+from kvstore.errors import InvalidSpec
+from kvstore.integrations.vllm_layout import PagedLayout, layout_for
+from kvstore.integrations.vllm_transfer import Counters, Load, LoadJob, Reporter, Saver, SaveJob
+from kvstore.integrations.weights import weights_fingerprint
+from kvstore.spec import DTYPES, KVSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreConnectorStats", "spec_from_vllm",
+           "connector_settings"]
+
+log = logging.getLogger("kvstore.integrations.vllm")
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_LOOKUP_BACKOFF_S = 2.0
+"""After a failed lookup, new requests skip the store this long (they recompute) instead of each
+paying the client's retries against a store that is down."""
+_PREEMPT_WAIT_S = 60.0
+_REPORT_INTERVAL_S = 5.0
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler hands the worker for one step."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+class KVStoreConnectorStats(KVConnectorStats):
+    """kvstore's counters in vLLM's connector stats (summed over workers and intervals)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVStoreConnectorStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
+        looked = self.data.get("hit_tokens", 0) + self.data.get("miss_tokens", 0)
+        if looked:
+            out["hit_ratio"] = round(self.data.get("hit_tokens", 0) / looked, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def connector_settings(extra: dict[str, Any]) -> dict[str, Any]:
+    """The connector's settings from ``kv_connector_extra_config``, defaults filled in.
+
+    Raises:
+        InvalidSpec: an unknown key or a value of the wrong type.
+    """
+    known = {"url", "namespace", "token", "fingerprint", "model_id", "save_decode", "timeout_s", "colocated"}
+    unknown = set(extra) - known
+    if unknown:
+        raise InvalidSpec(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}")
+    out = {
+        "url": extra.get("url") or os.environ.get("KVSTORE_URL") or "http://127.0.0.1:8470",
+        "namespace": extra.get("namespace") or "default",
+        "token": extra.get("token") or os.environ.get("KVSTORE_TOKEN") or None,
+        "fingerprint": extra.get("fingerprint"),
+        "model_id": extra.get("model_id"),
+        "save_decode": extra.get("save_decode", True),
+        "timeout_s": extra.get("timeout_s", 10.0),
+        "colocated": extra.get("colocated"),
+    }
+    if out["colocated"] not in (None, True, False):
+        raise InvalidSpec(f"colocated must be true, false or null, got {out['colocated']!r}")
+    if not isinstance(out["save_decode"], bool):
+        raise InvalidSpec(f"save_decode must be true or false, got {out['save_decode']!r}")
+    if isinstance(out["timeout_s"], bool) or not isinstance(out["timeout_s"], (int, float)) or out["timeout_s"] <= 0:
+        raise InvalidSpec(f"timeout_s must be a positive number, got {out['timeout_s']!r}")
+    return out
+
+
+def _refuse_unsupported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> None:
+    """Raise ``InvalidSpec`` naming why this engine's KV cannot be stored as canonical full-attention KV."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    why = []
+    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        why.append(f"tensor/pipeline parallelism ({pc.tensor_parallel_size}x{pc.pipeline_parallel_size}): "
+                   "each rank holds a shard of the heads or layers")
+    if mc.use_mla:
+        why.append("MLA: the cache holds a latent, not K and V")
+    if mc.get_sliding_window() is not None or "sliding_attention" in (
+            getattr(mc.hf_text_config, "layer_types", None) or ()):
+        why.append("sliding-window attention: layers keep fewer tokens than the prefix")
+    if cc.cache_dtype != "auto":
+        why.append(f"kv_cache_dtype={cc.cache_dtype!r}: a quantized cache has no canonical KV")
+    if mc.dtype not in DTYPES.values():
+        why.append(f"dtype {mc.dtype}: the store keeps {sorted(DTYPES)}")
+    if kv_cache_config is not None:
+        groups = kv_cache_config.kv_cache_groups
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec or \
+                groups[0].kv_cache_spec.sliding_window is not None:
+            why.append(f"KV cache groups {kinds}: only one group of plain full attention is stored "
+                       "(hybrid, sliding-window, chunked-local and Mamba layers are not)")
+    if why:
+        raise InvalidSpec("kvstore's vLLM connector cannot serve this engine: " + "; ".join(why))
+
+
+def spec_from_vllm(vllm_config: "VllmConfig", settings: dict[str, Any]) -> KVSpec:
+    """The ``KVSpec`` of this engine's KV: model id, layers, KV heads, head dim, dtype, block size, weights.
+
+    The fingerprint is ``settings["fingerprint"]`` or, by default, ``weights_fingerprint`` of the
+    model's directory (a local path, or the Hugging Face cache's snapshot of it).
+    """
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    fingerprint = settings.get("fingerprint") or weights_fingerprint(_model_dir(mc))
+    tag = _unverified_layout(vllm_config)
+    if tag is not None:
+        log.warning("vLLM's CPU attention runs the %r kernels here, whose cache layout kvstore has not "
+                    "checked against transformers: blocks are shared only with engines running them too", tag)
+        fingerprint = f"{fingerprint}+vllm-cpu-{tag}"
+    name = settings.get("model_id") or (mc.served_model_name if isinstance(mc.served_model_name, str)
+                                        else None) or mc.model
+    model_id = re.sub(r"[^\x21-\x7e]", "_", str(name))[:256]
+    return KVSpec(model_id, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
+                  cc.block_size, fingerprint=fingerprint)
+
+
+def _unverified_layout(vllm_config: "VllmConfig") -> str | None:
+    """The CPU attention ISA when it is not one whose layout was checked (``vllm_layout``), else None."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+    except Exception:  # a vLLM without that helper: not checked either
+        return "unknown"
+    return None if isa == "vec" else str(isa)
+
+
+def _model_dir(mc: Any) -> str:
+    if os.path.isdir(mc.model):
+        return mc.model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(mc.model, revision=mc.revision, local_files_only=True)
+    except Exception as exc:  # no local snapshot: the caller must name the weights
+        raise InvalidSpec(f"cannot fingerprint the weights of {mc.model!r} ({exc}); set "
+                          "kv_connector_extra_config.fingerprint") from exc
+
+
+@dataclass
+class _Tracked:
+    """The scheduler's view of one request."""
+
+    request: Any
+    saved: int = 0  # tokens (whole blocks) known stored or queued for saving
+    saving: bool = False  # some save was handed to the worker: its blocks wait for it at the end
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """A vLLM v1 KV connector over a kvstore server (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _refuse_unsupported(vllm_config, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = connector_settings(extra)
+        self.spec = spec_from_vllm(vllm_config, self.settings)
+        self.block_size = self.spec.block_tokens
+        self.counters = Counters()
+        self.client = KVClient(self.settings["url"], token=self.settings["token"],
+                               namespace=self.settings["namespace"], timeout_s=self.settings["timeout_s"],
+                               connect_timeout_s=min(2.0, self.settings["timeout_s"]), retries=1, plan=False,
+                               colocated=self.settings["colocated"])
+        instance = f"{self._kv_transfer_config.engine_id}/{role.name.lower()}"
+        self._reporter = Reporter(lambda counters: self.client.report_connector("vllm", instance, counters),
+                                  self.counters, _REPORT_INTERVAL_S)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kv_load_failure_policy is %r: a block kvstore cannot deliver fails its request; "
+                        "set it to \"recompute\" so vLLM recomputes instead",
+                        self._kv_transfer_config.kv_load_failure_policy)
+        log.info("kvstore connector (%s) on %s, namespace %s, spec %s fingerprint %s", role.name,
+                 self.settings["url"], self.settings["namespace"], self.spec.model_id, self.spec.weights_fingerprint)
+        # scheduler side
+        self._hits: dict[str, int] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: dict[str, LoadJob] = {}
+        self._finish_saves: list[SaveJob] = []
+        self._down_until = 0.0
+        # worker side
+        self._layout: PagedLayout | None = None
+        self._layer_index: dict[str, int] = {}
+        self._saver: Saver | None = None
+        self._load: Load | None = None
+        self._load_errors: set[int] = set()
+        self._saving: set[str] = set()  # requests that had a save: reported once finished and saved
+        self._finishing: set[str] = set()
+        self._lock = threading.Lock()
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        req_id = request.request_id
+        if req_id not in self._hits:
+            self._hits[req_id] = self._lookup(request)
+        return max(0, self._hits[req_id] - num_computed_tokens), False
+
+    def _lookup(self, request: "Request") -> int:
+        tokens = request.all_token_ids
+        usable = (len(tokens) - 1) // self.block_size * self.block_size  # the last token is always computed
+        if usable <= 0:
+            return 0
+        if time.monotonic() < self._down_until:
+            self.counters.add(miss_tokens=usable)
+            return 0
+        try:
+            hit = min(usable, self.client.lookup(self.spec, list(tokens[:usable])))
+        except Exception as exc:  # a store that is down is a miss: vLLM computes the prefill
+            self._down_until = time.monotonic() + _LOOKUP_BACKOFF_S
+            log.warning("kvstore lookup failed, recomputing for %.0f s: %s", _LOOKUP_BACKOFF_S, exc)
+            self.counters.add(lookup_errors=1, miss_tokens=usable)
+            return 0
+        self.counters.add(lookups=1, hit_tokens=hit, miss_tokens=usable - hit)
+        return hit
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        req_id = request.request_id
+        hit = self._hits.pop(req_id, 0)
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            tracked = self._tracked[req_id] = _Tracked(request)
+        tracked.saved = max(tracked.saved, hit)
+        if num_external_tokens <= 0:
+            return
+        bs = self.block_size
+        start = hit - num_external_tokens
+        first = start // bs  # a start inside a block reloads the whole block: the same KV
+        block_ids = list(blocks.get_block_ids()[0][first:hit // bs])
+        self._loads[req_id] = LoadJob(req_id, list(request.all_token_ids[:hit]), first * bs, block_ids)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(preempted=sorted(scheduler_output.preempted_req_ids or ()))
+        bs = self.block_size
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            load = self._loads.pop(req_id, None)
+            if load is not None:
+                meta.loads.append(load)
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            # KV computed once this step ran, up to the prompt's end: a prompt is saved as its prefill
+            # completes (chunk by chunk), generated blocks at the request's end (save_decode).
+            done = min(request.num_computed_tokens + n, request.num_prompt_tokens)
+            end = done // bs * bs
+            if end > tracked.saved:
+                block_ids = self._kv_cache_manager.get_block_ids(req_id)[0][:end // bs]
+                meta.saves.append(SaveJob(req_id, list(request.all_token_ids[:end]), list(block_ids)))
+                tracked.saved, tracked.saving = end, True
+        meta.saves.extend(self._finish_saves)
+        self._finish_saves = []
+        self._loads = {k: v for k, v in self._loads.items() if k in self._tracked}
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._hits.pop(req_id, None)
+        self._loads.pop(req_id, None)
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is None:
+            return False, None
+        if self.settings["save_decode"]:
+            computed = min(request.num_computed_tokens, request.num_tokens - 1)
+            end = min(computed // self.block_size, len(block_ids)) * self.block_size
+            if end > tracked.saved:
+                self._finish_saves.append(SaveJob(req_id, list(request.all_token_ids[:end]),
+                                                  list(block_ids[:end // self.block_size])))
+                tracked.saving = True
+        return tracked.saving, None
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        def index(name: str) -> int:
+            m = _LAYER.search(name)
+            if m is None:
+                raise InvalidSpec(f"cannot tell the layer index of KV cache {name!r}")
+            return int(m.group(1))
+
+        names = sorted(kv_caches, key=index)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._layout = layout_for([kv_caches[n] for n in names], self.spec)
+        self._saver = Saver(self.client, self.spec, self._layout, self.counters)
+        log.info("kvstore connector: %d layers, %s layout, %d-token blocks", len(names), self._layout.kind,
+                 self.block_size)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads or self._layout is None:
+            return
+        self._load = Load(self.client, self.spec, self._layout, meta.loads, self.counters)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        load = self._load
+        if load is not None:
+            load.wait(self._layer_index[layer_name])
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        """Nothing to do per layer: saves copy whole blocks after the step, and vLLM keeps those
+        blocks until the save is reported done, so the forward pass never waits on the store."""
+
+    def wait_for_save(self) -> None:
+        if self._load is not None:  # this step's loads are in; their failures go out with this step
+            self._load_errors |= self._load.finish()
+            self._load = None
+        meta = self._connector_metadata
+        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves or self._saver is None:
+            return
+        ready = None
+        if self._layout is not None and self._layout.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        with self._lock:
+            for job in meta.saves:
+                self._saving.add(job.req_id)
+                self._saver.submit(job, ready)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if not isinstance(kv_connector_metadata, KVStoreConnectorMetadata) or self._saver is None:
+            return
+        for req_id in kv_connector_metadata.preempted:  # its blocks go back to vLLM: finish reading them
+            if not self._saver.wait_for(req_id, _PREEMPT_WAIT_S):
+                log.error("kvstore save of preempted %s still running after %.0f s", req_id, _PREEMPT_WAIT_S)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._saver is None:
+            return None, None
+        with self._lock:
+            self._finishing |= finished_req_ids & self._saving
+            done = {r for r in self._finishing if not self._saver.pending(r)}
+            self._finishing -= done
+            self._saving -= done
+        return done or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        delta = self.counters.delta()
+        return KVStoreConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+        self._reporter.close()
+        self.client.close()

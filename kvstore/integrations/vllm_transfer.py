@@ -1,0 +1,298 @@
+"""The worker half of the vLLM connector's data path: layer-wise loads and background saves.
+
+Nothing here imports vLLM: it moves KV between a ``PagedLayout`` (vLLM's paged
+cache) and a kvstore client, so it is tested on its own.
+
+- ``Load``: one step's loads. A thread drains one ``LayerStream`` per request,
+  layer 0 of every request first, and sets layer ``l``'s event once layer ``l`` of
+  every request is in the paged cache, so the forward pass computes layer 0
+  while later layers are still arriving (``wait_for_layer_load``). A stream that
+  fails, or a store that answers with fewer tokens than the lookup promised,
+  marks the blocks it did not deliver as failed: vLLM recomputes them.
+- ``Saver``: a thread that copies a finished request's full blocks out of the
+  paged cache into the canonical layout and puts them, so a save never blocks the
+  forward pass. vLLM keeps a saved request's blocks until ``pending(req)`` is 0
+  (the connector reports it through ``get_finished``), and a preempted request's
+  blocks until ``wait_for`` returns, so a block is never read after vLLM reused it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from kvstore.integrations.vllm_layout import PagedLayout
+from kvstore.spec import KVSpec
+
+__all__ = ["LoadJob", "SaveJob", "Counters", "Load", "Saver"]
+
+log = logging.getLogger("kvstore.integrations.vllm")
+
+
+@dataclass
+class LoadJob:
+    """Load tokens ``[start, len(tokens))`` of a request into ``block_ids`` (one per block of that range)."""
+
+    req_id: str
+    tokens: list[int]
+    start: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveJob:
+    """Put the KV of ``tokens`` (whole blocks), which sits in ``block_ids`` (one per block, from token 0)."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class Counters:
+    """What one connector did, cumulative; ``delta()`` hands out what changed since the last call."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    lookup_errors: int = 0
+    loads: int = 0
+    loaded_tokens: int = 0
+    load_errors: int = 0
+    failed_blocks: int = 0
+    load_seconds: float = 0.0
+    saves: int = 0
+    saved_tokens: int = 0
+    save_errors: int = 0
+    save_seconds: float = 0.0
+    _last: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **delta: float) -> None:
+        with self._lock:
+            for name, value in delta.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def delta(self) -> dict[str, float]:
+        now = self.snapshot()
+        with self._lock:
+            out = {k: v - self._last.get(k, 0) for k, v in now.items()}
+            self._last = now
+        return {k: v for k, v in out.items() if v}
+
+
+class Load:
+    """One step's loads, started at once; ``wait(layer)`` blocks until that layer is in place.
+
+    Args:
+        client: a ``KVClient`` (``get_kv_layers``).
+        spec: the store's spec of this model.
+        layout: vLLM's paged cache.
+        jobs: this step's loads.
+        counters: where loaded tokens and errors are counted.
+    """
+
+    def __init__(self, client: Any, spec: KVSpec, layout: PagedLayout, jobs: Sequence[LoadJob],
+                 counters: Counters) -> None:
+        self.client = client
+        self.spec = spec
+        self.layout = layout
+        self.jobs = list(jobs)
+        self.counters = counters
+        self.failed: set[int] = set()
+        self._events = [threading.Event() for _ in range(layout.num_layers)]
+        self._thread = threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True)
+        self._thread.start()
+
+    def wait(self, layer: int) -> None:
+        self._events[layer].wait()
+
+    def finish(self) -> set[int]:
+        """Wait for every layer; returns the block ids that did not load."""
+        self._thread.join()
+        return self.failed
+
+    def _open(self, job: LoadJob) -> tuple[Any, int] | None:
+        """The job's stream and how many of its blocks it delivers, or None when none."""
+        bs = self.spec.block_tokens
+        try:
+            stream = self.client.get_kv_layers(self.spec, job.tokens)
+        except Exception as exc:  # the store is down or refused: vLLM recomputes these blocks
+            log.warning("kvstore load of %s failed, vLLM recomputes %d blocks: %s", job.req_id,
+                        len(job.block_ids), exc)
+            self.counters.add(load_errors=1)
+            self.failed.update(job.block_ids)
+            return None
+        have = min(len(job.block_ids), max(0, stream.n_tokens - job.start) // bs)
+        if have < len(job.block_ids):  # evicted or damaged since the lookup: a shorter prefix
+            log.warning("kvstore holds %d of %d tokens promised to %s; vLLM recomputes the rest",
+                     stream.n_tokens, len(job.tokens), job.req_id)
+            self.failed.update(job.block_ids[have:])
+        if have == 0:
+            stream.close()
+            return None
+        return stream, have
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        live: list[tuple[LoadJob, Any, int]] = []
+        try:
+            for job in self.jobs:
+                opened = self._open(job)
+                if opened is not None:
+                    live.append((job, *opened))
+            bs = self.spec.block_tokens
+            for layer in range(self.layout.num_layers):
+                for entry in list(live):
+                    job, stream, have = entry
+                    try:
+                        index, kv_layer = next(stream)
+                        if index != layer:
+                            raise RuntimeError(f"layer stream yielded layer {index}, expected {layer}")
+                        self.layout.write_layer(layer, kv_layer[:, :, job.start:job.start + have * bs],
+                                                job.block_ids[:have])
+                    except Exception as exc:  # every block of the job is recomputed, loaded layers included
+                        log.warning("kvstore load of %s broke at layer %d, vLLM recomputes it: %s",
+                                    job.req_id, layer, exc)
+                        self.counters.add(load_errors=1)
+                        self.failed.update(job.block_ids)
+                        live.remove(entry)
+                        stream.close()
+                if self.layout.device.type == "cuda":
+                    torch.cuda.current_stream(self.layout.device).synchronize()
+                self._events[layer].set()
+            for job, stream, have in live:
+                stream.close()
+                if not self.failed.intersection(job.block_ids[:have]):
+                    self.counters.add(loads=1, loaded_tokens=have * bs)
+        except BaseException as exc:  # never leave the forward pass waiting on an event
+            log.exception("kvstore load thread failed: %s", exc)
+            for job in self.jobs:
+                self.failed.update(job.block_ids)
+        finally:
+            for event in self._events:
+                event.set()
+            self.counters.add(failed_blocks=len(self.failed), load_seconds=time.perf_counter() - t0)
+
+
+class Saver:
+    """Background puts of whole blocks out of the paged cache, one job at a time.
+
+    One thread and one reused gather buffer: a slow store makes jobs wait (their
+    blocks stay with vLLM, counted in ``pending``), not memory grow.
+    """
+
+    def __init__(self, client: Any, spec: KVSpec, layout: PagedLayout, counters: Counters) -> None:
+        self.client = client
+        self.spec = spec
+        self.layout = layout
+        self.counters = counters
+        self._jobs: collections.deque[tuple[SaveJob, Any]] = collections.deque()
+        self._pending: collections.Counter[str] = collections.Counter()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._buffer: torch.Tensor | None = None
+        self._thread = threading.Thread(target=self._run, name="kvstore-vllm-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob, ready: Any = None) -> None:
+        """Queue ``job``; ``ready`` (a CUDA event) is waited on before its blocks are read."""
+        with self._cv:
+            self._pending[job.req_id] += 1
+            self._jobs.append((job, ready))
+            self._cv.notify_all()
+
+    def pending(self, req_id: str) -> int:
+        with self._cv:
+            return self._pending[req_id]
+
+    def wait_for(self, req_id: str, timeout_s: float | None = None) -> bool:
+        """Block until ``req_id`` has no queued or running save; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending[req_id], timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the queued saves (up to ``timeout_s``), then stop the thread."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._jobs and not sum(self._pending.values()), timeout_s)
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+    def _out(self, num_tokens: int) -> torch.Tensor:
+        need = self.spec.bytes_per_token * num_tokens
+        if self._buffer is None or self._buffer.numel() < need:
+            self._buffer = torch.empty(need, dtype=torch.uint8)
+        return self._buffer[:need].view(self.spec.torch_dtype).view(self.spec.kv_shape(num_tokens))
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return
+                job, ready = self._jobs.popleft()
+            t0 = time.perf_counter()
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                kv = self.layout.gather(job.block_ids, self._out(len(job.block_ids) * self.spec.block_tokens))
+                stored = self.client.put_kv(self.spec, job.tokens, kv)
+                self.counters.add(saves=1, saved_tokens=stored, save_seconds=time.perf_counter() - t0)
+            except Exception as exc:  # the request completes all the same; the KV is only not shared
+                log.warning("kvstore save of %s (%d tokens) failed: %s", job.req_id, len(job.tokens), exc)
+                self.counters.add(save_errors=1)
+            finally:
+                with self._cv:
+                    self._pending[job.req_id] -= 1
+                    if not self._pending[job.req_id]:
+                        del self._pending[job.req_id]
+                    self._cv.notify_all()
+
+
+class Reporter:
+    """Sends a connector's cumulative counters every ``interval_s`` from a thread of its own.
+
+    A report is an HTTP call; made from the scheduler's or the worker's thread, a store
+    that is down would stall the engine on connect timeouts. A failed report is dropped:
+    the next one carries the same totals.
+    """
+
+    def __init__(self, send: Any, counters: Counters, interval_s: float = 5.0) -> None:
+        self._send = send
+        self._counters = counters
+        self._interval_s = interval_s
+        self._sent: dict[str, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-vllm-report", daemon=True)
+        self._thread.start()
+
+    def _report(self) -> None:
+        now = self._counters.snapshot()
+        if now == self._sent:
+            return
+        try:
+            self._send(now)
+            self._sent = now
+        except Exception as exc:  # advisory
+            log.debug("connector report dropped: %s", exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._report()
+
+    def close(self) -> None:
+        """Stop, after one last report."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._report()

@@ -1,0 +1,66 @@
+"""``POST /v1/connectors/report``: an engine connector's counters, into ``svc.connectors``.
+
+The board itself (what is kept, how it shows in ``/metrics``) is ``server.connector_board``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from kvstore.errors import InvalidInput
+from server.auth import Principal
+from server.connector_board import COUNTERS
+from server.errors import field_error
+from server.service import json_body, require
+
+__all__ = ["router", "parse_report"]
+
+_ENGINE = re.compile(r"^[a-z0-9_-]{1,32}$")
+_INSTANCE = re.compile(r"^[\x21-\x7e]{1,160}$")
+_MAX_COUNTER = 1e18
+
+
+def parse_report(data: Any) -> tuple[str, str, dict[str, float]]:
+    """``(engine, instance, counters)`` of a report body, or a 400 naming the field."""
+    engine = require(data, "engine", str)
+    if not _ENGINE.fullmatch(engine):
+        raise field_error(InvalidInput("must be 1-32 characters of [a-z0-9_-]"), "engine")
+    instance = require(data, "instance", str)
+    if not _INSTANCE.fullmatch(instance):
+        raise field_error(InvalidInput("must be 1-160 printable ASCII characters without spaces"), "instance")
+    counters = require(data, "counters", dict)
+    unknown = sorted(set(counters) - set(COUNTERS))
+    if unknown:
+        raise field_error(InvalidInput(f"unknown counters {unknown[:5]}; known: {list(COUNTERS)}"), "counters")
+    for name, value in counters.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _MAX_COUNTER:
+            raise field_error(InvalidInput(f"must be a number in [0, {_MAX_COUNTER:g}], got {value!r}"),
+                              f"counters.{name}")
+    return engine, instance, {k: float(v) for k, v in counters.items()}
+
+
+router = APIRouter()
+
+
+def _svc(request: Request) -> Any:
+    return request.app.state.svc
+
+
+async def _principal(request: Request) -> Principal:
+    return _svc(request).principal(request)
+
+
+@router.post("/v1/connectors/report")
+async def connectors_report(request: Request, p: Principal = Depends(_principal)) -> dict:
+    """An engine connector's cumulative counters, kept under the caller's namespace.
+
+    Body: ``{"engine": "vllm", "instance": "<engine id>/<role>", "counters": {name: number}}``.
+    """
+    svc = _svc(request)
+    ns = svc.namespace(request, p)
+    engine, instance, counters = parse_report(await json_body(request))
+    svc.connectors.report(ns, engine, instance, counters)
+    return {"namespace": ns, "engine": engine}
