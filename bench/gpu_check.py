@@ -4,9 +4,12 @@
 2. Times host<->device copies through ``DeviceTier`` for 32 MiB and 1 MiB frames
    against raw ``copy_`` in the same run (interleaved, medians after warm-up),
    with pageable and pinned host buffers, and prints one table.
-3. Runs ``tests/tiers/test_device.py`` in a child pytest with
-   ``KVSTORE_TEST_DEVICE`` set to the device, so the conformance suite and the
-   pool checks run on CUDA.
+3. Runs ``tests/tiers/test_device.py`` and ``tests/server/test_vllm_transfer.py``
+   in a child pytest with ``KVSTORE_TEST_DEVICE`` set to the device, so the
+   conformance suite, the pool checks and the vLLM connector's paged layouts
+   (FlashAttention's and the CPU one, loads and saves against a live server)
+   run on CUDA. vLLM itself is not installed there (the lent machine reaches no
+   registry): the connector's engine-facing half is tested on CPU vLLM in CI.
 4. Writes JSON to ``--out`` after every phase, so a run cut short keeps what it got.
 
 Exit codes: 0 all passed; 1 the tests failed or a timed copy was not
@@ -38,7 +41,7 @@ from tiers.device import DeviceTier, resolve_device  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA = 0, 1, 2
 SIZES = {"32MiB": 32 << 20, "1MiB": 1 << 20}
-TEST_FILE = "tests/tiers/test_device.py"
+TEST_FILES = ("tests/tiers/test_device.py", "tests/server/test_vllm_transfer.py")
 
 
 def environment(device: torch.device | None) -> dict:
@@ -204,7 +207,7 @@ def format_table(rows: list[dict], details: dict[str, str], env: dict, repeats: 
 def run_tests(device: torch.device, timeout_s: int) -> dict:
     """Run the device tier's test file in a child pytest on ``device``; never raises."""
     env = dict(os.environ, KVSTORE_TEST_DEVICE=str(device))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", TEST_FILE]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *TEST_FILES]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)

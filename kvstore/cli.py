@@ -15,6 +15,7 @@
     kvstore bench reliability [--quick] [--out DIR] [--docs PAGE]
     kvstore bench all [--quick] [--with-lmcache | --no-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
     kvstore bench lmcache [--quick] [--with-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
+    kvstore bench vllm [--quick] [--repeats N] [--out DIR] [--docs PAGE]
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
@@ -101,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
     lmb.add_argument("--repeats", type=int, default=None, help="samples a row (default 21; 5 with --quick)")
     lmb.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
     lmb.add_argument("--docs", default=None, help="render the results into this page (docs/benchmarks.md)")
+
+    vb = which.add_parser("vllm", help="TTFT in real vLLM engines (CPU build): recompute, vLLM's prefix cache, "
+                                       "kvstore co-located and over HTTP, ExampleConnector; decode with saving")
+    vb.add_argument("--quick", action="store_true", help="3 samples a row (a few minutes)")
+    vb.add_argument("--repeats", type=int, default=None, help="samples a row (default 11; 3 with --quick)")
+    vb.add_argument("--out", default="bench/results", help="directory for the JSON and PNG (default bench/results)")
+    vb.add_argument("--docs", default=None, help="render the results into this page (docs/benchmarks.md)")
 
     every = which.add_parser("all", help="limits, kvstore's paths and its peers side by side; TTFT; scale")
     every.add_argument("--quick", action="store_true", help="3 samples a row, short windows (under 3 minutes)")
@@ -210,7 +218,7 @@ def _bench(args: argparse.Namespace) -> int:
         "codec": _bench_codec, "tiers": _bench_tiers, "service": _bench_service,
         "placement": _bench_traces, "write-policy": _bench_traces,
         "planner": _bench_module, "flight": _bench_module, "layers": _bench_module, "all": _bench_all,
-        "reliability": _bench_reliability, "lmcache": _bench_lmcache,
+        "reliability": _bench_reliability, "lmcache": _bench_lmcache, "vllm": _bench_vllm,
     }
     return benches[args.bench](args)
 
@@ -285,6 +293,16 @@ def _bench_lmcache(args: argparse.Namespace) -> int:
         return 2
     return _bench_reported("lmcache", args.docs, lambda: run(quick=args.quick, repeats=args.repeats,
                                                              lmcache=args.lmcache, out_dir=args.out, docs=args.docs))
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    from bench.vllm_ttft import run
+
+    if args.repeats is not None and args.repeats < 1:
+        print(f"kvstore bench vllm: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    return _bench_reported("vllm", args.docs, lambda: run(quick=args.quick, repeats=args.repeats, out_dir=args.out,
+                                                          docs=args.docs))
 
 
 def _bench_all(args: argparse.Namespace) -> int:

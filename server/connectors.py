@@ -24,7 +24,7 @@ _MAX_COUNTER = 1e18
 
 
 def parse_report(data: Any) -> tuple[str, str, dict[str, float]]:
-    """``(engine, instance, counters)`` of a report body, or a 400 naming the field."""
+    """``(engine, instance, counters)`` of a report body, or a 422 naming the field."""
     engine = require(data, "engine", str)
     if not _ENGINE.fullmatch(engine):
         raise field_error(InvalidInput("must be 1-32 characters of [a-z0-9_-]"), "engine")

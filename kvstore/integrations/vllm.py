@@ -272,7 +272,25 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._hits[req_id] = self._lookup(request)
         return max(0, self._hits[req_id] - num_computed_tokens), False
 
+    @staticmethod
+    def _unshareable(request: "Request") -> str | None:
+        """Why ``request``'s KV is not a function of its token ids alone (then it is neither looked up
+        nor saved), or None."""
+        if request.mm_features:
+            return "multimodal inputs (placeholder token ids stand for different images)"
+        if request.lora_request is not None:
+            return "a LoRA adapter (its KV differs from the base model's)"
+        if request.cache_salt:
+            return "a cache_salt (it asks for KV kept apart from other requests)"
+        if request.prompt_embeds is not None:
+            return "prompt embeddings instead of token ids"
+        return None
+
     def _lookup(self, request: "Request") -> int:
+        why = self._unshareable(request)
+        if why is not None:
+            log.debug("request %s not looked up in kvstore: %s", request.request_id, why)
+            return 0
         tokens = request.all_token_ids
         usable = (len(tokens) - 1) // self.block_size * self.block_size  # the last token is always computed
         if usable <= 0:
@@ -296,6 +314,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         hit = self._hits.pop(req_id, 0)
         tracked = self._tracked.get(req_id)
         if tracked is None:
+            if self._unshareable(request) is not None:
+                return  # never tracked: no loads, no saves
             tracked = self._tracked[req_id] = _Tracked(request)
         tracked.saved = max(tracked.saved, hit)
         if num_external_tokens <= 0:

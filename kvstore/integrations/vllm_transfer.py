@@ -27,7 +27,9 @@ from typing import Any, Sequence
 
 import torch
 
+from kvstore import codec
 from kvstore.integrations.vllm_layout import PagedLayout
+from kvstore.keys import block_hashes, block_meta
 from kvstore.spec import KVSpec
 
 __all__ = ["LoadJob", "SaveJob", "Counters", "Load", "Saver"]
@@ -235,6 +237,30 @@ class Saver:
             self._buffer = torch.empty(need, dtype=torch.uint8)
         return self._buffer[:need].view(self.spec.torch_dtype).view(self.spec.kv_shape(num_tokens))
 
+    def _save(self, job: SaveJob) -> int:
+        """Put what the store lacks of ``job``; returns the tokens newly stored.
+
+        A lookup first: a prompt that hit most of its prefix (or another engine's save of the
+        same prefix) needs its tail only, and a put of the whole prefix would copy and send
+        every stored block again. The tail goes as frames by key (``put_blocks``); a save
+        from token 0 takes ``put_kv``'s path (shared memory when co-located).
+        """
+        bs, end = self.spec.block_tokens, len(job.tokens)
+        have = min(self.client.lookup(self.spec, job.tokens), end)
+        if have >= end:
+            return 0
+        first = have // bs
+        kv = self.layout.gather(job.block_ids[first:], self._out(end - first * bs))
+        if first == 0:
+            return self.client.put_kv(self.spec, job.tokens, kv)
+        keys = block_hashes(self.spec, job.tokens, self.client.namespace)[first:]
+        fp = self.spec.fingerprint()
+        frames = [(key, codec.encode(kv[:, :, :, i * bs:(i + 1) * bs],
+                                     meta=block_meta(self.client.namespace, fp, first + i)))
+                  for i, key in enumerate(keys)]
+        self.client.put_blocks(frames)
+        return end - first * bs
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -246,8 +272,7 @@ class Saver:
             try:
                 if ready is not None:
                     ready.synchronize()
-                kv = self.layout.gather(job.block_ids, self._out(len(job.block_ids) * self.spec.block_tokens))
-                stored = self.client.put_kv(self.spec, job.tokens, kv)
+                stored = self._save(job)
                 self.counters.add(saves=1, saved_tokens=stored, save_seconds=time.perf_counter() - t0)
             except Exception as exc:  # the request completes all the same; the KV is only not shared
                 log.warning("kvstore save of %s (%d tokens) failed: %s", job.req_id, len(job.tokens), exc)

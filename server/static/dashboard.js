@@ -181,6 +181,7 @@ async function refreshOnce() {
     ready: api("/readyz"),
     info: api("/v1/info"),
     entries: api(entriesPath()),
+    connectors: api("/admin/connectors"),
   };
   const names = Object.keys(calls);
   const results = await Promise.allSettled(Object.values(calls));
@@ -198,7 +199,7 @@ async function refreshOnce() {
   }
   const renderers = { tiers: renderTiers, stats: renderStats, history: renderHistory, heat: renderHeat,
     moves: renderMoves, decisions: renderDecisions, policy: renderPolicy, audit: renderAudit,
-    ready: renderHealth, info: renderInfo, entries: renderEntries };
+    ready: renderHealth, info: renderInfo, entries: renderEntries, connectors: renderConnectors };
   for (const name of names) {
     if (name in got) {
       try { renderers[name](got[name]); } catch (err) { failed.push([name, err]); }
@@ -282,6 +283,23 @@ function renderHeat(data) {
   legend($("heat-legend"), state.tiers.map((t) => [t, tierColor(t)]));
   $("heat-note").textContent = "Entries by reads per second now (log-spaced bins; " + data.entries + " entries" +
     (data.sampled ? ", counted from a sample" : "") + "), stacked by tier.";
+}
+
+function renderConnectors(data) {
+  const rows = data.connectors;
+  fill($("connectors"), rows.length ? rows.map((r) => {
+    const looked = r.hit_tokens + r.miss_tokens;
+    const errors = r.lookup_errors + r.load_errors + r.save_errors;
+    return el("tr", {}, el("td", { text: r.namespace }), el("td", { text: r.engine }),
+      el("td", { text: String(r.instances) }),
+      el("td", { text: looked ? (100 * r.hit_tokens / looked).toFixed(1) + "%" : "–" }),
+      el("td", { text: String(r.hit_tokens) }), el("td", { text: String(r.miss_tokens) }),
+      el("td", { text: String(r.loaded_tokens) }), el("td", { text: String(r.saved_tokens) }),
+      el("td", { text: fmtSeconds(r.load_seconds) }), el("td", { text: fmtSeconds(r.save_seconds) }),
+      el("td", { class: errors ? "bad" : "", text: errors + (r.failed_blocks ? " (" + r.failed_blocks +
+        " blocks recomputed)" : "") }),
+      el("td", { text: fmtAgo(r.age_s) }));
+  }) : [el("tr", {}, el("td", { colspan: 12, class: "muted", text: "no engine connector has reported" }))]);
 }
 
 function renderMoves(data) {

@@ -65,6 +65,8 @@ def seeded(tmp_path) -> Iterator[ServeProcess]:
             c.put_kv(spec, list(range(i * 100, i * 100 + 64)), make_kv(spec, 64, seed=i))
         for _ in range(5):
             c.get_kv(spec, list(range(64)))
+        c.report_connector("vllm", "engine-1/worker", {"hit_tokens": 384, "miss_tokens": 128, "saved_tokens": 512,
+                                                       "load_errors": 1, "failed_blocks": 3})
     with KVClient(proc.url, token=ADMIN, namespace="scratch") as c:
         for i in range(3):
             c.put_kv(spec, list(range(9000 + i * 100, 9000 + i * 100 + 32)), make_kv(spec, 32, seed=50 + i))
@@ -134,6 +136,10 @@ def test_dashboard_in_headless_chromium(seeded):
             assert page.locator("#heat-chart rect").count() > 0
             expect(page.locator("#hit-chart circle").first).to_be_attached()  # the seeding's gets, per interval
             expect(page.locator("#canary")).to_contain_text("baseline")
+            row = page.locator("#connectors tbody tr").first  # an engine connector's report
+            expect(row).to_contain_text("vllm")
+            assert row.locator("td").nth(3).text_content() == "75.0%"
+            assert row.locator("td").nth(10).text_content() == "1 (3 blocks recomputed)"
 
             # Explain on click, then pin: the pin lands in the audit log.
             first = page.locator("#entries tbody tr").first

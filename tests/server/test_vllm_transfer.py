@@ -1,0 +1,250 @@
+"""The vLLM connector's parts that need no vLLM: paged layouts, loads and saves against a real server,
+the weights fingerprint, and the connector report route.
+
+The paged caches live on ``$KVSTORE_TEST_DEVICE`` (default cpu): ``bench/gpu_check.py`` runs this
+file on a lent GPU, so the layouts' copies between host and device are checked on CUDA too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+import torch
+
+from client_sdk import KVClient
+from client_sdk.protocol import ConnectionFailed
+from kvstore.errors import InvalidKV, InvalidSpec
+from kvstore.integrations import weights
+from kvstore.integrations.vllm_layout import layout_for, runs
+from kvstore.integrations.vllm_transfer import Counters, Load, LoadJob, Saver, SaveJob
+from kvstore.integrations.weights import weights_fingerprint
+from kvstore.spec import KVSpec
+from tests.server.conftest import ACME, ADMIN, BETA
+
+SPEC = KVSpec("paged", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=16,
+              fingerprint="weights-1")
+BS = SPEC.block_tokens
+DEVICE = torch.device(os.environ.get("KVSTORE_TEST_DEVICE", "cpu"))
+
+
+def cpu_caches(blocks: int = 12, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(blocks, 2, BS, 16, generator=gen).to(DEVICE) for _ in range(SPEC.num_layers)]
+
+
+def test_runs_groups_consecutive_block_ids():
+    assert runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert runs([]) == []
+
+
+def test_the_cpu_layout_keeps_k_transposed_and_round_trips_exactly():
+    caches = cpu_caches()
+    layout = layout_for(caches, SPEC)
+    assert layout.kind == "cpu"
+    out = layout.gather([3, 4, 9], SPEC.empty_kv(3 * BS))
+    block = caches[1][9, 0].cpu().reshape(-1)  # layer 1, block 9, head 0: K as [D, bs], then V as [bs, D]
+    k_t, v = block[:8 * BS].view(8, BS), block[8 * BS:].view(BS, 8)
+    assert torch.equal(out[1, 0, 0, 2 * BS:], k_t.t()) and torch.equal(out[1, 1, 0, 2 * BS:], v)
+    target = [torch.zeros_like(c) for c in caches]
+    copy = layout_for(target, SPEC)
+    for layer in range(SPEC.num_layers):
+        copy.write_layer(layer, out[layer], [7, 8, 0])
+    for layer in range(SPEC.num_layers):
+        for src, dst in ((3, 7), (4, 8), (9, 0)):
+            assert torch.equal(target[layer][dst], caches[layer][src])
+        assert not target[layer][5].any()  # nothing outside the named blocks
+
+
+def test_the_flash_layout_round_trips():
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randn(2, 6, BS, 2, 8, generator=gen).to(DEVICE) for _ in range(SPEC.num_layers)]
+    layout = layout_for(caches, SPEC)
+    assert layout.kind == "nhd"
+    out = layout.gather([5, 1], SPEC.empty_kv(2 * BS))
+    assert torch.equal(out[2, 1, 1, :BS], caches[2][1, 5, :, 1].cpu())  # V of layer 2, head 1, block 5
+    target = [torch.zeros_like(c) for c in caches]
+    for layer in range(SPEC.num_layers):
+        layout_for(target, SPEC).write_layer(layer, out[layer], [5, 1])
+    assert all(torch.equal(t[:, [5, 1]], c[:, [5, 1]]) for t, c in zip(target, caches))
+
+
+@pytest.mark.parametrize("caches, says", [
+    ([torch.zeros(4, 2, BS, 16)] * 2, "2 attention layers"),
+    ([torch.zeros(4, 2, BS, 16, dtype=torch.float16)] * 3, "float16"),
+    ([torch.zeros(4, 2, 32, 16)] * 3, "no layout kvstore knows"),
+    ([torch.zeros(4, 2, BS, 16)] * 2 + [torch.zeros(2, 4, BS, 2, 8)], "mix layouts"),
+])
+def test_layouts_that_do_not_fit_the_spec_are_refused(caches, says):
+    with pytest.raises(InvalidKV, match=says):
+        layout_for(caches, SPEC)
+
+
+def stored(client: KVClient, tokens: list[int], caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    kv = layout_for(caches, SPEC).gather(block_ids, SPEC.empty_kv(len(block_ids) * BS))
+    client.put_kv(SPEC, tokens, kv)
+    return kv
+
+
+def test_a_load_fills_the_blocks_layer_by_layer(server, client):
+    tokens = list(range(4 * BS))
+    source = cpu_caches(seed=2)
+    stored(client, tokens, source, [0, 1, 2, 3])
+    target = [torch.zeros_like(c) for c in source]
+    counters = Counters()
+    load = Load(client, SPEC, layout_for(target, SPEC), [LoadJob("r1", tokens, BS, [9, 10, 11])], counters)
+    for layer in range(SPEC.num_layers):
+        load.wait(layer)
+    assert load.finish() == set()
+    for layer in range(SPEC.num_layers):
+        assert [torch.equal(target[layer][d], source[layer][s]) for s, d in ((1, 9), (2, 10), (3, 11))] == [True] * 3
+        assert not target[layer][0].any()  # the locally computed block before ``start`` is not touched
+    assert counters.snapshot()["loaded_tokens"] == 3 * BS and counters.snapshot()["load_errors"] == 0
+
+
+def test_a_short_or_failed_load_names_the_blocks_vllm_must_recompute(server, client):
+    tokens = list(range(4 * BS))
+    source = cpu_caches(seed=3)
+    stored(client, tokens[:2 * BS], source, [0, 1])  # the store holds 2 of the 4 blocks promised
+    target = [torch.zeros_like(c) for c in source]
+    counters = Counters()
+    load = Load(client, SPEC, layout_for(target, SPEC), [LoadJob("short", tokens, 0, [4, 5, 6, 7])], counters)
+    assert load.finish() == {6, 7}
+    assert torch.equal(target[0][5], source[0][1])
+    down = KVClient("http://127.0.0.1:9", retries=0, connect_timeout_s=0.5)
+    load = Load(down, SPEC, layout_for(target, SPEC), [LoadJob("down", tokens, 0, [1, 2])], counters)
+    for layer in range(SPEC.num_layers):  # never leaves the forward pass waiting
+        load.wait(layer)
+    assert load.finish() == {1, 2}
+    assert counters.snapshot()["load_errors"] == 1 and counters.snapshot()["failed_blocks"] == 4
+
+
+def test_a_save_puts_the_whole_prefix_then_only_the_missing_tail(server, client):
+    tokens = list(range(5 * BS))
+    caches = cpu_caches(seed=4)
+    counters = Counters()
+    saver = Saver(client, SPEC, layout_for(caches, SPEC), counters)
+    try:
+        saver.submit(SaveJob("a", tokens[:2 * BS], [6, 2]))
+        assert saver.wait_for("a", 10) and saver.pending("a") == 0
+        saver.submit(SaveJob("a", tokens, [6, 2, 7, 8, 3]))  # the first two blocks are stored: the tail only
+        saver.submit(SaveJob("b", tokens, [6, 2, 7, 8, 3]))  # all stored: nothing sent
+        assert saver.wait_for("a", 10) and saver.wait_for("b", 10)
+    finally:
+        saver.close()
+    kv, n = client.get_kv(SPEC, tokens)
+    assert n == 5 * BS
+    assert torch.equal(kv, layout_for(caches, SPEC).gather([6, 2, 7, 8, 3], SPEC.empty_kv(5 * BS)))
+    snap = counters.snapshot()
+    assert snap["saves"] == 3 and snap["saved_tokens"] == 5 * BS and snap["save_errors"] == 0
+
+
+def test_a_failed_save_is_counted_and_releases_its_blocks():
+    down = KVClient("http://127.0.0.1:9", retries=0, connect_timeout_s=0.5)
+    counters = Counters()
+    saver = Saver(down, SPEC, layout_for(cpu_caches(), SPEC), counters)
+    saver.submit(SaveJob("x", list(range(BS)), [0]))
+    assert saver.wait_for("x", 10)
+    saver.close()
+    assert counters.snapshot()["save_errors"] == 1 and counters.snapshot()["saves"] == 0
+    with pytest.raises(ConnectionFailed):
+        down.lookup(SPEC, list(range(BS)))
+
+
+def test_counters_hand_out_deltas():
+    c = Counters()
+    c.add(lookups=2, hit_tokens=10)
+    assert c.delta() == {"lookups": 2, "hit_tokens": 10}
+    assert c.delta() == {}
+    c.add(lookups=1)
+    assert c.delta() == {"lookups": 1} and c.snapshot()["lookups"] == 3
+
+
+# -- the weights fingerprint -----------------------------------------------------------------
+
+
+def test_the_weights_fingerprint_follows_content_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"rope_theta": 10000}')
+    (model / "model.safetensors").write_bytes(b"\x01" * 4096)
+    (model / "tokenizer.json").write_text("{}")
+    first = weights_fingerprint(model)
+    assert first.startswith("w-") and len(first) == 34 and weights_fingerprint(model) == first
+    hashed = []
+    real = weights._file_digest
+    monkeypatch.setattr(weights, "_file_digest", lambda p: hashed.append(p.name) or real(p))
+    (model / "tokenizer.json").write_text('{"changed": 1}')  # not part of the KV
+    assert weights_fingerprint(model) == first and hashed == []  # cached by inode, size and mtime
+    with open(model / "model.safetensors", "r+b") as f:  # same size, one byte: a fine-tune's new values
+        f.seek(100)
+        f.write(b"\x02")
+    changed = weights_fingerprint(model)
+    assert changed != first and hashed == ["model.safetensors"]
+    (model / "config.json").write_text('{"rope_theta": 500000}')
+    assert weights_fingerprint(model) not in (first, changed)
+
+
+def test_the_weights_fingerprint_refuses_what_it_cannot_name(tmp_path):
+    with pytest.raises(InvalidSpec, match="no model directory"):
+        weights_fingerprint(tmp_path / "missing")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(InvalidSpec, match="no weights file"):
+        weights_fingerprint(tmp_path)
+
+
+# -- connector reports -----------------------------------------------------------------------
+
+
+def test_connector_reports_show_in_metrics_and_admin_by_namespace(auth_server):
+    with KVClient(auth_server.url, token=ACME, namespace="acme") as acme, \
+            KVClient(auth_server.url, token=BETA, namespace="beta") as beta:
+        acme.report_connector("vllm", "engine-1/worker", {"hit_tokens": 384, "saved_tokens": 512})
+        acme.report_connector("vllm", "engine-2/worker", {"hit_tokens": 128, "load_seconds": 0.25})
+        acme.report_connector("vllm", "engine-1/worker", {"hit_tokens": 512, "saved_tokens": 640})  # cumulative
+        beta.report_connector("vllm", "engine-9/scheduler", {"miss_tokens": 99})
+    with KVClient(auth_server.url, token=ADMIN) as admin:
+        rows = {(r["namespace"], r["engine"]): r for r in admin.connectors()}
+        text = admin.metrics()
+    acme_row = rows[("acme", "vllm")]
+    assert acme_row["hit_tokens"] == 640 and acme_row["saved_tokens"] == 640 and acme_row["instances"] == 2
+    assert rows[("beta", "vllm")]["miss_tokens"] == 99
+    assert 'kvstore_connector_hit_tokens_total{engine="vllm",namespace="acme"} 640.0' in text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"engine": "vLLM!", "instance": "i", "counters": {}}, "engine"),
+    ({"engine": "vllm", "instance": "has space", "counters": {}}, "instance"),
+    ({"engine": "vllm", "instance": "i", "counters": {"rm -rf": 1}}, "counters"),
+    ({"engine": "vllm", "instance": "i", "counters": {"hit_tokens": -1}}, "counters.hit_tokens"),
+    ({"engine": "vllm", "instance": "i", "counters": {"hit_tokens": True}}, "counters.hit_tokens"),
+    ({"engine": "vllm", "instance": "i", "counters": []}, "counters"),
+])
+def test_bad_reports_get_422_naming_the_field(server, body, field):
+    resp = httpx.post(f"{server.url}/v1/connectors/report", json=body)
+    assert resp.status_code == 422 and resp.json()["error"]["field"] == field
+    assert server.svc.connectors.summary() == []
+
+
+def test_a_report_needs_a_token_granting_the_namespace(auth_server):
+    body = {"engine": "vllm", "instance": "i", "counters": {"hit_tokens": 1}}
+    assert httpx.post(f"{auth_server.url}/v1/connectors/report", json=body).status_code == 401
+    resp = httpx.post(f"{auth_server.url}/v1/connectors/report", json=body,
+                      headers={"authorization": f"Bearer {ACME}", "x-kv-namespace": "beta"})
+    assert resp.status_code == 403
+    assert auth_server.svc.connectors.summary() == []
+
+
+def test_the_board_is_bounded_and_forgets_silent_instances():
+    from server.connector_board import ConnectorBoard
+
+    now = [0.0]
+    board = ConnectorBoard(clock=lambda: now[0])
+    for i in range(1100):
+        board.report("ns", "vllm", f"i{i}", {"lookups": 1})
+    assert board.summary()[0]["instances"] == 1024 and board.summary()[0]["lookups"] == 1024
+    now[0] = 3601.0
+    board.report("ns", "vllm", "fresh", {"lookups": 5})
+    assert board.summary() == [{**board.summary()[0], "instances": 1, "lookups": 5}]
