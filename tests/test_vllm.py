@@ -252,6 +252,10 @@ def test_a_block_damaged_on_disk_is_recomputed_not_served(engine_b, server_b, di
     assert out["tokens"][0] == ref(p)
     log = engine_b.tail(100_000)
     assert "vLLM recomputes the rest" in log and "Recovered from KV load failure" in log
+    # the recomputed blocks, never the ones that failed to load, are saved again: the next run hits them
+    assert wait_stored(server_b.url, spec, p, 512) == 512
+    again = engine_b.generate([p])
+    assert again["cached"][0] >= 384 and again["tokens"][0] == ref(p)
 
 
 def test_a_plain_file_connector_serves_the_damage(python, model, work, ref):

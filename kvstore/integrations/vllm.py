@@ -350,6 +350,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads = {k: v for k, v in self._loads.items() if k in self._tracked}
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks whose load failed are recomputed by vLLM: save them again once they are."""
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        bs = self.block_size
+        for req_id, tracked in self._tracked.items():
+            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            bad = [i for i, b in enumerate(block_ids[:tracked.saved // bs]) if b in invalid]
+            if bad:
+                tracked.saved = bad[0] * bs
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._hits.pop(req_id, None)
@@ -409,10 +421,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._layout is not None and self._layout.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
+        bs = self.block_size
         with self._lock:
             for job in meta.saves:
-                self._saving.add(job.req_id)
-                self._saver.submit(job, ready)
+                self._saving.add(job.req_id)  # reported in get_finished even when nothing is left to save
+                # A block whose load failed this step holds no valid KV until vLLM recomputes it: save
+                # only what comes before it (the scheduler plans the rest again, update_connector_output).
+                cut = next((i for i, b in enumerate(job.block_ids) if b in self._load_errors), len(job.block_ids))
+                if cut:
+                    self._saver.submit(SaveJob(job.req_id, job.tokens[:cut * bs], job.block_ids[:cut]), ready)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if not isinstance(kv_connector_metadata, KVStoreConnectorMetadata) or self._saver is None:
