@@ -321,6 +321,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         bs = self.block_size
+        if num_external_tokens > hit:  # vLLM asks for more than this request's lookup found: load nothing,
+            # and name every block so vLLM recomputes rather than reads what they happen to hold
+            log.error("vLLM scheduled %d external tokens for %s, kvstore's lookup found %d; recomputing",
+                      num_external_tokens, req_id, hit)
+            ids = list(blocks.get_block_ids()[0][:-(-num_external_tokens // bs)])
+            self._loads[req_id] = LoadJob(req_id, [], 0, ids)
+            return
         start = hit - num_external_tokens
         first = start // bs  # a start inside a block reloads the whole block: the same KV
         block_ids = list(blocks.get_block_ids()[0][first:hit // bs])

@@ -127,6 +127,9 @@ class Load:
     def _open(self, job: LoadJob) -> tuple[Any, int] | None:
         """The job's stream and how many of its blocks it delivers, or None when none."""
         bs = self.spec.block_tokens
+        if len(job.tokens) < job.start + len(job.block_ids) * bs:  # nothing to load them from
+            self.failed.update(job.block_ids)
+            return None
         try:
             stream = self.client.get_kv_layers(self.spec, job.tokens)
         except Exception as exc:  # the store is down or refused: vLLM recomputes these blocks

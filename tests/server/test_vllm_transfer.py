@@ -118,6 +118,9 @@ def test_a_short_or_failed_load_names_the_blocks_vllm_must_recompute(server, cli
         load.wait(layer)
     assert load.finish() == {1, 2}
     assert counters.snapshot()["load_errors"] == 1 and counters.snapshot()["failed_blocks"] == 4
+    # no tokens to load from (the connector's guard when vLLM asks for more than the lookup found)
+    load = Load(client, SPEC, layout_for(target, SPEC), [LoadJob("none", [], 0, [3, 4])], counters)
+    assert load.finish() == {3, 4}
 
 
 def test_a_save_puts_the_whole_prefix_then_only_the_missing_tail(server, client):
