@@ -11,6 +11,7 @@ worker thread so the loop stays responsive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -64,6 +65,7 @@ class AsyncKVClient:
         self._idle: list[AsyncConnection] = []
         self._slots = asyncio.Semaphore(max_connections)
         self._arena: c.Arena | None = None
+        self._retired: list[c.Arena] = []  # arenas of a server that restarted, closed at close()
         self._medium: str | None = None
         self._medium_lock = asyncio.Lock()
         self._plan_lock = asyncio.Lock()
@@ -346,6 +348,9 @@ class AsyncKVClient:
                     pass
             self._arena.close()
             self._arena = None
+        for arena in self._retired:
+            arena.close()
+        self._retired.clear()
         await self._http.aclose()
 
     async def __aenter__(self) -> "AsyncKVClient":
@@ -355,6 +360,22 @@ class AsyncKVClient:
         await self.aclose()
 
     # -- co-located path --------------------------------------------------------------------------
+
+    async def _current_arena(self) -> c.Arena | None:
+        """The mapped arena (mapped anew after ``_arena_changed``), or None when shm is not used."""
+        if self._arena is None and not await self._use_shm():
+            return None
+        return self._arena
+
+    def _arena_changed(self, arena: c.Arena, named: Any, which: str) -> bool:
+        """``KVClient._arena_changed``: the server named other segments than ``arena`` maps (a restart)."""
+        if named == getattr(arena, which):
+            return False
+        log.info("kvstore at %s serves from other shm segments (a restart?): mapping them again", self.url)
+        if self._arena is arena:
+            self._retired.append(arena)
+            self._arena, self._medium = None, None
+        return True
 
     async def _use_shm(self) -> bool:
         if self.colocated is False:
@@ -387,8 +408,9 @@ class AsyncKVClient:
         return fn(*args)
 
     async def _get_shm(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
-        arena = self._arena
-        assert arena is not None
+        arena = await self._current_arena()
+        if arena is None:  # the server restarted without an arena this client can map: HTTP
+            return await self._get_http(spec, toks, out)
         bt = spec.block_tokens
         cached = arena.handles.lookup(spec, toks, self.namespace)
         if cached is not None:  # every block's handle is remembered: no request unless one went stale
@@ -402,10 +424,13 @@ class AsyncKVClient:
             arena.handles.forget(cached)
         answer = await self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
         blocks = answer["blocks"]
-        arena.handles.remember(blocks)
         kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
         nbytes = spec.bytes_per_token * len(blocks) * bt
-        missing = await self._off_loop(nbytes, arena.fill_from_handles, blocks, kv, bt, self.stats)
+        if self._arena_changed(arena, answer.get("segment"), "segment"):
+            missing: Any = range(len(blocks))  # its handles name slots of another arena
+        else:
+            arena.handles.remember(blocks)
+            missing = await self._off_loop(nbytes, arena.fill_from_handles, blocks, kv, bt, self.stats)
         good = len(blocks)
         if missing:
             want = {blocks[i]["key"]: i for i in missing}
@@ -423,10 +448,9 @@ class AsyncKVClient:
         return kv, good * bt
 
     async def _put_shm(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
-        arena = self._arena
-        assert arena is not None
+        arena = await self._current_arena()
         nbytes = spec.bytes_per_token * int(kv.shape[3])
-        if nbytes == 0:
+        if nbytes == 0 or arena is None:
             return None
         for attempt in range(2):
             lease = arena.take_lease(nbytes)  # one per put in flight: concurrent puts never share
@@ -437,6 +461,10 @@ class AsyncKVClient:
                     if exc.tier == "staging":
                         return None
                     raise
+                if self._arena_changed(arena, lease.get("segment"), "staging_segment"):
+                    with contextlib.suppress(KVStoreError):  # not ours to write: hand it back now
+                        await self._json("DELETE", f"/v1/staging/lease/{lease['lease']}")
+                    return None  # this put goes over HTTP; the next maps the new arena
                 arena.add_lease(lease)
             try:
                 await self._off_loop(nbytes, arena.write_staging, lease, kv)

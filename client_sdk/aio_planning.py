@@ -19,6 +19,7 @@ import torch
 from client_sdk.media import Throttled
 from client_sdk.planning import PlanCore
 from client_sdk.rest_media import shm_probe
+from client_sdk.protocol import ServiceError
 from kvstore.errors import KVStoreError
 from kvstore.planner import RECOMPUTE, Decision, Option
 from kvstore.policy import Policy
@@ -87,7 +88,9 @@ class AsyncShmMedium(AsyncMedium):
 
     async def probe(self, nbytes: int) -> None:
         """``shm_probe``, off the loop when large, as the real copies are."""
-        arena = self.client._arena
+        arena = await self.client._current_arena()  # mapped again if the server restarted
+        if arena is None:
+            raise ServiceError("the server no longer offers a shm arena this client can map")
         self._buf = await self.client._off_loop(nbytes, shm_probe, arena, self._buf, nbytes)
 
 

@@ -16,6 +16,7 @@ blocks is a no-op); a timeout is not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -94,6 +95,7 @@ class KVClient:
         self._reporter: threading.Thread | None = None
         self._report_wanted = self._report_busy = self._closing = False
         self._arena: c.Arena | None = None
+        self._retired: list[c.Arena] = []  # arenas of a server that restarted, closed at close()
         self._medium: str | None = None
         self._medium_lock = threading.RLock()  # _planned() holds it while _use_shm() takes it
         self.plan = plan
@@ -377,6 +379,9 @@ class KVClient:
                     pass  # it expires on its own
             self._arena.close()
             self._arena = None
+        for arena in self._retired:
+            arena.close()
+        self._retired.clear()
         self._http.close()
 
     def __enter__(self) -> "KVClient":
@@ -442,6 +447,26 @@ class KVClient:
                     self._medium = self._pick_medium()
         return self._medium == "shm"
 
+    def _current_arena(self) -> c.Arena | None:
+        """The mapped arena (mapped anew after ``_arena_changed``), or None when shm is not used."""
+        if self._arena is None and not self._use_shm():
+            return None
+        return self._arena
+
+    def _arena_changed(self, arena: c.Arena, named: Any, which: str) -> bool:
+        """True when the server named other segments than ``arena`` maps: it restarted, and what this
+        client would write into (or read from) its old mapping is no longer the server's memory. The
+        arena is retired (closed at ``close()``: another thread may still be reading it) and the next
+        call maps the server's new one."""
+        if named == getattr(arena, which):
+            return False
+        log.info("kvstore at %s serves from other shm segments (a restart?): mapping them again", self.url)
+        with self._medium_lock:
+            if self._arena is arena:
+                self._retired.append(arena)
+                self._arena, self._medium = None, None
+        return True
+
     def _pick_medium(self) -> str:
         info = self._info = self.info()
         offer = info.get("colocated")
@@ -461,8 +486,10 @@ class KVClient:
         return "http"
 
     def _get_shm(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
-        arena = self._arena
-        assert arena is not None
+        arena = self._current_arena()
+        if arena is None:  # the server restarted without an arena this client can map: HTTP
+            parts = c.kv_parts(spec, toks, None)
+            return self._retrying(lambda: self._get_http_once(spec, parts, out))
         bt = spec.block_tokens
         cached = arena.handles.lookup(spec, toks, self.namespace)
         if cached is not None:  # every block's handle is remembered: no request unless one went stale
@@ -478,9 +505,12 @@ class KVClient:
             arena.handles.forget(cached)
         answer = self._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
         blocks = answer["blocks"]
-        arena.handles.remember(blocks)
         kv = c.result_tensor(spec, len(blocks) * bt, out, self._pool)
-        missing = arena.fill_from_handles(blocks, kv, bt, self.stats)
+        if self._arena_changed(arena, answer.get("segment"), "segment"):
+            missing: Sequence[int] = range(len(blocks))  # its handles name slots of another arena
+        else:
+            arena.handles.remember(blocks)
+            missing = arena.fill_from_handles(blocks, kv, bt, self.stats)
         good = self._fill_missing(blocks, missing, kv, bt)
         self.stats.shm_gets += 1
         self.stats.last_medium = "shm"
@@ -503,8 +533,9 @@ class KVClient:
     def _frames_shm(self, keys: Sequence[BlockHash]) -> list[Any]:
         """Frames of ``keys``: read from the arena where it holds them (and they are this
         namespace's), the rest over HTTP."""
-        arena = self._arena
-        assert arena is not None
+        arena = self._current_arena()
+        if arena is None:  # the server restarted without an arena this client can map
+            return self.get_blocks(keys)
         frames: list[Any] = []
         for key in keys:
             handle = arena.reader.find(check_key(key))
@@ -540,10 +571,9 @@ class KVClient:
         Each put holds its own lease while it writes and commits, so concurrent puts
         from one client never write into the same range.
         """
-        arena = self._arena
-        assert arena is not None
+        arena = self._current_arena()
         nbytes = spec.bytes_per_token * int(kv.shape[3])
-        if nbytes == 0:
+        if nbytes == 0 or arena is None:
             return None
         for attempt in range(2):
             lease = arena.take_lease(nbytes)
@@ -554,6 +584,10 @@ class KVClient:
                     if exc.tier == "staging":
                         return None  # staging full: go over HTTP
                     raise
+                if self._arena_changed(arena, lease.get("segment"), "staging_segment"):
+                    with contextlib.suppress(KVStoreError):  # not ours to write: hand it back now
+                        self._json("DELETE", f"/v1/staging/lease/{lease['lease']}")
+                    return None  # this put goes over HTTP; the next maps the new arena
                 arena.add_lease(lease)
             try:
                 arena.write_staging(lease, kv)

@@ -185,8 +185,9 @@ def iter_layers_shm(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStrea
     toks = c.tokens_of(tokens)
     if not client._use_shm():
         raise ServiceError("iter_layers_shm: this client does not use the shm path (remote server or colocated=False)")
-    arena = client._arena
-    assert arena is not None
+    arena = client._current_arena()
+    if arena is None:  # retired by another call in between (the server restarted without one)
+        return iter_layers_http(client, spec, toks)
     bt = spec.block_tokens
     cached = arena.handles.lookup(spec, toks, client.namespace)
     if cached is not None:  # every handle remembered: no request unless one went stale
@@ -195,9 +196,11 @@ def iter_layers_shm(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStrea
             arena.served_from_cache(cached, bt, client.stats)
             if arena.accesses.due():
                 client._report_soon()
-            return _shm_stream(client, cached, spec, got[0], got[1])
+            return _shm_stream(client, arena, cached, spec, got[0], got[1])
         arena.handles.forget(cached)
     answer = client._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
+    if client._arena_changed(arena, answer.get("segment"), "segment"):  # a restarted server's slots
+        return iter_layers_http(client, spec, toks)
     blocks = answer["blocks"]
     arena.handles.remember(blocks)
     kv, sources, missing = _prepare(arena, blocks, spec, client._pool, client.stats)
@@ -207,7 +210,7 @@ def iter_layers_shm(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStrea
     if good < len(blocks):  # rare: a block vanished; keep the result one contiguous tensor
         kv = kv[:, :, :, :good * bt].clone()
         sources = sources[:good]
-    return _shm_stream(client, blocks[:good], spec, kv, sources)
+    return _shm_stream(client, arena, blocks[:good], spec, kv, sources)
 
 
 _Sources = list["np.ndarray | None"]
@@ -275,15 +278,15 @@ def _place_first(arena: c.Arena, b: dict, spec: KVSpec, part: torch.Tensor, part
     return src
 
 
-def _shm_stream(client: "KVClient", blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
+def _shm_stream(client: "KVClient", arena: c.Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
                 sources: _Sources) -> LayerStream:
     n = len(blocks) * spec.block_tokens
-    return LayerStream(n, kv, _copy_layers(client, blocks, spec, kv, sources) if n else iter(()), "shm")
+    return LayerStream(n, kv, _copy_layers(client, arena, blocks, spec, kv, sources) if n else iter(()), "shm")
 
 
-def _copy_layers(client: "KVClient", blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
+def _copy_layers(client: "KVClient", arena: c.Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
                  sources: _Sources) -> Iterator[tuple[int, torch.Tensor]]:
-    reader = client._arena.reader  # type: ignore[union-attr]
+    reader = arena.reader  # the arena the handles came from, even if the client has moved on since
     ints = int_view(kv)
     bt = spec.block_tokens
     live = {i: src for i, src in enumerate(sources) if src is not None}
@@ -293,18 +296,19 @@ def _copy_layers(client: "KVClient", blocks: list[dict], spec: KVSpec, kv: torch
             h = blocks[i]["handle"]
             cut = slice(i * bt, (i + 1) * bt)
             if not reader.copy_current(h["index"], h["gen"], ints[layer, :, :, cut], src[layer]):
-                _refetch(client, blocks[i], spec, kv[layer:, :, :, cut], layer)
+                _refetch(client, arena, blocks[i], spec, kv[layer:, :, :, cut], layer)
                 del live[i]  # its remaining layers are in place
         yield layer, kv[layer]
 
 
-def _refetch(client: "KVClient", block: dict, spec: KVSpec, rest: torch.Tensor, layer: int) -> None:
+def _refetch(client: "KVClient", arena: c.Arena, block: dict, spec: KVSpec, rest: torch.Tensor,
+             layer: int) -> None:
     """Layers ``layer..`` of a block whose slot changed mid-stream, fetched again by key.
 
     Raises:
         BlockNotFound: the block is no longer stored (or its frame fails), so the layers cannot be completed.
     """
-    client._arena.handles.forget([block])  # type: ignore[union-attr]
+    arena.handles.forget([block])
     key = block["key"]
     whole = torch.empty(spec.kv_shape(spec.block_tokens), dtype=spec.torch_dtype)
     body = client._send_raw("POST", "/v1/blocks/get", {"keys": [key]})

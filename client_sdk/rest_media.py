@@ -19,6 +19,7 @@ import torch
 
 from client_sdk import _common as c
 from client_sdk.media import Medium
+from client_sdk.protocol import ServiceError
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHash, check_key
 from kvstore.spec import KVSpec
@@ -92,7 +93,10 @@ class ShmMedium(Medium):
         return self.client._put_http(spec, toks, kv) if got is None else got
 
     def probe(self, nbytes: int) -> None:
-        self._buf = shm_probe(self.client._arena, self._buf, nbytes)
+        arena = self.client._current_arena()  # mapped again if the server restarted
+        if arena is None:
+            raise ServiceError("the server no longer offers a shm arena this client can map")
+        self._buf = shm_probe(arena, self._buf, nbytes)
 
 
 class InprocMedium(Medium):

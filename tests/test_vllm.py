@@ -195,12 +195,14 @@ def test_the_connector_counts_show_on_the_server(server_a):
     with KVClient(server_a.url) as admin:
         while True:
             rows = [r for r in admin.connectors() if r["namespace"] == NS and r["engine"] == "vllm"]
-            if rows and rows[0]["hit_tokens"] >= 384 + 256 + 384 and rows[0]["saved_tokens"] >= 1024:
+            # scheduler (lookups) and worker (loads, saves) report apart, every few seconds each
+            if rows and rows[0]["hit_tokens"] >= 384 + 256 + 384 and rows[0]["saved_tokens"] >= 1024 and \
+                    rows[0]["loaded_tokens"] >= 384 + 256 + 384:
                 break
             assert time.monotonic() < deadline, rows
             time.sleep(0.1)
         row = rows[0]
-        assert row["loaded_tokens"] >= 384 + 256 + 384 and row["load_errors"] == 0
+        assert row["load_errors"] == 0 and row["save_errors"] == 0 and row["lookup_errors"] == 0
         assert row["miss_tokens"] > 0 and row["instances"] >= 4  # scheduler and worker of two engines
         text = admin.metrics()
     assert f'kvstore_connector_hit_tokens_total{{engine="vllm",namespace="{NS}"}}' in text
@@ -302,3 +304,19 @@ def test_a_stopped_or_killed_store_makes_the_engine_recompute(engine_b, server_b
     finally:
         restarted.kill()
     assert "kvstore save of" in engine_b.tail(200_000)
+
+
+def test_engines_on_a_restarted_colocated_store_save_and_load_true_kv(engine1, engine2, server_a, spec, ref):
+    """The co-located path across a restart: the engines mapped the old server's shm segments, and
+    a put staged there would store the new server's own bytes. Checked through the tokens."""
+    server_a.kill()
+    restarted = ServeProcess(server_a.env, port=server_a.port).start()
+    try:
+        p = prompt(512, 11)
+        first = engine1.generate([p])  # the lookup may still be pausing after the failure: a miss
+        assert first["tokens"][0] == ref(p)
+        assert wait_stored(restarted.url, spec, p, 512) == 512
+        second = engine2.generate([p])
+        assert second["cached"][0] >= 384 and second["tokens"][0] == ref(p)
+    finally:
+        restarted.stop()

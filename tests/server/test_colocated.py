@@ -344,3 +344,52 @@ def test_the_async_client_remembers_handles_too(server, spec):
     c = asyncio.run(main())
     assert c.stats.shm_gets == 2 and c.stats.shm_cached_gets == 1
     assert server.store.stats().counters.get_calls == 2  # aclose reported the cached one
+
+
+@pytest.mark.parametrize("plan", [False, True])
+def test_a_client_outlives_a_server_restart_without_writing_into_the_old_arena(tmp_path, spec, plan):
+    """A restarted server has new shm segments: a client that kept the old ones mapped wrote its
+    staged puts where the new server never looks, and the server stored whatever its own staging
+    held (found by the vLLM connector's restart test). Now the segment names are checked: that put
+    goes over HTTP, and the next call maps the new arena. Both clients, planner on and off."""
+    import asyncio
+
+    from client_sdk import AsyncKVClient
+    from tests.server.live import ServeProcess, small_env
+    from tests.tiers.redis_servers import free_port
+
+    env, port = small_env(tmp_path / "data"), free_port()
+
+    async def scenario() -> None:
+        first = ServeProcess(env, port=port).start()
+        c, a = KVClient(first.url, plan=plan), AsyncKVClient(first.url, plan=plan)
+        second = None
+        try:
+            before = make_kv(spec, 64, seed=1)
+            assert c.put_kv(spec, list(range(64)), before) == 64 and c.stats.last_medium == "shm"
+            assert await a.put_kv(spec, list(range(500, 564)), before) == 64 and a.stats.last_medium == "shm"
+            first.kill()
+            second = ServeProcess(env, port=port).start()
+            sync_tokens, async_tokens, kv = list(range(100, 164)), list(range(300, 364)), make_kv(spec, 64, seed=2)
+            assert c.put_kv(spec, sync_tokens, kv) == 64
+            assert await a.put_kv(spec, async_tokens, kv) == 64
+            with KVClient(second.url, colocated=False) as fresh:
+                for toks in (sync_tokens, async_tokens):
+                    got, n = fresh.get_kv(spec, toks)
+                    assert n == 64 and torch.equal(got, kv)  # what was put, not the new staging's bytes
+            got, n = c.get_kv(spec, sync_tokens)
+            assert n == 64 and torch.equal(got, kv) and c.stats.last_medium == "shm"  # the new arena, mapped
+            got, n = await a.get_kv(spec, async_tokens)
+            assert n == 64 and torch.equal(got, kv) and a.stats.last_medium == "shm"
+            again = make_kv(spec, 64, seed=3)
+            assert c.put_kv(spec, list(range(200, 264)), again) == 64 and c.stats.last_medium == "shm"
+            got, n = c.get_kv(spec, list(range(200, 264)))
+            assert n == 64 and torch.equal(got, again)
+        finally:
+            c.close()
+            await a.aclose()
+            first.kill()
+            if second is not None:
+                second.stop()
+
+    asyncio.run(scenario())
