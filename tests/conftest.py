@@ -26,3 +26,14 @@ def make_kv(spec: KVSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
 @pytest.fixture
 def spec() -> KVSpec:
     return make_spec()
+
+
+def require_venv(found, why: str, flag: str):
+    """``found`` (an engine venv's interpreter), or skip saying ``why``: a failure where ``flag``
+    (set by ``.ci/run``, which makes the venvs) says the venv must be there."""
+    if found is None:
+        if os.environ.get(flag) == "1":
+            pytest.fail(f"{flag}=1 but {why}")
+        pytest.skip(why)
+    return found
+

