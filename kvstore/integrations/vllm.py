@@ -26,7 +26,9 @@ Extra config keys: ``url`` (default ``$KVSTORE_URL`` or ``http://127.0.0.1:8470`
 ``fingerprint`` (default: ``weights_fingerprint`` of the model directory),
 ``model_id`` (default: the served model name), ``save_decode`` (default true: at a
 request's end, also save the full blocks of what it generated), ``timeout_s`` (10),
-``colocated`` (default null: shared memory when the server is on this host; false: HTTP always).
+``colocated`` (default null: shared memory when the server is on this host; false: HTTP always),
+``layerwise`` (default null: layer by layer over HTTP or into a GPU, all layers before the forward
+pass from this host's shared memory into a CPU cache; ``vllm_transfer.Load`` has the figures).
 
 Refused at start-up, with the reason: tensor or pipeline parallelism, MLA,
 sliding-window, hybrid and other non-full-attention KV, a quantized KV cache
@@ -114,7 +116,8 @@ def connector_settings(extra: dict[str, Any]) -> dict[str, Any]:
     Raises:
         InvalidSpec: an unknown key or a value of the wrong type.
     """
-    known = {"url", "namespace", "token", "fingerprint", "model_id", "save_decode", "timeout_s", "colocated"}
+    known = {"url", "namespace", "token", "fingerprint", "model_id", "save_decode", "timeout_s", "colocated",
+             "layerwise"}
     unknown = set(extra) - known
     if unknown:
         raise InvalidSpec(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}")
@@ -127,9 +130,12 @@ def connector_settings(extra: dict[str, Any]) -> dict[str, Any]:
         "save_decode": extra.get("save_decode", True),
         "timeout_s": extra.get("timeout_s", 10.0),
         "colocated": extra.get("colocated"),
+        "layerwise": extra.get("layerwise"),
     }
     if out["colocated"] not in (None, True, False):
         raise InvalidSpec(f"colocated must be true, false or null, got {out['colocated']!r}")
+    if out["layerwise"] not in (None, True, False):
+        raise InvalidSpec(f"layerwise must be true, false or null, got {out['layerwise']!r}")
     if not isinstance(out["save_decode"], bool):
         raise InvalidSpec(f"save_decode must be true or false, got {out['save_decode']!r}")
     if isinstance(out["timeout_s"], bool) or not isinstance(out["timeout_s"], (int, float)) or out["timeout_s"] <= 0:
@@ -405,7 +411,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads or self._layout is None:
             return
-        self._load = Load(self.client, self.spec, self._layout, meta.loads, self.counters)
+        self._load = Load(self.client, self.spec, self._layout, meta.loads, self.counters,
+                          layerwise=self.settings["layerwise"])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         load = self._load

@@ -94,7 +94,16 @@ class Counters:
 
 
 class Load:
-    """One step's loads, started at once; ``wait(layer)`` blocks until that layer is in place.
+    """One step's loads; ``wait(layer)`` blocks until that layer is in place.
+
+    The streams open in the caller's thread (one request each: the store answers how many
+    tokens it holds). Then the layers are copied either on a thread of their own, so the
+    forward pass computes layer ``l`` while later layers arrive, or right away, before the
+    forward pass starts. ``layerwise=None`` (auto) picks the thread when a stream comes over
+    HTTP or the cache is on a GPU, and copies right away when every stream reads this host's
+    shared memory into a CPU cache: there a copy outruns the hand-off, and a second Python
+    thread only contends with the forward pass for the GIL (measured in vLLM on 2 cores, 2k
+    tokens: 106 ms layer-wise, 94 ms at once; HTTP at 4k: 203 ms layer-wise, 214 ms at once).
 
     Args:
         client: a ``KVClient`` (``get_kv_layers``).
@@ -102,10 +111,11 @@ class Load:
         layout: vLLM's paged cache.
         jobs: this step's loads.
         counters: where loaded tokens and errors are counted.
+        layerwise: True, False, or None for auto (above).
     """
 
     def __init__(self, client: Any, spec: KVSpec, layout: PagedLayout, jobs: Sequence[LoadJob],
-                 counters: Counters) -> None:
+                 counters: Counters, *, layerwise: bool | None = None) -> None:
         self.client = client
         self.spec = spec
         self.layout = layout
@@ -113,15 +123,30 @@ class Load:
         self.counters = counters
         self.failed: set[int] = set()
         self._events = [threading.Event() for _ in range(layout.num_layers)]
-        self._thread = threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._t0 = time.perf_counter()
+        live: list[tuple[LoadJob, Any, int]] = []
+        for job in self.jobs:
+            opened = self._open(job)
+            if opened is not None:
+                live.append((job, *opened))
+        if layerwise is None:
+            layerwise = layout.device.type != "cpu" or any(stream.medium != "shm" for _, stream, _ in live)
+        self.layerwise = layerwise
+        if layerwise and live:
+            self._thread = threading.Thread(target=self._layers, args=(live,), name="kvstore-vllm-load",
+                                            daemon=True)
+            self._thread.start()
+        else:  # every layer in place before the forward pass starts
+            self._layers(live)
 
     def wait(self, layer: int) -> None:
         self._events[layer].wait()
 
     def finish(self) -> set[int]:
         """Wait for every layer; returns the block ids that did not load."""
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         return self.failed
 
     def _open(self, job: LoadJob) -> tuple[Any, int] | None:
@@ -148,15 +173,9 @@ class Load:
             return None
         return stream, have
 
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        live: list[tuple[LoadJob, Any, int]] = []
+    def _layers(self, live: list[tuple[LoadJob, Any, int]]) -> None:
+        bs = self.spec.block_tokens
         try:
-            for job in self.jobs:
-                opened = self._open(job)
-                if opened is not None:
-                    live.append((job, *opened))
-            bs = self.spec.block_tokens
             for layer in range(self.layout.num_layers):
                 for entry in list(live):
                     job, stream, have = entry
@@ -181,13 +200,13 @@ class Load:
                 if not self.failed.intersection(job.block_ids[:have]):
                     self.counters.add(loads=1, loaded_tokens=have * bs)
         except BaseException as exc:  # never leave the forward pass waiting on an event
-            log.exception("kvstore load thread failed: %s", exc)
+            log.exception("kvstore load failed: %s", exc)
             for job in self.jobs:
                 self.failed.update(job.block_ids)
         finally:
             for event in self._events:
                 event.set()
-            self.counters.add(failed_blocks=len(self.failed), load_seconds=time.perf_counter() - t0)
+            self.counters.add(failed_blocks=len(self.failed), load_seconds=time.perf_counter() - self._t0)
 
 
 class Saver:

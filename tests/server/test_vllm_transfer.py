@@ -87,13 +87,22 @@ def stored(client: KVClient, tokens: list[int], caches: list[torch.Tensor], bloc
     return kv
 
 
-def test_a_load_fills_the_blocks_layer_by_layer(server, client):
+@pytest.mark.parametrize("colocated, layerwise, threaded", [
+    (False, None, True),  # HTTP: layer by layer on a thread (auto)
+    (None, None, DEVICE.type != "cpu"),  # this host's shared memory into a CPU cache: at once (auto)
+    (None, True, True), (False, False, False),
+])
+def test_a_load_fills_the_blocks_layer_by_layer(server, colocated, layerwise, threaded):
+    client = KVClient(server.url, colocated=colocated, plan=False)
     tokens = list(range(4 * BS))
     source = cpu_caches(seed=2)
     stored(client, tokens, source, [0, 1, 2, 3])
+    client.get_kv(SPEC, tokens)  # the medium is picked
     target = [torch.zeros_like(c) for c in source]
     counters = Counters()
-    load = Load(client, SPEC, layout_for(target, SPEC), [LoadJob("r1", tokens, BS, [9, 10, 11])], counters)
+    load = Load(client, SPEC, layout_for(target, SPEC), [LoadJob("r1", tokens, BS, [9, 10, 11])], counters,
+                layerwise=layerwise)
+    assert load.layerwise is threaded and client.stats.last_medium == ("http" if colocated is False else "shm")
     for layer in range(SPEC.num_layers):
         load.wait(layer)
     assert load.finish() == set()
@@ -101,6 +110,7 @@ def test_a_load_fills_the_blocks_layer_by_layer(server, client):
         assert [torch.equal(target[layer][d], source[layer][s]) for s, d in ((1, 9), (2, 10), (3, 11))] == [True] * 3
         assert not target[layer][0].any()  # the locally computed block before ``start`` is not touched
     assert counters.snapshot()["loaded_tokens"] == 3 * BS and counters.snapshot()["load_errors"] == 0
+    client.close()
 
 
 def test_a_short_or_failed_load_names_the_blocks_vllm_must_recompute(server, client):
