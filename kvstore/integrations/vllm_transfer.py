@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,19 @@ from kvstore.spec import KVSpec
 __all__ = ["LoadJob", "SaveJob", "Counters", "Load", "Saver"]
 
 log = logging.getLogger("kvstore.integrations.vllm")
+
+
+def unbind() -> None:
+    """Let the calling thread run on any CPU the process may use.
+
+    vLLM's CPU worker binds its threads to cores, and a thread inherits the binding of the
+    thread that started it: a loader or saver started from the forward pass's thread would
+    share that one core with it and only slow it down.
+    """
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (OSError, ValueError):  # a cpuset that forbids some CPUs, or no such call here: stay bound
+        pass
 
 
 @dataclass
@@ -134,7 +148,7 @@ class Load:
             layerwise = layout.device.type != "cpu" or any(stream.medium != "shm" for _, stream, _ in live)
         self.layerwise = layerwise
         if layerwise and live:
-            self._thread = threading.Thread(target=self._layers, args=(live,), name="kvstore-vllm-load",
+            self._thread = threading.Thread(target=self._threaded, args=(live,), name="kvstore-vllm-load",
                                             daemon=True)
             self._thread.start()
         else:  # every layer in place before the forward pass starts
@@ -142,6 +156,10 @@ class Load:
 
     def wait(self, layer: int) -> None:
         self._events[layer].wait()
+
+    def _threaded(self, live: list[tuple[LoadJob, Any, int]]) -> None:
+        unbind()
+        self._layers(live)
 
     def finish(self) -> set[int]:
         """Wait for every layer; returns the block ids that did not load."""
@@ -284,6 +302,7 @@ class Saver:
         return end - first * bs
 
     def _run(self) -> None:
+        unbind()
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._jobs or self._closed)
@@ -335,6 +354,7 @@ class Reporter:
             log.debug("connector report dropped: %s", exc)
 
     def _run(self) -> None:
+        unbind()
         while not self._stop.wait(self._interval_s):
             self._report()
 
