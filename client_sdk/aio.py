@@ -453,7 +453,9 @@ class AsyncKVClient:
         if nbytes == 0 or arena is None:
             return None
         for attempt in range(2):
-            lease = arena.take_lease(nbytes)  # one per put in flight: concurrent puts never share
+            # one per put in flight: concurrent puts never share. After a refused lease, a fresh one:
+            # another idle lease may be as stale (all of them, after a server restart)
+            lease = arena.take_lease(nbytes) if attempt == 0 else None
             if lease is None:
                 try:
                     lease = await self._json("POST", "/v1/staging/lease", {"nbytes": max(nbytes, 1 << 20)})

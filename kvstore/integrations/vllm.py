@@ -37,6 +37,8 @@ sliding-window, hybrid and other non-full-attention KV, a quantized KV cache
 
 from __future__ import annotations
 
+import collections
+import json
 import logging
 import os
 import re
@@ -45,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import blake3
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole)
@@ -72,9 +75,13 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreConnectorStat
 log = logging.getLogger("kvstore.integrations.vllm")
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_LOOKUP_BACKOFF_S = 2.0
-"""After a failed lookup, new requests skip the store this long (they recompute) instead of each
-paying the client's retries against a store that is down."""
+_LOOKUP_BACKOFF_S = (2.0, 30.0)
+"""After a failed lookup, new requests skip the store (they recompute) for 2 s, doubling with each
+failure up to 30 s, instead of each paying a timeout against a store that is down or hung."""
+_LOOKUP_TIMEOUT_S = 1.0
+"""A lookup runs inside vLLM's scheduler: an answer slower than this is a miss, not a stall."""
+_FAILURES_KEPT = 64
+"""Load-failure reports the worker remembers for saves planned before the scheduler took them in."""
 _PREEMPT_WAIT_S = 60.0
 _REPORT_INTERVAL_S = 5.0
 
@@ -180,6 +187,13 @@ def spec_from_vllm(vllm_config: "VllmConfig", settings: dict[str, Any]) -> KVSpe
     """
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     fingerprint = settings.get("fingerprint") or weights_fingerprint(_model_dir(mc))
+    overrides = mc.hf_overrides
+    if callable(overrides):  # a function's name, not its address: the same across processes
+        overrides = f"{overrides.__module__}.{overrides.__qualname__}"
+    engine_side = {"quantization": mc.quantization, "hf_overrides": overrides or None}
+    if any(engine_side.values()):  # the same files, other numbers: their KV must not mix
+        digest = blake3.blake3(json.dumps(engine_side, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        fingerprint = f"{fingerprint}+engine-{digest}"
     tag = _unverified_layout(vllm_config)
     if tag is not None:
         log.warning("vLLM's CPU attention runs the %r kernels here, whose cache layout kvstore has not "
@@ -245,6 +259,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                                namespace=self.settings["namespace"], timeout_s=self.settings["timeout_s"],
                                connect_timeout_s=min(2.0, self.settings["timeout_s"]), retries=1, plan=False,
                                colocated=self.settings["colocated"])
+        lookup_s = min(_LOOKUP_TIMEOUT_S, self.settings["timeout_s"])
+        self._lookups = KVClient(self.settings["url"], token=self.settings["token"],
+                                 namespace=self.settings["namespace"], timeout_s=lookup_s,
+                                 connect_timeout_s=lookup_s, plan=False, colocated=False,
+                                 retries=1)  # a kept-alive connection the server closed is redialled
         instance = f"{self._kv_transfer_config.engine_id}/{role.name.lower()}"
         self._reporter = Reporter(lambda counters: self.client.report_connector("vllm", instance, counters),
                                   self.counters, _REPORT_INTERVAL_S)
@@ -260,15 +279,29 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadJob] = {}
         self._finish_saves: list[SaveJob] = []
         self._down_until = 0.0
+        self._down_for = 0.0
         # worker side
         self._layout: PagedLayout | None = None
         self._layer_index: dict[str, int] = {}
         self._saver: Saver | None = None
         self._load: Load | None = None
         self._load_errors: set[int] = set()
+        self._failures: collections.deque[set[int]] = collections.deque(maxlen=_FAILURES_KEPT)
+        self._failures_reported = 0  # worker: non-empty load-error reports handed to vLLM
+        self._failures_seen = 0  # scheduler: those taken in (update_connector_output)
         self._saving: set[str] = set()  # requests that had a save: reported once finished and saved
         self._finishing: set[str] = set()
         self._lock = threading.Lock()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save dropped by a preemption is a later miss, not lost data."""
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads need ``wait_for_layer_load`` to run, which a full CUDA graph skips."""
+        return extra_config.get("layerwise") is not False
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -305,12 +338,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.counters.add(miss_tokens=usable)
             return 0
         try:
-            hit = min(usable, self.client.lookup(self.spec, list(tokens[:usable])))
+            hit = min(usable, self._lookups.lookup(self.spec, list(tokens[:usable])))
         except Exception as exc:  # a store that is down is a miss: vLLM computes the prefill
-            self._down_until = time.monotonic() + _LOOKUP_BACKOFF_S
-            log.warning("kvstore lookup failed, recomputing for %.0f s: %s", _LOOKUP_BACKOFF_S, exc)
+            first, most = _LOOKUP_BACKOFF_S
+            self._down_for = min(most, self._down_for * 2 or first)
+            self._down_until = time.monotonic() + self._down_for
+            log.warning("kvstore lookup failed, recomputing for %.0f s: %s", self._down_for, exc)
             self.counters.add(lookup_errors=1, miss_tokens=usable)
             return 0
+        self._down_for = 0.0
         self.counters.add(lookups=1, hit_tokens=hit, miss_tokens=usable - hit)
         return hit
 
@@ -356,8 +392,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             end = done // bs * bs
             if end > tracked.saved:
                 block_ids = self._kv_cache_manager.get_block_ids(req_id)[0][:end // bs]
-                meta.saves.append(SaveJob(req_id, list(request.all_token_ids[:end]), list(block_ids)))
+                meta.saves.append(SaveJob(req_id, list(request.all_token_ids[:end]), list(block_ids),
+                                          self._failures_seen))
                 tracked.saved, tracked.saving = end, True
+        for job in self._finish_saves:
+            job.seen = self._failures_seen
         meta.saves.extend(self._finish_saves)
         self._finish_saves = []
         self._loads = {k: v for k, v in self._loads.items() if k in self._tracked}
@@ -368,6 +407,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
+        self._failures_seen += 1
         bs = self.block_size
         for req_id, tracked in self._tracked.items():
             block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
@@ -439,16 +479,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         with self._lock:
             for job in meta.saves:
                 self._saving.add(job.req_id)  # reported in get_finished even when nothing is left to save
-                # A block whose load failed this step holds no valid KV until vLLM recomputes it: save
-                # only what comes before it (the scheduler plans the rest again, update_connector_output).
-                cut = next((i for i, b in enumerate(job.block_ids) if b in self._load_errors), len(job.block_ids))
+                # A block whose load failed holds no valid KV until vLLM recomputes it, and neither does
+                # any block computed on top of it: save only what comes before it. That is this step's
+                # failures, and those reported before the scheduler planned the job (asynchronous
+                # scheduling plans a step before the last one's output is in). The scheduler plans the
+                # rest again once vLLM recomputed it (update_connector_output).
+                unseen = max(0, self._failures_reported - job.seen)
+                bad = self._load_errors.union(*list(self._failures)[max(0, len(self._failures) - unseen):])
+                cut = next((i for i, b in enumerate(job.block_ids) if b in bad), len(job.block_ids))
                 if cut:
                     self._saver.submit(SaveJob(job.req_id, job.tokens[:cut * bs], job.block_ids[:cut]), ready)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if not isinstance(kv_connector_metadata, KVStoreConnectorMetadata) or self._saver is None:
             return
-        for req_id in kv_connector_metadata.preempted:  # its blocks go back to vLLM: finish reading them
+        for req_id in kv_connector_metadata.preempted:  # its blocks go back to vLLM: stop reading them
+            self._saver.drop(req_id)  # queued saves never started: they read nothing
             if not self._saver.wait_for(req_id, _PREEMPT_WAIT_S):
                 log.error("kvstore save of preempted %s still running after %.0f s", req_id, _PREEMPT_WAIT_S)
 
@@ -464,6 +510,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
+        if errors:  # one report: the scheduler counts the outputs that carry invalid blocks
+            self._failures.append(errors)
+            self._failures_reported += 1
         return errors
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
@@ -479,3 +528,4 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._saver.close()
         self._reporter.close()
         self.client.close()
+        self._lookups.close()

@@ -68,6 +68,9 @@ class SaveJob:
     req_id: str
     tokens: list[int]
     block_ids: list[int]
+    seen: int = 0
+    """How many load-failure reports the scheduler had taken in when it planned this save: failures
+    reported after that may lie under its blocks (``KVStoreConnector.wait_for_save``)."""
 
 
 @dataclass
@@ -227,11 +230,17 @@ class Load:
             self.counters.add(failed_blocks=len(self.failed), load_seconds=time.perf_counter() - self._t0)
 
 
+SAVE_BACKOFF_S = 2.0
+"""After a failed save, the saves queued in the next 2 s are dropped (counted as errors) rather
+than each waiting out a timeout while vLLM holds their blocks."""
+
+
 class Saver:
     """Background puts of whole blocks out of the paged cache, one job at a time.
 
     One thread and one reused gather buffer: a slow store makes jobs wait (their
-    blocks stay with vLLM, counted in ``pending``), not memory grow.
+    blocks stay with vLLM, counted in ``pending``), not memory grow; a failing one
+    drops them (``SAVE_BACKOFF_S``).
     """
 
     def __init__(self, client: Any, spec: KVSpec, layout: PagedLayout, counters: Counters) -> None:
@@ -243,6 +252,7 @@ class Saver:
         self._pending: collections.Counter[str] = collections.Counter()
         self._cv = threading.Condition()
         self._closed = False
+        self._down_until = 0.0
         self._buffer: torch.Tensor | None = None
         self._thread = threading.Thread(target=self._run, name="kvstore-vllm-save", daemon=True)
         self._thread.start()
@@ -253,6 +263,19 @@ class Saver:
             self._pending[job.req_id] += 1
             self._jobs.append((job, ready))
             self._cv.notify_all()
+
+    def drop(self, req_id: str) -> int:
+        """Forget ``req_id``'s queued saves (a preempted request's blocks go back to vLLM); returns how many."""
+        with self._cv:
+            keep = collections.deque(item for item in self._jobs if item[0].req_id != req_id)
+            dropped = len(self._jobs) - len(keep)
+            self._jobs = keep
+            if dropped:
+                self._pending[req_id] -= dropped
+                if not self._pending[req_id]:
+                    del self._pending[req_id]
+                self._cv.notify_all()
+        return dropped
 
     def pending(self, req_id: str) -> int:
         with self._cv:
@@ -280,22 +303,23 @@ class Saver:
     def _save(self, job: SaveJob) -> int:
         """Put what the store lacks of ``job``; returns the tokens newly stored.
 
-        A lookup first: a prompt that hit most of its prefix (or another engine's save of the
-        same prefix) needs its tail only, and a put of the whole prefix would copy and send
-        every stored block again. The tail goes as frames by key (``put_blocks``); a save
-        from token 0 takes ``put_kv``'s path (shared memory when co-located).
+        The blocks are copied out of vLLM's cache first, before any network call, so vLLM's
+        blocks are read for the time of a copy. Then a lookup: a prompt that hit most of its
+        prefix (or another engine's save of it) needs its tail only, sent as frames by key
+        (``put_blocks``); a save from token 0 takes ``put_kv``'s path (shared memory when
+        co-located).
         """
         bs, end = self.spec.block_tokens, len(job.tokens)
+        kv = self.layout.gather(job.block_ids, self._out(end))
         have = min(self.client.lookup(self.spec, job.tokens), end)
         if have >= end:
             return 0
         first = have // bs
-        kv = self.layout.gather(job.block_ids[first:], self._out(end - first * bs))
         if first == 0:
             return self.client.put_kv(self.spec, job.tokens, kv)
         keys = block_hashes(self.spec, job.tokens, self.client.namespace)[first:]
         fp = self.spec.fingerprint()
-        frames = [(key, codec.encode(kv[:, :, :, i * bs:(i + 1) * bs],
+        frames = [(key, codec.encode(kv[:, :, :, (first + i) * bs:(first + i + 1) * bs],
                                      meta=block_meta(self.client.namespace, fp, first + i)))
                   for i, key in enumerate(keys)]
         self.client.put_blocks(frames)
@@ -311,12 +335,17 @@ class Saver:
                 job, ready = self._jobs.popleft()
             t0 = time.perf_counter()
             try:
+                if time.monotonic() < self._down_until:  # the store just failed: release the blocks now
+                    self.counters.add(save_errors=1)
+                    continue
                 if ready is not None:
                     ready.synchronize()
                 stored = self._save(job)
+                self._down_until = 0.0
                 self.counters.add(saves=1, saved_tokens=stored, save_seconds=time.perf_counter() - t0)
             except Exception as exc:  # the request completes all the same; the KV is only not shared
                 log.warning("kvstore save of %s (%d tokens) failed: %s", job.req_id, len(job.tokens), exc)
+                self._down_until = time.monotonic() + SAVE_BACKOFF_S
                 self.counters.add(save_errors=1)
             finally:
                 with self._cv:

@@ -261,3 +261,57 @@ def test_the_board_is_bounded_and_forgets_silent_instances():
     now[0] = 3601.0
     board.report("ns", "vllm", "fresh", {"lookups": 5})
     assert board.summary() == [{**board.summary()[0], "instances": 1, "lookups": 5}]
+
+
+class _GatedClient:
+    """A client whose lookups wait for a gate and are counted; puts are recorded."""
+
+    namespace = "default"
+
+    def __init__(self, fail: bool = False) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        self.fail = fail
+        self.lookups = 0
+        self.puts: list[int] = []
+
+    def lookup(self, spec, tokens) -> int:
+        self.lookups += 1
+        self.gate.wait(10)
+        if self.fail:
+            raise ConnectionFailed("down")
+        return 0
+
+    def put_kv(self, spec, tokens, kv) -> int:
+        self.puts.append(len(tokens))
+        return len(tokens)
+
+
+def test_a_preempted_requests_queued_saves_are_dropped_unread():
+    client = _GatedClient()
+    saver = Saver(client, SPEC, layout_for(cpu_caches(), SPEC), Counters())
+    try:
+        saver.submit(SaveJob("a", list(range(BS)), [0]))  # running: its lookup waits at the gate
+        saver.submit(SaveJob("b", list(range(2 * BS)), [1, 2]))
+        saver.submit(SaveJob("b", list(range(3 * BS)), [1, 2, 3]))
+        assert saver.drop("b") == 2 and saver.pending("b") == 0 and saver.wait_for("b", 0)
+        client.gate.set()
+        assert saver.wait_for("a", 10)
+    finally:
+        saver.close()
+    assert client.puts == [BS]  # b's blocks were never read
+
+
+def test_saves_queued_behind_a_failure_are_dropped_not_each_timed_out():
+    client = _GatedClient(fail=True)
+    counters = Counters()
+    saver = Saver(client, SPEC, layout_for(cpu_caches(), SPEC), counters)
+    try:
+        for i in range(3):
+            saver.submit(SaveJob(f"r{i}", list(range(BS)), [i]))
+        client.gate.set()
+        assert all(saver.wait_for(f"r{i}", 10) for i in range(3))
+    finally:
+        saver.close()
+    assert client.lookups == 1 and counters.snapshot()["save_errors"] == 3
