@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 import torch
@@ -36,4 +37,11 @@ def require_venv(found, why: str, flag: str):
             pytest.fail(f"{flag}=1 but {why}")
         pytest.skip(why)
     return found
+
+
+def shm_segments(pid: int) -> set[str]:
+    """The shared-memory segments in /dev/shm that process ``pid`` made (shm arenas and staging
+    name themselves ``<prefix>.<kind>.<pid>.<hex>``): what a test may check, whatever else on the
+    machine makes or removes shared memory meanwhile."""
+    return {name for name in os.listdir("/dev/shm") if re.fullmatch(rf"[^.]+\.[^.]+\.{pid}\.[0-9a-f]+", name)}
 

@@ -44,12 +44,11 @@ def test_bench_rejects_bad_repeats(tmp_path):
 
 
 def test_serve_starts_on_the_embedded_default_and_stops_on_sigterm(tmp_path):
-    import os
     import signal
 
+    from tests.conftest import shm_segments
     from tests.server.live import ServeProcess, small_env
 
-    before = set(os.listdir("/dev/shm"))
     proc = ServeProcess(small_env(tmp_path / "data")).start()
     try:
         import httpx
@@ -57,7 +56,7 @@ def test_serve_starts_on_the_embedded_default_and_stops_on_sigterm(tmp_path):
         ready = httpx.get(f"{proc.url}/readyz", timeout=10).json()
         assert ready["status"] == "ok"
         assert [t["name"] for t in ready["tiers"]] == ["shm", "cxl", "nvme"]  # no Redis, no GPU
-        ours = set(os.listdir("/dev/shm")) - before
+        ours = shm_segments(proc.proc.pid)
         assert any(".shm." in name for name in ours), ours
         proc.signal(signal.SIGTERM)
         code = proc.wait(30)
@@ -65,7 +64,7 @@ def test_serve_starts_on_the_embedded_default_and_stops_on_sigterm(tmp_path):
         proc.kill()
     assert code in (0, -signal.SIGTERM), proc.log()
     assert "auth is off, serving loopback only" in proc.log()
-    assert not (set(os.listdir("/dev/shm")) - before) & ours, "shared memory outlived the server"
+    assert not shm_segments(proc.proc.pid), "shared memory outlived the server"
     assert (tmp_path / "data" / "nvme").is_dir()
 
 

@@ -7,6 +7,7 @@ import pytest
 from kvstore.build import build_tiers
 from kvstore.config import Settings
 from kvstore.errors import InvalidInput
+from tests.conftest import shm_segments
 
 MiB = 1 << 20
 
@@ -47,7 +48,7 @@ def test_env_forms(monkeypatch):
 
 
 def test_build_closes_what_it_built_when_a_later_tier_fails():
-    before = set(os.listdir("/dev/shm"))
+    before = shm_segments(os.getpid())
     with pytest.raises(InvalidInput):
         build_tiers(Settings(tiers="shm,redis", shm_bytes=MiB))  # redis named, but no URL
-    assert set(os.listdir("/dev/shm")) == before  # the shm arena built first was closed and unlinked
+    assert shm_segments(os.getpid()) == before  # the shm arena built first was closed and unlinked

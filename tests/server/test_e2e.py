@@ -17,7 +17,7 @@ from client_sdk import KVClient
 from client_sdk._common import kv_parts
 from client_sdk.protocol import KV_MEDIA
 from kvstore.keys import block_hashes, normalize_tokens
-from tests.conftest import make_kv, make_spec
+from tests.conftest import make_kv, make_spec, shm_segments
 from tests.server.live import ServeProcess, small_env
 
 CHILD = textwrap.dedent("""
@@ -95,9 +95,8 @@ def _read_answer(sock: socket.socket) -> bytes:
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_releases_shm(tmp_path):
-    before = set(os.listdir("/dev/shm"))
     proc = ServeProcess(small_env(tmp_path / "data")).start()
-    mine = set(os.listdir("/dev/shm")) - before
+    mine = shm_segments(proc.proc.pid)
     spec = make_spec()
     tokens = list(range(320))
     kv = make_kv(spec, 320)
@@ -117,7 +116,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_releases_shm(tmp_path):
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {"stored_tokens": 320}
     code = proc.wait(30)
     assert code in (0, -signal.SIGTERM), proc.log()
-    assert mine and not (set(os.listdir("/dev/shm")) & mine), "shm segments outlived the server"
+    assert mine and not shm_segments(proc.proc.pid), "shm segments outlived the server"
     # the durable tier was flushed: a new server on the same data dir serves that block
     again = ServeProcess(small_env(tmp_path / "data")).start()
     try:
@@ -130,14 +129,13 @@ def test_sigterm_lets_in_flight_requests_finish_and_releases_shm(tmp_path):
 
 
 def test_sigint_stops_the_server_too(tmp_path):
-    before = set(os.listdir("/dev/shm"))
     proc = ServeProcess(small_env(tmp_path / "data", KVSTORE_LOG_LEVEL="info")).start()
-    mine = set(os.listdir("/dev/shm")) - before
+    mine = shm_segments(proc.proc.pid)
     proc.signal(signal.SIGINT)
     code = proc.wait(30)
     assert code == 130, proc.log()
     assert "Application shutdown complete" in proc.log() and "Traceback" not in proc.log()
-    assert mine and not (set(os.listdir("/dev/shm")) & mine)
+    assert mine and not shm_segments(proc.proc.pid)
 
 
 def test_serve_flags_and_env(tmp_path):
