@@ -399,7 +399,6 @@ class KVStoreConnector(KVConnectorBase_V1):
             job.seen = self._failures_seen
         meta.saves.extend(self._finish_saves)
         self._finish_saves = []
-        self._loads = {k: v for k, v in self._loads.items() if k in self._tracked}
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
