@@ -16,7 +16,7 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ from kvstore.spec import KVSpec
 
 __all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena",
            "HandleCache", "AccessLog",
-           "fill_from_batch", "batch_parts", "frames_of",
+           "fill_from_batch", "batch_parts", "frames_of", "give_frame", "verified_header", "VerifiedSlots", "BlockSink",
+           "BlockWriter",
            "headers_for", "SHM_DIR"]
 
 
@@ -271,6 +272,75 @@ def frame_in_namespace(frame: Any, namespace: str) -> bool:
     return isinstance(meta, dict) and meta.get("ns") == namespace
 
 
+BlockSink = Callable[[int, "codec_mod.FrameHeader", memoryview], None]
+"""``sink(i, header, payload)``: takes block ``i``'s verified raw payload (valid only during the call)."""
+
+BlockWriter = Callable[[int, memoryview], int]
+"""``writer(i, view) -> n``: writes block ``i``'s sealed frame into ``view``; returns its length."""
+
+
+def give_frame(frame: memoryview, namespace: str, i: int, sink: BlockSink, checksum: int | None) -> bool:
+    """Verify ``frame`` and hand its raw payload to ``sink``; False (a miss) when it fails its
+    checksum (or is not the ``checksum`` the server indexed), is another namespace's, or cannot
+    be decoded."""
+    header = verified_header(frame, namespace, checksum)
+    if header is None:
+        return False
+    if header.codec is codec_mod.Codec.RAW and not header.lz4:
+        payload = frame[header.payload_offset:header.frame_len]
+    else:  # a cold tier's int8 or lz4 frame: its raw bytes first
+        try:
+            payload = memoryview(int_view(codec_mod.decode(frame))).cast("B")
+        except (FrameError, InvalidKV):
+            return False
+    sink(i, header, payload)
+    return True
+
+
+def verified_header(frame: memoryview, namespace: str, checksum: int | None) -> "codec_mod.FrameHeader | None":
+    """``frame``'s header once its body checksum passed (one pass) and its metadata names
+    ``namespace`` (and its checksum is ``checksum``, when given); None otherwise."""
+    try:
+        header = codec_mod.verify(frame)
+        meta = json.loads(bytes(frame[header.meta_offset:header.meta_offset + header.meta_len]))
+    except (FrameError, ValueError):
+        return None
+    if checksum is not None and header.body_checksum != checksum:
+        return None
+    return header if isinstance(meta, dict) and meta.get("ns") == namespace else None
+
+
+class VerifiedSlots:
+    """Arena slots (index, generation) whose frame this client verified, with its header.
+
+    A generation is never reused and a published slot's bytes never change, so while
+    a read lease shows the same generation the bytes are those that verified: a repeat
+    read copies and hashes nothing, as ``Arena.fill_from_handles`` does for ``get_kv``.
+    """
+
+    def __init__(self, max_entries: int = 65_536) -> None:
+        self._max = max_entries
+        self._slots: OrderedDict[tuple[int, int], "codec_mod.FrameHeader"] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, index: int, gen: int, checksum: int | None) -> "codec_mod.FrameHeader | None":
+        with self._lock:
+            header = self._slots.get((index, gen))
+            if header is not None:
+                self._slots.move_to_end((index, gen))
+        return header if header is not None and (checksum is None or header.body_checksum == checksum) else None
+
+    def add(self, index: int, gen: int, header: "codec_mod.FrameHeader") -> None:
+        with self._lock:
+            self._slots[(index, gen)] = header
+            while len(self._slots) > self._max:
+                self._slots.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._slots.clear()
+
+
 def fill_from_batch(body: bytes, want: dict[str, int], out: torch.Tensor, bt: int,
                     checksums: dict[str, int]) -> set[int]:
     """Decode the frames of a ``/v1/blocks/get`` answer into ``out``'s block slices.
@@ -436,6 +506,7 @@ class Arena:
         finally:
             os.close(fd)
         self.handles = HandleCache()
+        self.verified = VerifiedSlots()
         self.accesses = AccessLog()
         self._idle: list[dict] = []
         self.leases: list[dict] = []
@@ -534,7 +605,34 @@ class Arena:
         del dst  # drop the export, so the mapping can close
         return len(src)
 
+    def read_block(self, h: dict, checksum: int | None, namespace: str, i: int, sink: BlockSink,
+                   stats: ClientStats) -> bool:
+        """Hand the frame in slot handle ``h`` to ``sink`` under a read lease; False when the slot
+        changed since the server named it, or the frame fails (a miss). Only a slot's first read
+        hashes (``VerifiedSlots``)."""
+        handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
+        header = self.verified.get(handle.index, handle.gen, checksum)
+        if header is not None:  # verified before: copy under the seqlock, no lease, no hash
+            if not self.reader.current(handle):
+                return False
+            sink(i, header, self.reader.frame_view(handle)[header.payload_offset:header.frame_len])
+            if not self.reader.current(handle):
+                return False  # changed meanwhile: what the sink got is garbage, a miss
+            stats.shm_frames_copied += 1
+            return True
+        with self.reader.lease(handle) as view:
+            if view is None:
+                return False
+            header = verified_header(view, namespace, checksum)
+            if header is None or header.codec is not codec_mod.Codec.RAW or header.lz4:
+                return header is not None and give_frame(view, namespace, i, sink, checksum)
+            self.verified.add(handle.index, handle.gen, header)
+            sink(i, header, view[header.payload_offset:header.frame_len])
+            stats.shm_frames_verified += 1
+            return True
+
     def close(self) -> None:
+        self.verified.clear()
         self.handles.clear()  # drops the payload views, so the mapping can close
         self.reader.close()
         with contextlib.suppress(BufferError):

@@ -33,8 +33,9 @@ from client_sdk.media import Medium
 from client_sdk.planning import ClientPlanner
 from client_sdk.rest_media import HttpMedium, InprocMedium, ShmMedium, side_media
 from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, ConnectionFailed, Forbidden,
-                                 RequestTimeout, ServiceError, error_from, host_id)
-from kvstore.errors import KVStoreError, TierFull
+                                 RequestTimeout, ServiceError, error_from, host_id, pad64)
+from client_sdk._common import BlockSink, BlockWriter
+from kvstore.errors import InvalidInput, KVStoreError, TierFull
 from kvstore.keys import BlockHash, check_key, validate_namespace
 from kvstore.planner import Decision
 from kvstore.spec import KVSpec
@@ -223,6 +224,129 @@ class KVClient:
 
     def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
         return int(self._json("POST", "/v1/blocks/delete", {"keys": [check_key(k).hex() for k in keys]})["deleted"])
+
+    def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
+        """Whether each key holds a block of this namespace, in any tier (one request)."""
+        answer = self._send_raw("POST", "/v1/blocks/exists", {"keys": [check_key(k).hex() for k in keys]})
+        return [bool(x) for x in _json_of(answer)["present"]]
+
+    def pin_blocks(self, keys: Sequence[BlockHash], ttl_s: float) -> int:
+        """Hold this namespace's blocks in place for ``ttl_s`` seconds (at most an hour): placement
+        neither demotes nor evicts them until then or ``unpin_blocks``. Pins do not count: one
+        unpin releases a key however often it was pinned. Returns how many were stored."""
+        answer = self._send_raw("POST", "/v1/blocks/pin", {"keys": [check_key(k).hex() for k in keys], "ttl_s": ttl_s})
+        return int(_json_of(answer)["pinned"])
+
+    def unpin_blocks(self, keys: Sequence[BlockHash]) -> int:
+        answer = self._send_raw("POST", "/v1/blocks/unpin", {"keys": [check_key(k).hex() for k in keys]})
+        return int(_json_of(answer)["unpinned"])
+
+    def get_blocks_into(self, keys: Sequence[BlockHash], sink: BlockSink) -> list[bool]:
+        """Hand each stored block of ``keys`` to ``sink(i, header, payload)``, verified; True where it did.
+
+        Co-located, the server names the arena slots of the blocks it holds there (one small
+        request, which counts the reads) and each is read in place under a read lease:
+        ``payload`` views the arena and is valid only during the call, so the sink copies
+        it where it belongs (one copy in all). Other blocks come over HTTP in one batch.
+        ``payload`` holds the raw bytes of ``header.shape`` in ``header.dtype``: a block a
+        cold tier holds in int8 is decoded to them first. A block that fails its checksum,
+        or is another namespace's, is a miss (False), never bytes.
+        """
+        keys = [check_key(k) for k in keys]
+        done = [False] * len(keys)
+        absent: set[int] = set()
+        arena = self._current_arena()
+        if arena is not None and keys:
+            answer = self._send_raw("POST", "/v1/blocks/handles", {"keys": [k.hex() for k in keys]})
+            answer = _json_of(answer)
+            if not self._arena_changed(arena, answer.get("segment"), "segment"):
+                for i, b in enumerate(answer["blocks"]):
+                    h = b.get("handle")
+                    if h is None:
+                        if b.get("checksum") is None:
+                            absent.add(i)  # not stored: nothing to fetch
+                        continue
+                    # the checksum the server indexed: a slot reused meanwhile cannot pass for it
+                    done[i] = arena.read_block(h, b.get("checksum"), self.namespace, i, sink, self.stats)
+            self.stats.shm_gets += 1
+            self.stats.last_medium = "shm"
+        missing = [i for i, ok in enumerate(done) if not ok and i not in absent]
+        if missing:
+            for i, frame in zip(missing, self.get_blocks([keys[i] for i in missing])):
+                if frame is not None and c.give_frame(memoryview(frame), self.namespace, i, sink, None):
+                    done[i] = True
+        return done
+
+    def put_blocks_with(self, keys: Sequence[BlockHash], sizes: Sequence[int], writer: BlockWriter, *,
+                        make_room: bool = False) -> int:
+        """Store one frame per key, each written in place by ``writer(i, view) -> frame length``.
+
+        ``view`` is ``sizes[i]`` writable bytes: co-located, a range of a staging lease in the
+        server's shared memory (the caller's bytes are copied once, into it); otherwise a
+        buffer sent over HTTP as one batch. The writer fills it with a sealed frame
+        (``kvstore.codec.seal_raw``). ``make_room`` places the blocks as ``put_kv`` does,
+        demoting or evicting colder entries, instead of falling through full tiers.
+
+        Returns:
+            How many were stored.
+        """
+        keys = [check_key(k) for k in keys]
+        if len(sizes) != len(keys):
+            raise InvalidInput(f"sizes: {len(sizes)} for {len(keys)} keys")
+        if not keys:
+            return 0
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + pad64(int(n)))
+        arena = self._current_arena()
+        if arena is not None:
+            stored = self._put_blocks_staged(arena, keys, offsets, writer, make_room)
+            if stored is not None:
+                return stored
+        buf = bytearray(offsets[-1])
+        view = memoryview(buf)
+        items = []
+        for i, key in enumerate(keys):
+            n = writer(i, view[offsets[i]:offsets[i + 1]])
+            items.append((key, view[offsets[i]:offsets[i] + n]))
+        return self.put_blocks(items)
+
+    def _put_blocks_staged(self, arena: c.Arena, keys: list[BlockHash], offsets: list[int], writer: BlockWriter,
+                           make_room: bool) -> int | None:
+        """``put_blocks_with`` through a staging lease; None when staging has no room (then HTTP)."""
+        nbytes = offsets[-1]
+        lease = arena.take_lease(nbytes)
+        if lease is None:
+            try:
+                lease = self._json("POST", "/v1/staging/lease", {"nbytes": max(nbytes, 1 << 20)})
+            except TierFull as exc:
+                if exc.tier == "staging":
+                    return None
+                raise
+            if self._arena_changed(arena, lease.get("segment"), "staging_segment"):
+                with contextlib.suppress(KVStoreError):
+                    self._json("DELETE", f"/v1/staging/lease/{lease['lease']}")
+                return None
+            arena.add_lease(lease)
+        try:
+            view = memoryview(arena.staging)[lease["offset"]:lease["offset"] + nbytes]
+            try:
+                blocks = [{"key": key.hex(), "offset": offsets[i],
+                           "length": writer(i, view[offsets[i]:offsets[i + 1]])} for i, key in enumerate(keys)]
+            finally:
+                view.release()
+            answer = self._send_raw("POST", f"/v1/blocks/put-staged/{lease['lease']}",
+                                    {"blocks": blocks, "make_room": make_room})
+        except Forbidden:  # the lease expired server-side: forget it; the caller's next put leases anew
+            arena.drop_lease(lease)
+            return None
+        except BaseException:
+            arena.give_back(lease)
+            raise
+        arena.give_back(lease)
+        self.stats.shm_puts += 1
+        self.stats.last_medium = "shm"
+        return int(_json_of(answer)["stored"])
 
     def evict_mine(self, **selectors: Any) -> dict:
         """Evict blocks of this namespace (``POST /v1/evict``): the admin selectors, tenant-scoped."""

@@ -188,6 +188,17 @@ class ShmReader:
         np.copyto(dst, src)
         return self._words[at] == gen
 
+    def current(self, handle: SlotHandle) -> bool:
+        """Whether the slot still holds the handle's generation (the seqlock's check)."""
+        return self._words[handle.index * ROW_WORDS + GEN] == handle.gen
+
+    def frame_view(self, handle: SlotHandle) -> memoryview:
+        """The handle's frame range, read only under the seqlock: ``current`` before and after a
+        copy out of it; between the two, the owner may have reused the range (then the copy is
+        garbage and ``current`` says so)."""
+        self._check(handle)
+        return self._view[handle.offset:handle.offset + handle.length]
+
     @contextlib.contextmanager
     def lease(self, handle: SlotHandle) -> Iterator[memoryview | None]:
         """A read-only view of the frame that stays valid inside the block; None if stale."""

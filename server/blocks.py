@@ -20,7 +20,7 @@ from kvstore.errors import BlockNotFound, FrameError, InvalidInput, InvalidKV
 from kvstore.keys import BlockHash, from_hex
 from server import engine
 from server.auth import Principal
-from server.data import principal, svc_of
+from server.data import colocated_only, principal, svc_of
 from server.errors import field_error
 from server.service import Service, json_body, released, require
 
@@ -85,11 +85,49 @@ async def block_put(hex_key: str, request: Request, p: Principal = Depends(princ
     return JSONResponse({"stored": True}, status_code=201)
 
 
-def _put_frames(svc: Service, p: Principal, ns: str, frames: list[tuple[BlockHash, Any]]) -> int:
+def _put_frames(svc: Service, p: Principal, ns: str, frames: list[tuple[BlockHash, Any]], *,
+                make_room: bool = False) -> int:
     svc.quotas.check(p, ns, sum(len(memoryview(f).cast("B")) for _, f in frames))
     for key, frame in frames:
-        engine.put_frame(svc.store, key, frame, ns)
+        engine.put_frame(svc.store, key, frame, ns, make_room=make_room)
     return len(frames)
+
+
+@router.post("/v1/blocks/put-staged/{lease_id}")
+async def blocks_put_staged(lease_id: str, request: Request, p: Principal = Depends(principal)) -> JSONResponse:
+    """Many frames the client wrote into its staging lease, stored by key (co-located only).
+
+    Body: ``{"blocks": [{"key", "offset", "length"}], "make_room": false}``, offsets into the
+    lease. Each frame must verify and name the request's namespace, as ``/v1/blocks/put``'s
+    do. ``make_room`` places them as ``put_kv`` places blocks (colder entries are demoted or
+    evicted) instead of falling through full tiers: what a cache backend wants.
+    """
+    svc = svc_of(request)
+    colocated_only(svc)
+    ns = svc.namespace(request, p)
+    data = await json_body(request)
+    blocks = require(data, "blocks", list)
+    if len(blocks) > _MAX_BATCH_KEYS:
+        raise MalformedRequest(f"blocks: at most {_MAX_BATCH_KEYS} per request, got {len(blocks)}")
+    make_room = data.get("make_room", False)
+    if not isinstance(make_room, bool):
+        raise field_error(InvalidInput(f"must be true or false, got {make_room!r}"), "make_room")
+    spans, end = [], 0
+    for i, b in enumerate(blocks):
+        off, length = (b.get("offset"), b.get("length")) if isinstance(b, dict) else (None, None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
+            raise MalformedRequest(f"blocks[{i}]: offset and length must be non-negative ints")
+        spans.append((_key(b.get("key"), f"blocks[{i}].key"), off, length))
+        end = max(end, off + length)
+    with svc.staging.use(lease_id, p.name, end) as view:
+        frames = [(key, view[off:off + length]) for key, off, length in spans]
+        try:
+            stored = await svc.run(_put_frames, svc, p, ns, frames, make_room=make_room)
+        finally:
+            del frames
+    svc.metrics.colocated.labels("put").inc()
+    svc.metrics.transfer.labels("in", "shm").inc(end)
+    return JSONResponse({"stored": stored}, status_code=201)
 
 
 @router.delete("/v1/blocks/{hex_key}")
@@ -153,6 +191,37 @@ def _read_frames(svc: Service, keys: list[BlockHash], scope: frozenset[str],
     return out
 
 
+@router.post("/v1/blocks/handles")
+async def blocks_handles(request: Request, p: Principal = Depends(principal)) -> JSONResponse:
+    """Slot handles of ``keys`` in the shm arena, for a co-located client that reads them itself.
+
+    Body ``{"keys": [...]}``; answer ``{"segment", "blocks": [{"key", "checksum", "handle"}]}``.
+    A key that is absent, another namespace's or outside the shm tier has a null handle
+    (the client fetches those with ``/v1/blocks/get``, which counts its own reads).
+    """
+    svc = svc_of(request)
+    colocated_only(svc)
+    scope = _scope(svc, request, p)
+    keys = _keys(await json_body(request))
+    blocks = await svc.run_index(_block_handles, svc, keys, scope)
+    svc.metrics.colocated.labels("get").inc()
+    return JSONResponse({"segment": svc.shm.segment, "blocks": blocks})
+
+
+def _block_handles(svc: Service, keys: list[BlockHash], scope: frozenset[str]) -> list[dict]:
+    out, read_here = [], []
+    for key in keys:
+        entry = engine.current_entry(svc.store, key, scope)
+        handle = svc.shm.handle(key) if entry is not None and entry.tier == svc.shm.name else None
+        out.append({"key": key.hex(), "checksum": entry.checksum if entry is not None else None,
+                    "handle": None if handle is None else
+                    {"index": handle.index, "offset": handle.offset, "length": handle.length, "gen": handle.gen}})
+        if handle is not None:
+            read_here.append(key)
+    engine.record_hits(svc.store, read_here)  # the client reads these itself: count them here
+    return out
+
+
 @router.post("/v1/blocks/put")
 async def blocks_put(request: Request, p: Principal = Depends(principal)) -> JSONResponse:
     """Many frames from one batch body."""
@@ -183,6 +252,37 @@ async def blocks_delete(request: Request, p: Principal = Depends(principal)) -> 
     keys = _keys(await json_body(request))
     mine = [k for k in keys if engine.current_entry(svc.store, k, scope) is not None]
     return {"deleted": await svc.run(svc.store.delete_blocks, mine) if mine else 0}
+
+
+MAX_PIN_TTL_S = 3600.0
+"""A tenant's pin lasts at most this long: a client that dies holding pins cannot hold them forever."""
+
+
+@router.post("/v1/blocks/pin")
+async def blocks_pin(request: Request, p: Principal = Depends(principal)) -> dict:
+    """Hold this namespace's blocks where they are (placement neither demotes nor evicts them)
+    for ``ttl_s`` seconds (at most an hour): ``{"keys": [...], "ttl_s": 60}``. A cache's
+    lookup-then-load takes them so a looked-up block is still there to load."""
+    svc = svc_of(request)
+    scope = _scope(svc, request, p)
+    data = await json_body(request)
+    keys = _keys(data)
+    ttl = data.get("ttl_s")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_PIN_TTL_S:
+        raise field_error(InvalidInput(f"must be a number of seconds in (0, {MAX_PIN_TTL_S:.0f}], got {ttl!r}"),
+                          "ttl_s")
+    mine = [k for k in keys if engine.current_entry(svc.store, k, scope) is not None]
+    return {"pinned": await svc.run(svc.store.pin_keys, mine, float(ttl)) if mine else 0, "requested": len(keys)}
+
+
+@router.post("/v1/blocks/unpin")
+async def blocks_unpin(request: Request, p: Principal = Depends(principal)) -> dict:
+    """Release pins of this namespace's blocks: ``{"keys": [...]}``."""
+    svc = svc_of(request)
+    scope = _scope(svc, request, p)
+    keys = _keys(await json_body(request))
+    mine = [k for k in keys if engine.current_entry(svc.store, k, scope) is not None]
+    return {"unpinned": await svc.run(svc.store.unpin_keys, mine) if mine else 0, "requested": len(keys)}
 
 
 @router.post("/v1/blocks/exists")

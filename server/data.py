@@ -26,7 +26,7 @@ from server.auth import Principal
 from server.errors import field_error
 from server.service import Service, json_body, kv_view, parse_spec, parse_tokens, released, require
 
-__all__ = ["router", "principal", "svc_of", "eviction_query"]
+__all__ = ["router", "principal", "svc_of", "eviction_query", "colocated_only"]
 
 router = APIRouter()
 
@@ -63,7 +63,7 @@ def _caller(request: Request, *, colocated: bool = False) -> tuple[Service, Prin
     svc = svc_of(request)
     p = svc.principal(request)
     if colocated:
-        _colocated(svc)
+        colocated_only(svc)
     return svc, p, svc.namespace(request, p)
 
 
@@ -219,7 +219,8 @@ async def tenant_evict(request: Request, p: Principal = Depends(principal)) -> d
 # -- co-located: shared memory ---------------------------------------------------------------
 
 
-def _colocated(svc: Service) -> None:
+def colocated_only(svc: Service) -> None:
+    """Raise a 404 where the co-located path is off."""
     if svc.staging is None or svc.shm is None:
         raise RouteNotFound("the co-located path is off here (no shm tier, or colocated=false)", status=404)
 
@@ -252,7 +253,7 @@ async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
     report can neither warm nor probe another tenant's blocks.
     """
     svc = svc_of(request)
-    _colocated(svc)
+    colocated_only(svc)
     ns = svc.namespace(request, p)
     data = await json_body(request)
     keys = require(data, "keys", list)
@@ -307,7 +308,7 @@ def _handles(svc: Service, spec, tokens, ns: str) -> list[dict]:
 async def staging_lease(request: Request, p: Principal = Depends(principal)) -> dict:
     """Lease a range of the staging arena for co-located puts: ``{"nbytes": N}``."""
     svc = svc_of(request)
-    _colocated(svc)
+    colocated_only(svc)
     data = await json_body(request)
     nbytes = require(data, "nbytes", int)
     if nbytes > svc.settings.max_body_bytes:
@@ -319,7 +320,7 @@ async def staging_lease(request: Request, p: Principal = Depends(principal)) -> 
 @router.delete("/v1/staging/lease/{lease_id}")
 async def staging_release(lease_id: str, request: Request, p: Principal = Depends(principal)) -> dict:
     svc = svc_of(request)
-    _colocated(svc)
+    colocated_only(svc)
     return {"released": svc.staging.release(lease_id, p.name)}
 
 

@@ -236,6 +236,6 @@ def _shared_frame(store: KVStore, key: BlockHash, namespaces: frozenset[str] | N
     return frame, entry
 
 
-def put_frame(store: KVStore, key: BlockHash, frame: Any, namespace: str) -> IndexEntry:
+def put_frame(store: KVStore, key: BlockHash, frame: Any, namespace: str, *, make_room: bool = False) -> IndexEntry:
     """Store an already encoded frame under ``key`` (see ``KVStore.put_frame``)."""
-    return store.put_frame(key, frame, namespace=namespace)
+    return store.put_frame(key, frame, namespace=namespace, make_room=make_room)

@@ -1,0 +1,117 @@
+"""Blocks by key for another system's cache (SGLang's pages, LMCache's chunks): exists, reads into the
+caller's memory, writes in place, pins, each co-located (shared memory) and remote (HTTP)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from client_sdk import KVClient
+from kvstore import codec
+from kvstore.errors import InvalidInput
+from kvstore.keys import block_meta, name_fingerprint, named_key
+from tests.server.conftest import ACME, BETA, TOKENS
+
+NS = "acme"
+FP = name_fingerprint("test", "pages")
+
+
+def keys(n: int, ns: str = NS) -> list[bytes]:
+    return [named_key(ns, "test", f"page-{i}") for i in range(n)]
+
+
+def payloads(n: int, size: int = 4096) -> list[bytes]:
+    return [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+            .numpy().tobytes() for i in range(n)]
+
+
+def put(client: KVClient, ks: list[bytes], data: list[bytes], ns: str = NS, **kw) -> int:
+    metas = [block_meta(ns, FP, i) for i in range(len(ks))]
+    at = [codec.raw_payload_offset(1, len(m)) for m in metas]
+
+    def writer(i: int, view: memoryview) -> int:
+        view[at[i]:at[i] + len(data[i])] = data[i]
+        return codec.seal_raw(view, "uint8", (len(data[i]),), metas[i])
+    return client.put_blocks_with(ks, [a + len(d) for a, d in zip(at, data)], writer, **kw)
+
+
+def get(client: KVClient, ks: list[bytes]) -> tuple[list[bool], dict[int, bytes]]:
+    got: dict[int, bytes] = {}
+
+    def sink(i: int, header, payload: memoryview) -> None:
+        assert header.dtype == "uint8"
+        got[i] = bytes(payload)
+    return client.get_blocks_into(ks, sink), got
+
+
+@pytest.fixture
+def tenant_server(serve_app):
+    return serve_app(tokens=json.dumps(TOKENS))
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_blocks_written_in_place_read_back_identical(tenant_server, colocated):
+    ks, data = keys(6), payloads(6)
+    with KVClient(tenant_server.url, token=ACME, namespace=NS, colocated=colocated) as c:
+        assert c.blocks_exist(ks) == [False] * 6
+        assert put(c, ks[:4], data[:4], make_room=True) == 4
+        assert c.blocks_exist(ks) == [True] * 4 + [False] * 2
+        found, got = get(c, ks)
+        assert found == [True] * 4 + [False] * 2 and [got[i] for i in range(4)] == data[:4]
+        found, got = get(c, ks[:4])  # a repeat read (co-located: copied, not hashed again)
+        assert found == [True] * 4 and [got[i] for i in range(4)] == data[:4]
+        if colocated:
+            assert c.stats.shm_puts == 1 and c.stats.shm_frames_verified == 4 and c.stats.shm_frames_copied == 4
+        else:
+            assert c.stats.shm_puts == 0 and c.stats.shm_gets == 0
+
+
+def test_another_namespaces_blocks_are_invisible(tenant_server):
+    ks, data = keys(3), payloads(3)
+    with KVClient(tenant_server.url, token=ACME, namespace=NS) as acme, \
+            KVClient(tenant_server.url, token=ACME, namespace="shared") as shared:
+        put(acme, ks, data)
+        assert shared.blocks_exist(ks) == [False] * 3
+        assert get(shared, ks)[0] == [False] * 3
+        assert shared.pin_blocks(ks, 60) == 0
+
+
+def test_a_frame_naming_another_namespace_is_refused(tenant_server):
+    ks, data = keys(1), payloads(1)
+    with KVClient(tenant_server.url, token=BETA, namespace="beta") as beta:
+        with pytest.raises(InvalidInput, match="namespace"):
+            put(beta, ks, data, ns=NS)  # beta writing a frame that claims acme's namespace
+    with KVClient(tenant_server.url, token=ACME, namespace=NS) as acme:
+        assert acme.blocks_exist(ks) == [False]
+
+
+def test_put_staged_checks_its_body(tenant_server):
+    headers = {"authorization": f"Bearer {ACME}", "x-kv-namespace": NS}
+    url = f"{tenant_server.url}/v1/blocks/put-staged/nope"
+    bad = [({"blocks": "x"}, 422), ({"blocks": [{"key": "00", "offset": 0, "length": 1}]}, 422),
+           ({"blocks": [{"key": "00" * 32, "offset": -1, "length": 1}]}, 400),
+           ({"blocks": [], "make_room": "yes"}, 422),
+           ({"blocks": [{"key": "00" * 32, "offset": 0, "length": 8}]}, 403)]  # no such lease
+    for body, status in bad:
+        resp = httpx.post(url, json=body, headers=headers)
+        assert resp.status_code == status, (body, resp.text)
+    assert httpx.get(f"{tenant_server.url}/healthz").status_code == 200
+
+
+def test_pins_hold_blocks_through_an_eviction_and_are_bounded(serve_app):
+    srv = serve_app()
+    ks, data = keys(3), payloads(3)
+    with KVClient(srv.url, namespace=NS) as c:
+        put(c, ks, data)
+        assert c.pin_blocks(ks[:2], 60) == 2
+        c.evict(namespace=NS)
+        assert c.blocks_exist(ks) == [True, True, False]
+        assert c.unpin_blocks(ks[:2]) == 2
+        c.evict(namespace=NS)
+        assert c.blocks_exist(ks) == [False] * 3
+        for ttl in (0, -1, 3601, "60", True):
+            with pytest.raises(InvalidInput, match="ttl_s"):
+                c.pin_blocks(ks, ttl)
