@@ -5,7 +5,7 @@ SGLang loads it by configuration, with no code of ours in its tree::
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
         "module_path": "kvstore.integrations.sglang", "class_name": "KVStoreHiCacheStorage",
-        "interface_v1": 1, "url": "http://127.0.0.1:8080", "namespace": "sglang"}'
+        "interface_v1": 1, "url": "http://127.0.0.1:8470", "namespace": "sglang"}'
 
 Each HiCache page is one kvstore block. SGLang names pages by its own chained SHA-256
 of the tokens; the block key is ``named_key(namespace, "sglang", scope + page key)``,
@@ -61,7 +61,7 @@ _LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 class BackendConfig:
     """Our keys of ``--hicache-storage-backend-extra-config``."""
 
-    url: str = "http://127.0.0.1:8080"
+    url: str = "http://127.0.0.1:8470"
     namespace: str = "sglang"
     token: str | None = None
     fingerprint: str | None = None
