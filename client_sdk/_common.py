@@ -417,6 +417,11 @@ class HandleCache:
             found = [self._blocks.get(k) for k in keys]
         return found if keys and None not in found else None  # type: ignore[return-value]
 
+    def blocks(self, keys: Sequence[str]) -> list[dict | None]:
+        """The remembered block (key, checksum, handle) of each hex key, or None."""
+        with self._lock:
+            return [self._blocks.get(k) for k in keys]
+
     def forget(self, blocks: Sequence[dict]) -> None:
         with self._lock:
             for b in blocks:
@@ -607,19 +612,13 @@ class Arena:
 
     def read_block(self, h: dict, checksum: int | None, namespace: str, i: int, sink: BlockSink,
                    stats: ClientStats) -> bool:
-        """Hand the frame in slot handle ``h`` to ``sink`` under a read lease; False when the slot
-        changed since the server named it, or the frame fails (a miss). Only a slot's first read
-        hashes (``VerifiedSlots``)."""
+        """Hand the frame in slot handle ``h`` to ``sink``; False when the slot changed since the
+        server named it, or the frame fails (a miss). Only a slot's first read hashes
+        (``VerifiedSlots``); it holds a read lease, later ones copy under the seqlock."""
+        done = self.copy_verified(h, checksum, i, sink, stats)
+        if done is not None:
+            return done
         handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
-        header = self.verified.get(handle.index, handle.gen, checksum)
-        if header is not None:  # verified before: copy under the seqlock, no lease, no hash
-            if not self.reader.current(handle):
-                return False
-            sink(i, header, self.reader.frame_view(handle)[header.payload_offset:header.frame_len])
-            if not self.reader.current(handle):
-                return False  # changed meanwhile: what the sink got is garbage, a miss
-            stats.shm_frames_copied += 1
-            return True
         with self.reader.lease(handle) as view:
             if view is None:
                 return False
@@ -630,6 +629,22 @@ class Arena:
             sink(i, header, view[header.payload_offset:header.frame_len])
             stats.shm_frames_verified += 1
             return True
+
+    def copy_verified(self, h: dict, checksum: int | None, i: int, sink: BlockSink,
+                      stats: ClientStats) -> bool | None:
+        """A slot this client verified before, handed to ``sink`` under the seqlock (no lease, no
+        hash): True, or False when the slot changed; None when it was never verified here."""
+        header = self.verified.get(h["index"], h["gen"], checksum)
+        if header is None:
+            return None
+        handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
+        if not self.reader.current(handle):
+            return False
+        sink(i, header, self.reader.frame_view(handle)[header.payload_offset:header.frame_len])
+        if not self.reader.current(handle):
+            return False  # changed meanwhile: what the sink got is garbage, a miss
+        stats.shm_frames_copied += 1
+        return True
 
     def close(self) -> None:
         self.verified.clear()

@@ -245,9 +245,11 @@ class KVClient:
         """Hand each stored block of ``keys`` to ``sink(i, header, payload)``, verified; True where it did.
 
         Co-located, the server names the arena slots of the blocks it holds there (one small
-        request, which counts the reads) and each is read in place under a read lease:
-        ``payload`` views the arena and is valid only during the call, so the sink copies
-        it where it belongs (one copy in all). Other blocks come over HTTP in one batch.
+        request, which counts the reads) and each is read in place: ``payload`` views the
+        arena and is valid only during the call, so the sink copies it where it belongs (one
+        copy in all). Slots are remembered: a block read before is copied again with no
+        request and no hash while its slot is unchanged (reads reported in the background,
+        for placement's heat). Other blocks come over HTTP in one batch.
         ``payload`` holds the raw bytes of ``header.shape`` in ``header.dtype``: a block a
         cold tier holds in int8 is decoded to them first. A block that fails its checksum,
         or is another namespace's, is a miss (False), never bytes.
@@ -257,17 +259,31 @@ class KVClient:
         absent: set[int] = set()
         arena = self._current_arena()
         if arena is not None and keys:
-            answer = self._send_raw("POST", "/v1/blocks/handles", {"keys": [k.hex() for k in keys]})
-            answer = _json_of(answer)
-            if not self._arena_changed(arena, answer.get("segment"), "segment"):
-                for i, b in enumerate(answer["blocks"]):
-                    h = b.get("handle")
-                    if h is None:
-                        if b.get("checksum") is None:
-                            absent.add(i)  # not stored: nothing to fetch
-                        continue
-                    # the checksum the server indexed: a slot reused meanwhile cannot pass for it
-                    done[i] = arena.read_block(h, b.get("checksum"), self.namespace, i, sink, self.stats)
+            hexes = [k.hex() for k in keys]
+            # slots remembered from an earlier answer and verified then: copied with no request
+            served, ask = [], []
+            for i, b in enumerate(arena.handles.blocks(hexes)):
+                if b is not None and arena.copy_verified(b["handle"], b.get("checksum"), i, sink, self.stats):
+                    done[i] = True
+                    served.append(b)
+                else:
+                    ask.append(i)
+            if served:  # the server never saw these reads: report them, for placement's heat
+                arena.accesses.add(served, 0, 0)
+                if arena.accesses.due():
+                    self._report_soon()
+            if ask:
+                answer = _json_of(self._send_raw("POST", "/v1/blocks/handles", {"keys": [hexes[i] for i in ask]}))
+                if not self._arena_changed(arena, answer.get("segment"), "segment"):
+                    arena.handles.remember(answer["blocks"])
+                    for i, b in zip(ask, answer["blocks"]):
+                        h = b.get("handle")
+                        if h is None:
+                            if b.get("checksum") is None:
+                                absent.add(i)  # not stored: nothing to fetch
+                            continue
+                        # the checksum the server indexed: a slot reused meanwhile cannot pass for it
+                        done[i] = arena.read_block(h, b.get("checksum"), self.namespace, i, sink, self.stats)
             self.stats.shm_gets += 1
             self.stats.last_medium = "shm"
         missing = [i for i, ok in enumerate(done) if not ok and i not in absent]

@@ -115,3 +115,28 @@ def test_pins_hold_blocks_through_an_eviction_and_are_bounded(serve_app):
         for ttl in (0, -1, 3601, "60", True):
             with pytest.raises(InvalidInput, match="ttl_s"):
                 c.pin_blocks(ks, ttl)
+
+
+def test_a_remembered_slot_that_changed_is_asked_for_again(serve_app):
+    """A repeat read copies from remembered slots without asking the server; once the block
+    is replaced (its slot freed, the range reused), the remembered slot reads as changed and
+    the client asks again: the new bytes, never the old ones."""
+    srv = serve_app()
+    ks, old, new = keys(4), payloads(4), payloads(8)[4:]
+    with KVClient(srv.url, namespace=NS) as c:
+        put(c, ks, old)
+        assert get(c, ks)[1] == dict(enumerate(old))
+        copied = c.stats.shm_frames_copied
+        assert get(c, ks)[1] == dict(enumerate(old)) and c.stats.shm_frames_copied == copied + 4
+        assert c.delete_blocks(ks) == 4
+        put(c, ks, new)
+        found, got = get(c, ks)
+        assert found == [True] * 4 and got == dict(enumerate(new))
+        get(c, ks)
+        get(c, ks)  # two reads the server does not see
+        c.close()  # sends the pending access report
+    with KVClient(srv.url, namespace=NS) as c:
+        hits = [c.explain(k)["hits"] for k in ks]
+    # one read the server answered and two reported (plus the old block's remembered read, reported
+    # by key after the block was replaced: reports name keys, not generations)
+    assert hits == [4] * 4
