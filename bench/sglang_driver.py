@@ -290,7 +290,10 @@ def main() -> None:
                 reply({"ok": True, "scopes": rig.scopes(cmd["ranks"], cmd.get("extra") or {})})
             elif name == "stats":
                 client = getattr(rig.backend, "client", None)
-                reply({"ok": True, "client": client.stats.to_dict() if client is not None else None})
+                metrics = rig.backend.get_stats()  # SGLang's StorageMetrics, drained
+                reply({"ok": True, "client": client.stats.to_dict() if client is not None else None,
+                       "storage": None if metrics is None else {k: list(getattr(metrics, k)) for k in (
+                           "prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")}})
             elif name == "threads":
                 c = rig.controller
                 reply({"ok": True, "alive": all(t.is_alive() for t in (c.prefetch_thread, c.backup_thread,

@@ -73,7 +73,10 @@ def test_the_controller_writes_pages_and_prefetches_them_back_identical(driver, 
         got = driver.call(cmd="prefetch", tokens=toks)  # the host copies were freed: these come from kvstore
         assert got["hit_tokens"] == got["completed_tokens"] == len(toks)
         assert got["digests"] == wrote["digests"]
-    assert driver.call(cmd="stats")["client"]["last_medium"] == "shm"  # co-located: through shared memory
+        stats = driver.call(cmd="stats")  # SGLang's StorageMetrics: pages and GB/s of each batch
+        assert sum(stats["storage"]["backup_pgs"]) == sum(stats["storage"]["prefetch_pgs"]) == 40
+        assert min(stats["storage"]["prefetch_bandwidth"]) > 0
+        assert stats["client"]["last_medium"] == "shm"  # co-located: through shared memory
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
