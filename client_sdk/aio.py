@@ -227,9 +227,24 @@ class AsyncKVClient:
             raise error_from(resp.status_code, resp.content)
         return c.frames_of(resp.content)
 
-    async def put_blocks(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
+    async def put_blocks(self, items: Sequence[tuple[BlockHash, Any]], *, make_room: bool = False) -> int:
         parts = c.batch_parts(items)
-        return int((await self._send("POST", "/v1/blocks/put", parts, BATCH_MEDIA))["stored"])
+        path = "/v1/blocks/put?make_room=true" if make_room else "/v1/blocks/put"
+        return int((await self._send("POST", path, parts, BATCH_MEDIA))["stored"])
+
+    async def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
+        """Whether each key holds a block of this namespace, in any tier (one request)."""
+        body = {"keys": [check_key(k).hex() for k in keys]}
+        return [bool(x) for x in (await self._json("POST", "/v1/blocks/exists", body))["present"]]
+
+    async def pin_blocks(self, keys: Sequence[BlockHash], ttl_s: float) -> int:
+        """As ``KVClient.pin_blocks``: hold this namespace's blocks in place for ``ttl_s`` seconds."""
+        body = {"keys": [check_key(k).hex() for k in keys], "ttl_s": ttl_s}
+        return int((await self._json("POST", "/v1/blocks/pin", body))["pinned"])
+
+    async def unpin_blocks(self, keys: Sequence[BlockHash]) -> int:
+        body = {"keys": [check_key(k).hex() for k in keys]}
+        return int((await self._json("POST", "/v1/blocks/unpin", body))["unpinned"])
 
     async def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
         body = {"keys": [check_key(k).hex() for k in keys]}

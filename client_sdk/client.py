@@ -218,9 +218,12 @@ class KVClient:
         """Frames of many keys in one request; None for each absent one."""
         return c.frames_of(self._send_raw("POST", "/v1/blocks/get", {"keys": [check_key(k).hex() for k in keys]}))
 
-    def put_blocks(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
-        """Store many frames in one request; returns how many."""
-        return int(self._send("POST", "/v1/blocks/put", c.batch_parts(items), BATCH_MEDIA)["stored"])
+    def put_blocks(self, items: Sequence[tuple[BlockHash, Any]], *, make_room: bool = False) -> int:
+        """Store many frames in one request; returns how many. ``make_room`` places them as
+        ``put_kv`` places blocks (colder entries demoted or evicted) instead of falling through
+        full tiers."""
+        path = "/v1/blocks/put?make_room=true" if make_room else "/v1/blocks/put"
+        return int(self._send("POST", path, c.batch_parts(items), BATCH_MEDIA)["stored"])
 
     def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
         return int(self._json("POST", "/v1/blocks/delete", {"keys": [check_key(k).hex() for k in keys]})["deleted"])
@@ -325,7 +328,7 @@ class KVClient:
         for i, key in enumerate(keys):
             n = writer(i, view[offsets[i]:offsets[i + 1]])
             items.append((key, view[offsets[i]:offsets[i] + n]))
-        return self.put_blocks(items)
+        return self.put_blocks(items, make_room=make_room)
 
     def _put_blocks_staged(self, arena: c.Arena, keys: list[BlockHash], offsets: list[int], writer: BlockWriter,
                            make_room: bool) -> int | None:

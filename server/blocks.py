@@ -179,7 +179,11 @@ def _read_frames(svc: Service, keys: list[BlockHash], scope: frozenset[str],
     """Frames of ``keys``; with ``codec``, re-encoded into it (a block int8 cannot carry stays as stored)."""
     out = []
     for key in keys:
-        got = engine.read_frame(svc.store, key, scope)
+        # verified here: a damaged frame is dropped from the index (a miss now, and stored anew by
+        # the client's next put) instead of being served and refused by every reader in turn
+        got = engine.read_frame_with(svc.store, key, scope, lambda view, _header, entry: (bytes(view), entry))
+        if got is None and engine.current_entry(svc.store, key, scope) is None:
+            got = engine.read_frame(svc.store, key, scope)  # not indexed here: another node's, in the shared tier
         if got is not None and codec is not None:
             try:
                 got = (codec_mod.transcode(got[0], codec), got[1])
@@ -224,7 +228,7 @@ def _block_handles(svc: Service, keys: list[BlockHash], scope: frozenset[str]) -
 
 @router.post("/v1/blocks/put")
 async def blocks_put(request: Request, p: Principal = Depends(principal)) -> JSONResponse:
-    """Many frames from one batch body."""
+    """Many frames from one batch body; ``?make_room=true`` places them as ``put_kv`` places blocks."""
     svc = svc_of(request)
     ns = svc.namespace(request, p)
     buf, n = await svc.read_body(request)
@@ -240,7 +244,10 @@ async def blocks_put(request: Request, p: Principal = Depends(principal)) -> JSO
                 raise MalformedRequest(f"header.blocks[{i}]: frame runs past the body ({n} bytes)")
             frames.append((_key(b.get("key"), f"blocks[{i}].key"), bytes(view[data_at + off:data_at + off + length])))
         del view
-    stored = await svc.run(_put_frames, svc, p, ns, frames)
+    make_room = request.query_params.get("make_room", "false")
+    if make_room not in ("true", "false"):
+        raise field_error(InvalidInput(f"must be true or false, got {make_room!r}"), "make_room")
+    stored = await svc.run(_put_frames, svc, p, ns, frames, make_room=make_room == "true")
     svc.metrics.transfer.labels("in", "http").inc(n)
     return JSONResponse({"stored": stored}, status_code=201)
 

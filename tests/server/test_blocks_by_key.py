@@ -140,3 +140,44 @@ def test_a_remembered_slot_that_changed_is_asked_for_again(serve_app):
     # one read the server answered and two reported (plus the old block's remembered read, reported
     # by key after the block was replaced: reports name keys, not generations)
     assert hits == [4] * 4
+
+
+def test_the_async_client_checks_pins_and_puts_with_room(serve_app):
+    import asyncio
+
+    from client_sdk import AsyncKVClient
+
+    srv = serve_app()
+    ks, data = keys(3), payloads(3)
+    with KVClient(srv.url, namespace=NS, colocated=False) as c:
+        put(c, ks, data, make_room=True)  # remote: the batch put, with ?make_room=true
+
+    async def main() -> None:
+        async with AsyncKVClient(srv.url, namespace=NS) as a:
+            assert await a.blocks_exist(ks + keys(4)[3:]) == [True, True, True, False]
+            assert await a.pin_blocks(ks[:1], 30) == 1
+            assert await a.unpin_blocks(ks[:1]) == 1
+            frames = await a.get_blocks(ks)
+            assert await a.delete_blocks(ks) == 3
+            assert await a.put_blocks(list(zip(ks, frames)), make_room=True) == 3
+
+    asyncio.run(main())
+    with KVClient(srv.url, namespace=NS) as c:
+        assert get(c, ks)[1] == dict(enumerate(data))
+
+
+def test_a_damaged_block_read_over_http_is_dropped(serve_app):
+    """The batch get verifies what it serves: a damaged frame is a miss and leaves the index, so
+    the owner's next put stores it again (before, every reader refused it in turn)."""
+    srv = serve_app()
+    ks, data = keys(2), payloads(2)
+    with KVClient(srv.url, namespace=NS, colocated=False) as c:
+        put(c, ks, data)
+        shm = next(t for t in srv.store.tiers if t.name == "shm")
+        handle = shm.handle(ks[1])
+        shm._data[handle.offset + handle.length // 2] ^= 0xFF  # fault: a payload byte flips in memory
+        found, got = get(c, ks)
+        assert found == [True, False] and got == {0: data[0]}
+        assert c.blocks_exist(ks) == [True, False]
+        put(c, ks, data)
+        assert get(c, ks)[1] == dict(enumerate(data))
