@@ -151,7 +151,7 @@ def lmcache_python(venv: Path = LMCACHE_VENV) -> Path | None:
     python = venv / "bin" / "python"
     if not python.exists():
         return None
-    probe = subprocess.run([str(python), "-c", "import lmcache.v1.storage_backend.local_cpu_backend"],
+    probe = subprocess.run([str(python), "-c", "import lmcache.v1.storage_backend.local_cpu_backend, xxhash, lz4, blake3"],
                            capture_output=True, env={**os.environ, **_NO_TRACKING}, timeout=120)
     return python if probe.returncode == 0 else None
 
@@ -171,8 +171,9 @@ def install_lmcache(venv: Path = LMCACHE_VENV, log: Any = print) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     log(f"installing lmcache=={LMCACHE_VERSION} into {venv}")
     started = time.monotonic()
+    # xxhash and lz4: kvstore's SDK, which the L2 adapter plug-in imports inside LMCache's server
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", f"lmcache=={LMCACHE_VERSION}",
-                           f"torch=={torch.__version__.split('+')[0]}"],
+                           f"torch=={torch.__version__.split('+')[0]}", "xxhash", "lz4", "blake3"],
                           capture_output=True, text=True, env={**os.environ, **_NO_TRACKING})
     if done.returncode != 0 or lmcache_python(venv) is None:
         raise RuntimeError(f"installing lmcache into {venv} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
