@@ -16,6 +16,7 @@
     kvstore bench all [--quick] [--with-lmcache | --no-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
     kvstore bench lmcache [--quick] [--with-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
     kvstore bench vllm [--quick] [--repeats N] [--out DIR] [--docs PAGE]
+    kvstore bench engines [--quick] [--repeats N] [--out DIR] [--docs PAGE]
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
@@ -109,6 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     vb.add_argument("--repeats", type=int, default=None, help="samples a row (default 11; 3 with --quick)")
     vb.add_argument("--out", default="bench/results", help="directory for the JSON and PNG (default bench/results)")
     vb.add_argument("--docs", default=None, help="render the results into this page (docs/benchmarks.md)")
+
+    eb = which.add_parser("engines", help="kvstore as SGLang HiCache's storage and LMCache's L2 against their "
+                                          "built-in backends and a plain copy")
+    eb.add_argument("--quick", action="store_true", help="3 rounds a row (about a minute)")
+    eb.add_argument("--repeats", type=int, default=None, help="rounds a row (default 9; 3 with --quick)")
+    eb.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
+    eb.add_argument("--docs", default=None, help="render the results into this page (docs/benchmarks.md)")
 
     every = which.add_parser("all", help="limits, kvstore's paths and its peers side by side; TTFT; scale")
     every.add_argument("--quick", action="store_true", help="3 samples a row, short windows (under 3 minutes)")
@@ -219,6 +227,7 @@ def _bench(args: argparse.Namespace) -> int:
         "placement": _bench_traces, "write-policy": _bench_traces,
         "planner": _bench_module, "flight": _bench_module, "layers": _bench_module, "all": _bench_all,
         "reliability": _bench_reliability, "lmcache": _bench_lmcache, "vllm": _bench_vllm,
+        "engines": _bench_engines,
     }
     return benches[args.bench](args)
 
@@ -303,6 +312,16 @@ def _bench_vllm(args: argparse.Namespace) -> int:
         return 2
     return _bench_reported("vllm", args.docs, lambda: run(quick=args.quick, repeats=args.repeats, out_dir=args.out,
                                                           docs=args.docs))
+
+
+def _bench_engines(args: argparse.Namespace) -> int:
+    from bench.engine_backends import run
+
+    if args.repeats is not None and args.repeats < 1:
+        print(f"kvstore bench engines: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    return _bench_reported("engines", args.docs, lambda: run(quick=args.quick, repeats=args.repeats,
+                                                             out_dir=args.out, docs=args.docs))
 
 
 def _bench_all(args: argparse.Namespace) -> int:
