@@ -3,8 +3,9 @@
 SGLang: one batch of 128 pages (32 MiB; the controller's ``STORAGE_BATCH_SIZE``) through our
 backend's zero-copy calls (``batch_set_v1`` / ``batch_get_v1``) against SGLang's built-in
 ``file`` backend on this host's temp disk, and a plain ``memmove`` of the same page runs (the
-floor: one copy). ``get`` is the first read of freshly stored pages (kvstore hashes a frame the
-first time a client reads it); ``get again`` reads them once more. LMCache: store and retrieve
+floor: one copy). ``get`` is what the controller does to prefetch a batch: its hit query
+(``batch_exists``), then the get, for freshly stored pages (kvstore hashes a frame the first
+time a client reads it); ``get again`` does it once more. LMCache: store and retrieve
 through a stock ``lmcache server`` with our adapter, its ``mock`` L2 and its ``fs`` L2, in the
 same run (``bench/lmcache_mp.py``).
 """
@@ -104,6 +105,8 @@ def markdown(result: dict) -> str:
              f"{result['elapsed_s']:.0f} s, {result['machine']['cpus']} CPUs.", "",
              "**SGLang HiCache** (sglang 0.5.23 on CPU, its controller's batch of 128 pages of 16 tokens x 8 layers "
              "x 4 KV heads x 128, bf16: 32 MiB):", "",
+             "A get is the controller's prefetch of one batch: `batch_exists`, then `batch_get_v1` (ours) or "
+             "`batch_get` (file's).", "",
              "| layout | backend | set | get (first read) | get again | memcpy of the pages |", "|---|---|---|---|---|---|"]
     for r in result["sglang"]:
         mem = _gbs(r, "memcpy_s") if r["backend"] == "kvstore" else ""

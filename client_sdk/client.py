@@ -229,8 +229,20 @@ class KVClient:
         return int(self._json("POST", "/v1/blocks/delete", {"keys": [check_key(k).hex() for k in keys]})["deleted"])
 
     def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
-        """Whether each key holds a block of this namespace, in any tier (one request)."""
-        answer = self._send_raw("POST", "/v1/blocks/exists", {"keys": [check_key(k).hex() for k in keys]})
+        """Whether each key holds a block of this namespace, in any tier (one request).
+
+        Co-located, the answer also names the arena slots of the blocks there, which are
+        remembered: a ``get_blocks_into`` of them that follows (a cache's lookup, then its
+        load) reads them with no request of its own.
+        """
+        hexes = [check_key(k).hex() for k in keys]
+        arena = self._current_arena()
+        if arena is not None and hexes:
+            answer = _json_of(self._send_raw("POST", "/v1/blocks/handles", {"keys": hexes, "count": False}))
+            if not self._arena_changed(arena, answer.get("segment"), "segment"):
+                arena.handles.remember(answer["blocks"])
+                return [b.get("checksum") is not None for b in answer["blocks"]]
+        answer = self._send_raw("POST", "/v1/blocks/exists", {"keys": hexes})
         return [bool(x) for x in _json_of(answer)["present"]]
 
     def pin_blocks(self, keys: Sequence[BlockHash], ttl_s: float) -> int:
@@ -250,9 +262,10 @@ class KVClient:
         Co-located, the server names the arena slots of the blocks it holds there (one small
         request, which counts the reads) and each is read in place: ``payload`` views the
         arena and is valid only during the call, so the sink copies it where it belongs (one
-        copy in all). Slots are remembered: a block read before is copied again with no
-        request and no hash while its slot is unchanged (reads reported in the background,
-        for placement's heat). Other blocks come over HTTP in one batch.
+        copy in all). Slots are remembered (from this call's answer, or a ``blocks_exist``
+        before it): a remembered slot is read with no request while its generation stands,
+        hashed only the first time (reads reported in the background, for placement's heat);
+        a changed one is asked for again. Other blocks come over HTTP in one batch.
         ``payload`` holds the raw bytes of ``header.shape`` in ``header.dtype``: a block a
         cold tier holds in int8 is decoded to them first. A block that fails its checksum,
         or is another namespace's, is a miss (False), never bytes.
@@ -263,10 +276,11 @@ class KVClient:
         arena = self._current_arena()
         if arena is not None and keys:
             hexes = [k.hex() for k in keys]
-            # slots remembered from an earlier answer and verified then: copied with no request
+            # slots remembered from an earlier answer (a lookup's, or a get's): read with no request
             served, ask = [], []
             for i, b in enumerate(arena.handles.blocks(hexes)):
-                if b is not None and arena.copy_verified(b["handle"], b.get("checksum"), i, sink, self.stats):
+                if b is not None and arena.read_block(b["handle"], b.get("checksum"), self.namespace, i, sink,
+                                                      self.stats):
                     done[i] = True
                     served.append(b)
                 else:

@@ -199,20 +199,27 @@ def _read_frames(svc: Service, keys: list[BlockHash], scope: frozenset[str],
 async def blocks_handles(request: Request, p: Principal = Depends(principal)) -> JSONResponse:
     """Slot handles of ``keys`` in the shm arena, for a co-located client that reads them itself.
 
-    Body ``{"keys": [...]}``; answer ``{"segment", "blocks": [{"key", "checksum", "handle"}]}``.
-    A key that is absent, another namespace's or outside the shm tier has a null handle
-    (the client fetches those with ``/v1/blocks/get``, which counts its own reads).
+    Body ``{"keys": [...], "count": true}``; answer ``{"segment", "blocks": [{"key", "checksum",
+    "handle"}]}``. A key that is absent, another namespace's or outside the shm tier has a null
+    handle (the client fetches those with ``/v1/blocks/get``, which counts its own reads).
+    ``count: false`` asks where blocks are without counting reads (a lookup): the client then
+    reports the reads it makes through ``/v1/kv/touch``.
     """
     svc = svc_of(request)
     colocated_only(svc)
     scope = _scope(svc, request, p)
-    keys = _keys(await json_body(request))
-    blocks = await svc.run_index(_block_handles, svc, keys, scope)
-    svc.metrics.colocated.labels("get").inc()
+    data = await json_body(request)
+    keys = _keys(data)
+    count = data.get("count", True)
+    if not isinstance(count, bool):
+        raise field_error(InvalidInput(f"must be true or false, got {count!r}"), "count")
+    blocks = await svc.run_index(_block_handles, svc, keys, scope, count)
+    if count:
+        svc.metrics.colocated.labels("get").inc()
     return JSONResponse({"segment": svc.shm.segment, "blocks": blocks})
 
 
-def _block_handles(svc: Service, keys: list[BlockHash], scope: frozenset[str]) -> list[dict]:
+def _block_handles(svc: Service, keys: list[BlockHash], scope: frozenset[str], count: bool) -> list[dict]:
     out, read_here = [], []
     for key in keys:
         entry = engine.current_entry(svc.store, key, scope)
@@ -222,7 +229,8 @@ def _block_handles(svc: Service, keys: list[BlockHash], scope: frozenset[str]) -
                     {"index": handle.index, "offset": handle.offset, "length": handle.length, "gen": handle.gen}})
         if handle is not None:
             read_here.append(key)
-    engine.record_hits(svc.store, read_here)  # the client reads these itself: count them here
+    if count:  # the client reads these itself: count them here (else it reports what it reads)
+        engine.record_hits(svc.store, read_here)
     return out
 
 
