@@ -630,6 +630,12 @@ class Arena:
             stats.shm_frames_verified += 1
             return True
 
+    def holds(self, block: dict) -> bool:
+        """Whether a remembered block's slot still holds the generation the server named: the
+        block is stored there still (a delete, move or eviction changes the generation first)."""
+        h = block["handle"]
+        return self.reader.current(SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"]))
+
     def copy_verified(self, h: dict, checksum: int | None, i: int, sink: BlockSink,
                       stats: ClientStats) -> bool | None:
         """A slot this client verified before, handed to ``sink`` under the seqlock (no lease, no

@@ -233,15 +233,24 @@ class KVClient:
 
         Co-located, the answer also names the arena slots of the blocks there, which are
         remembered: a ``get_blocks_into`` of them that follows (a cache's lookup, then its
-        load) reads them with no request of its own.
+        load) reads them with no request of its own, and a block whose remembered slot still
+        holds the generation the server named is known present without asking.
         """
         hexes = [check_key(k).hex() for k in keys]
         arena = self._current_arena()
         if arena is not None and hexes:
-            answer = _json_of(self._send_raw("POST", "/v1/blocks/handles", {"keys": hexes, "count": False}))
+            # a remembered slot whose generation stands still holds its block: no need to ask
+            present = [b is not None and arena.holds(b) for b in arena.handles.blocks(hexes)]
+            ask = [i for i, here in enumerate(present) if not here]
+            if not ask:
+                return present
+            answer = _json_of(self._send_raw("POST", "/v1/blocks/handles",
+                                             {"keys": [hexes[i] for i in ask], "count": False}))
             if not self._arena_changed(arena, answer.get("segment"), "segment"):
                 arena.handles.remember(answer["blocks"])
-                return [b.get("checksum") is not None for b in answer["blocks"]]
+                for i, b in zip(ask, answer["blocks"]):
+                    present[i] = b.get("checksum") is not None
+                return present
         answer = self._send_raw("POST", "/v1/blocks/exists", {"keys": hexes})
         return [bool(x) for x in _json_of(answer)["present"]]
 

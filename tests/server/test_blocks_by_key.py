@@ -128,7 +128,9 @@ def test_a_remembered_slot_that_changed_is_asked_for_again(serve_app):
         assert get(c, ks)[1] == dict(enumerate(old))
         copied = c.stats.shm_frames_copied
         assert get(c, ks)[1] == dict(enumerate(old)) and c.stats.shm_frames_copied == copied + 4
+        assert c.blocks_exist(ks) == [True] * 4  # answered from the remembered slots
         assert c.delete_blocks(ks) == 4
+        assert c.blocks_exist(ks) == [False] * 4  # their slots changed: asked again
         put(c, ks, new)
         found, got = get(c, ks)
         assert found == [True] * 4 and got == dict(enumerate(new))
