@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serving import free_port, kvstore_serve, reply_line
+from bench.serving import LineDriver, free_port, kvstore_serve
 
 __all__ = ["ROOT", "DRIVER", "KVSTORE_DEPS", "lmcache_env", "missing_modules", "adapter_spec", "LMCacheServer",
            "MPDriver", "bench_l2"]
@@ -195,15 +195,13 @@ class LMCacheServer:
         self.stop()
 
 
-class MPDriver:
+class MPDriver(LineDriver):
     """``bench/lmcache_mp_driver.py`` under LMCache's interpreter; ``call`` sends one command, returns its reply."""
 
+    name = "the LMCache MP driver"
+
     def __init__(self, python: Path, log: Path) -> None:
-        self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as stderr:
-            self.proc = subprocess.Popen([str(python), str(DRIVER)], env=lmcache_env(), stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1)
+        super().__init__([str(python), str(DRIVER)], lmcache_env(), log)
 
     def call(self, cmd: str, **args: Any) -> dict:
         """The driver's reply to ``cmd``.
@@ -211,15 +209,8 @@ class MPDriver:
         Raises:
             RuntimeError: the driver answered an error, exited, or did not answer in time.
         """
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
-        self.proc.stdin.flush()
-        line = reply_line(self.proc, CALL_TIMEOUT_S, f"the LMCache MP driver ({cmd})")
-        if not line:
-            raise RuntimeError(f"the LMCache MP driver exited ({self.proc.poll()}) during {cmd}; log:\n{self.tail()}")
-        reply = json.loads(line)
-        if not reply.pop("ok"):
-            raise RuntimeError(f"LMCache MP driver {cmd}: {reply.get('error')} (log: {self.log})")
+        reply = self._send({"cmd": cmd, **args}, CALL_TIMEOUT_S)
+        del reply["ok"]
         return reply
 
     def connect(self, server: LMCacheServer, *, layers: int = 2, heads: int = 2, head_size: int = 64,
@@ -227,29 +218,6 @@ class MPDriver:
         """Register a paged KV cache (bf16, vLLM's layout) with ``server``."""
         return self.call("connect", url=server.url, status_url=f"{server.http_url}/status", model=MODEL,
                          layers=layers, heads=heads, head_size=head_size, block=block, max_tokens=max_tokens)
-
-    def tail(self, n: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError as exc:
-            return f"(unreadable: {exc})"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> "MPDriver":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def bench_l2(python: Path | None = None, kvstore_url: str | None = None, log_dir: Path | None = None, *,

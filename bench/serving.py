@@ -7,6 +7,7 @@ process, so each row pays the same process boundary a user's client does.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import shutil
@@ -16,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
-__all__ = ["free_port", "wait_http", "child", "stop", "kvstore_serve", "kvstore_server", "reply_line"]
+__all__ = ["free_port", "wait_http", "child", "stop", "kvstore_serve", "kvstore_server", "reply_line",
+           "LineDriver"]
 
 
 def free_port() -> int:
@@ -114,3 +117,63 @@ def kvstore_server(name: str, **env: str) -> Iterator[tuple[str, subprocess.Pope
             yield f"http://127.0.0.1:{port}", proc
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+class LineDriver:
+    """A child that answers one JSON line per command on its stdout (an engine's driver script in
+    the engine's venv); what it prints itself goes to ``log``.
+
+    ``name`` says who it is in errors. A reply ``{"ok": false, "error": ...}`` raises
+    ``_error``'s exception (RuntimeError unless a subclass says otherwise).
+    """
+
+    name = "the driver"
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> None:
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as stderr:
+            self.proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                         text=True, bufsize=1, cwd=cwd)
+
+    def _read(self, timeout_s: float, what: str) -> dict:
+        line = reply_line(self.proc, timeout_s, f"{self.name} ({what})")
+        if not line:
+            raise RuntimeError(f"{self.name} exited ({self.proc.poll()}) during {what}; log: {self.tail()}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise self._error(what, reply.get("error"))
+        return reply
+
+    def _error(self, what: str, error: Any) -> Exception:
+        return RuntimeError(f"{self.name} {what}: {error}; log: {self.tail()}")
+
+    def _send(self, cmd: dict, timeout_s: float) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s, cmd["cmd"])
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+
+    def close(self) -> None:
+        """Ask it to quit; kill it when it does not within a minute."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "LineDriver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.engines import ROOT, engine_env
-from bench.serving import reply_line
+from bench.serving import LineDriver
 
 __all__ = ["HiCacheDriver", "kvstore_extra", "bench_backends", "DRIVER", "LAYOUTS"]
 
@@ -26,54 +24,20 @@ def kvstore_extra(url: str, namespace: str, *, interface_v1: bool = True, **more
             "namespace": namespace, **more}
 
 
-class HiCacheDriver:
-    """One driver process; ``call(cmd=..., ...)`` returns its reply (raises on ``ok: false``)."""
+class HiCacheDriver(LineDriver):
+    """One driver process; ``call(cmd=..., ...)`` returns its reply (raises ``DriverError`` on ``ok: false``)."""
+
+    name = "the SGLang driver"
 
     def __init__(self, python: Path, log: Path) -> None:
-        self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as stderr:
-            self.proc = subprocess.Popen([str(python), str(DRIVER)], env=engine_env(), stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, cwd=ROOT)
+        super().__init__([str(python), str(DRIVER)], engine_env(), log, cwd=ROOT)
         self.ready = self._read(START_TIMEOUT_S, "start")
 
-    def _read(self, timeout_s: float, what: str) -> dict:
-        line = reply_line(self.proc, timeout_s, f"the SGLang driver ({what})")
-        if not line:
-            raise RuntimeError(f"the SGLang driver exited ({self.proc.poll()}) during {what}; log: {self.tail()}")
-        reply = json.loads(line)
-        if not reply.get("ok"):
-            raise DriverError(f"SGLang {what}: {reply.get('error')}")
-        return reply
+    def _error(self, what: str, error: Any) -> Exception:
+        return DriverError(f"SGLang {what}: {error}")
 
     def call(self, **cmd: Any) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(CALL_TIMEOUT_S, cmd["cmd"])
-
-    def tail(self, n: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError as exc:
-            return f"(unreadable: {exc})"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> "HiCacheDriver":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        return self._send(cmd, CALL_TIMEOUT_S)
 
 
 class DriverError(RuntimeError):

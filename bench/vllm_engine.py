@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engines import ROOT, engine_env
-from bench.serving import reply_line
+from bench.serving import LineDriver
 
 __all__ = ["VLLMEngine", "make_model", "DRIVER"]
 
@@ -28,7 +28,7 @@ def make_model(python: Path, directory: Path, **shape: Any) -> Path:
     return directory
 
 
-class VLLMEngine:
+class VLLMEngine(LineDriver):
     """One engine process; ``generate`` sends prompts of token ids and returns the driver's reply.
 
     Args:
@@ -39,6 +39,8 @@ class VLLMEngine:
         kv_config: ``kv_connector_extra_config``.
         options: more ``serve`` flags (``block_size=128``, ``prefix_caching=True``...).
     """
+
+    name = "the vLLM engine"
 
     def __init__(self, python: Path, model: Path, log: Path, connector: str = "none",
                  kv_config: dict | None = None, env: dict[str, str] | None = None, **options: Any) -> None:
@@ -51,51 +53,12 @@ class VLLMEngine:
                 args.append(flag)
             elif value not in (False, None):
                 args += [flag, str(value)]
-        self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as stderr:
-            self.proc = subprocess.Popen(args, env=engine_env(**(env or {})), stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1)
+        super().__init__(args, engine_env(**(env or {})), log)
         ready = self._read(START_TIMEOUT_S, "start")
         self.start_s = ready.get("start_s")
 
-    def _read(self, timeout_s: float, what: str) -> dict:
-        line = reply_line(self.proc, timeout_s, f"the vLLM engine ({what})")
-        if not line:
-            raise RuntimeError(f"the vLLM engine exited ({self.proc.poll()}) during {what}; log: {self.tail()}")
-        reply = json.loads(line)
-        if not reply.get("ok"):
-            raise RuntimeError(f"vLLM {what}: {reply.get('error')}; log: {self.tail()}")
-        return reply
-
     def call(self, **cmd: Any) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(CALL_TIMEOUT_S, cmd["cmd"])
+        return self._send(cmd, CALL_TIMEOUT_S)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> dict:
         return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens)
-
-    def tail(self, n: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError as exc:
-            return f"(unreadable: {exc})"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> "VLLMEngine":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
