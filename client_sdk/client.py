@@ -356,38 +356,18 @@ class KVClient:
     def _put_blocks_staged(self, arena: c.Arena, keys: list[BlockHash], offsets: list[int], writer: BlockWriter,
                            make_room: bool) -> int | None:
         """``put_blocks_with`` through a staging lease; None when staging has no room (then HTTP)."""
-        nbytes = offsets[-1]
-        lease = arena.take_lease(nbytes)
-        if lease is None:
-            try:
-                lease = self._json("POST", "/v1/staging/lease", {"nbytes": max(nbytes, 1 << 20)})
-            except TierFull as exc:
-                if exc.tier == "staging":
-                    return None
-                raise
-            if self._arena_changed(arena, lease.get("segment"), "staging_segment"):
-                with contextlib.suppress(KVStoreError):
-                    self._json("DELETE", f"/v1/staging/lease/{lease['lease']}")
-                return None
-            arena.add_lease(lease)
+        return self._staged(arena, offsets[-1], self._commit_blocks, arena, keys, offsets, writer, make_room)
+
+    def _commit_blocks(self, lease: dict, arena: c.Arena, keys: list[BlockHash], offsets: list[int],
+                       writer: BlockWriter, make_room: bool) -> int:
+        view = memoryview(arena.staging)[lease["offset"]:lease["offset"] + offsets[-1]]
         try:
-            view = memoryview(arena.staging)[lease["offset"]:lease["offset"] + nbytes]
-            try:
-                blocks = [{"key": key.hex(), "offset": offsets[i],
-                           "length": writer(i, view[offsets[i]:offsets[i + 1]])} for i, key in enumerate(keys)]
-            finally:
-                view.release()
-            answer = self._send_raw("POST", f"/v1/blocks/put-staged/{lease['lease']}",
-                                    {"blocks": blocks, "make_room": make_room})
-        except Forbidden:  # the lease expired server-side: forget it; the caller's next put leases anew
-            arena.drop_lease(lease)
-            return None
-        except BaseException:
-            arena.give_back(lease)
-            raise
-        arena.give_back(lease)
-        self.stats.shm_puts += 1
-        self.stats.last_medium = "shm"
+            blocks = [{"key": key.hex(), "offset": offsets[i], "length": writer(i, view[offsets[i]:offsets[i + 1]])}
+                      for i, key in enumerate(keys)]
+        finally:
+            view.release()
+        answer = self._send_raw("POST", f"/v1/blocks/put-staged/{lease['lease']}",
+                                {"blocks": blocks, "make_room": make_room})
         return int(_json_of(answer)["stored"])
 
     def evict_mine(self, **selectors: Any) -> dict:
@@ -732,18 +712,30 @@ class KVClient:
         self._retrying(once)
 
     def _put_shm(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
-        """A put through a staging lease; None when staging has no room (the caller uses HTTP).
-
-        Each put holds its own lease while it writes and commits, so concurrent puts
-        from one client never write into the same range.
-        """
+        """A put through a staging lease (``_staged``); None when staging has no room (then HTTP)."""
         arena = self._current_arena()
         nbytes = spec.bytes_per_token * int(kv.shape[3])
         if nbytes == 0 or arena is None:
             return None
+        return self._staged(arena, nbytes, self._commit_kv, arena, spec, toks, kv)
+
+    def _commit_kv(self, lease: dict, arena: c.Arena, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
+        arena.write_staging(lease, kv)
+        answer = self._send("POST", f"/v1/kv/put-staged/{lease['lease']}", c.kv_parts(spec, toks, kv, with_kv=False),
+                            KV_MEDIA)
+        return int(answer["stored_tokens"])
+
+    def _staged(self, arena: c.Arena, nbytes: int, commit: Callable[..., T], *args: Any) -> T | None:
+        """``commit(lease, *args)`` (write into a staging lease of at least ``nbytes``, then commit the put);
+        None when staging has no room or the server's arena changed: the caller goes over HTTP.
+
+        Each put holds its own lease while it writes and commits, so concurrent puts from one
+        client never write into the same range. A lease the server expired is dropped and a
+        fresh one taken, once.
+        """
         for attempt in range(2):
-            # one per put in flight: concurrent puts never share. After a refused lease, a fresh one:
-            # another idle lease may be as stale (all of them, after a server restart)
+            # After a refused lease, a fresh one: another idle lease may be as stale (all of them,
+            # after a server restart)
             lease = arena.take_lease(nbytes) if attempt == 0 else None
             if lease is None:
                 try:
@@ -758,9 +750,7 @@ class KVClient:
                     return None  # this put goes over HTTP; the next maps the new arena
                 arena.add_lease(lease)
             try:
-                arena.write_staging(lease, kv)
-                answer = self._send("POST", f"/v1/kv/put-staged/{lease['lease']}",
-                                    c.kv_parts(spec, toks, kv, with_kv=False), KV_MEDIA)
+                got = commit(lease, *args)
             except Forbidden:  # the lease expired server-side: lease again once
                 arena.drop_lease(lease)
                 if attempt:
@@ -772,7 +762,7 @@ class KVClient:
             arena.give_back(lease)
             self.stats.shm_puts += 1
             self.stats.last_medium = "shm"
-            return int(answer["stored_tokens"])
+            return got
         return None
 
     # -- plumbing --------------------------------------------------------------------------------

@@ -366,7 +366,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         stored = self._call("put", lambda: self.client.put_blocks_with([bkeys[i] for i in todo], sizes, writer,
                                                                        make_room=True), None)
         if stored is None:
-            return [i not in set(todo) for i in range(len(keys))]
+            return present  # the pages stored before stay stored; the rest failed
         self._stats.add("backup", len(todo), len(todo) * self.page_bytes, time.perf_counter() - started)
         return [True] * len(keys)
 
