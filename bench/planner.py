@@ -13,7 +13,7 @@ At each point:
   options, each round a short burst of one option's calls, untimed ones first (``_burst``), so
   that each option is measured in the steady state a planner's repeated choice runs in;
   and takes recompute as ``tokens / prefill rate`` at the rate the caller registers (1,700
-  tokens/s: the seeded 8-layer CPU Llama of ``../shared/BASELINES.md``);
+  tokens/s: the seeded 8-layer CPU Llama of ``docs/design.md``, "Figures this design rests on");
 - **the planner** (the same client, planning on, one client per bandwidth kept across the
   bandwidth's points as a long-lived agent would) answers ``warmup`` gets to learn, for at
   least three times the policy's switch window (shortened to 0.5 s here, so that every point reaches

@@ -6,17 +6,17 @@
     kv2, n2 = client.get_kv(spec, tokens)
 
 Both pick shared memory when the server runs on this host and HTTP otherwise
-(``colocated=False`` forces HTTP). Errors are ``kvstore.errors`` classes plus
-the service ones in ``client_sdk.protocol`` (``Unauthorized``, ``Forbidden``,
-``QuotaExceeded``, ``PayloadTooLarge``, ``MalformedRequest``, ``ConnectionFailed``...).
-It imports ``kvstore.spec``, ``keys``, ``codec``, ``errors`` and ``shmview`` (the
+(``colocated=False`` forces HTTP). Errors are ``kvstore.errors`` classes, the
+service ones (``Unauthorized``, ``Forbidden``, ``QuotaExceeded``, ``PayloadTooLarge``,
+``MalformedRequest``, ``ConnectionFailed``...) re-exported here.
+It imports ``kvstore.spec``, ``keys``, ``codec``, ``errors`` and ``memory.shm`` (the
 arena reader for the co-located path), never the tiers or the store.
 """
 
 from client_sdk.aio import AsyncKVClient
 from client_sdk.client import KVClient
-from client_sdk.protocol import (ConnectionFailed, Forbidden, MalformedRequest, PayloadTooLarge, QuotaExceeded,
-                                 RequestTimeout, RouteNotFound, ServiceError, Unauthorized)
+from kvstore.errors import (BodyTimeout, ConnectionFailed, Forbidden, MalformedRequest, PayloadTooLarge,
+                            QuotaExceeded, RequestTimeout, RouteNotFound, ServiceError, Unauthorized)
 
 __all__ = [
     "KVClient",
@@ -30,4 +30,5 @@ __all__ = [
     "RouteNotFound",
     "ConnectionFailed",
     "RequestTimeout",
+    "BodyTimeout",
 ]

@@ -21,13 +21,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from client_sdk.protocol import (H_NAMESPACE, MAX_TOUCH_KEYS, ServiceError, encode_batch_head, encode_kv_head,
-                                 pad64, parse_batch_head)
+from kvstore.wire.rest import H_NAMESPACE, MAX_TOUCH_KEYS, encode_batch_head, encode_kv_head, pad64, parse_batch_head
+from kvstore.errors import ServiceError
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreError, NotDurable
 from kvstore.keys import block_hashes, check_key, normalize_tokens
-from kvstore.shmview import SHM_DIR, ShmReader, SlotHandle
+from kvstore.memory.shm import SHM_DIR, ShmReader, SlotHandle
 from kvstore.spec import KVSpec
 
 __all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor", "check_spec", "Arena",
@@ -96,7 +96,7 @@ def kv_bytes(kv: torch.Tensor) -> memoryview:
 
 
 def kv_parts(spec: KVSpec, tokens: np.ndarray, kv: torch.Tensor | None, *, with_kv: bool = True) -> list[Any]:
-    """A KV body as buffers to send one after another (``client_sdk.protocol``)."""
+    """A KV body as buffers to send one after another (``kvstore.wire.rest``)."""
     kv_tokens = 0 if kv is None else int(kv.shape[3])
     head, tok_region = encode_kv_head(spec.to_dict(), len(tokens), kv_tokens)
     tok = memoryview(tokens).cast("B")
@@ -134,7 +134,7 @@ class TensorPool:
     """Result memory that is reused once the caller lets go of a result.
 
     A fresh 32 MiB tensor costs page faults on first touch: here the fault-in
-    ran slower than the network (``../shared/BASELINES.md``: 2-7.5 GB/s, and
+    ran slower than the network (``docs/design.md``, "Figures this design rests on": 2-7.5 GB/s, and
     under 1 GB/s on a busy VM). A result is a view of a pooled numpy buffer; a
     finalizer on that view fires only when torch frees the storage (every
     tensor sharing it is gone), and gives the buffer back for the next get.
@@ -242,7 +242,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 def batch_parts(items: Sequence[tuple[bytes, Any]]) -> list[Any]:
-    """A batch body (``client_sdk.protocol``) of ``(key, frame)`` pairs, as buffers to send."""
+    """A batch body (``kvstore.wire.rest``) of ``(key, frame)`` pairs, as buffers to send."""
     metas, parts, at = [], [], 0
     for key, frame in items:
         view = memoryview(frame).cast("B")

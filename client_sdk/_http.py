@@ -2,7 +2,7 @@
 
 httpx reads a 32 MiB body at 0.73-0.85 GB/s here, a third of curl; a socket
 that ``recv_into``s a preallocated buffer reaches 3.1 GB/s
-(``../shared/BASELINES.md``). This module is that socket with just enough
+(``docs/design.md``, "Figures this design rests on"). This module is that socket with just enough
 HTTP: one keep-alive connection, Content-Length or chunked answers, no
 redirects, no proxies. Bodies go out as a list of buffers (``sendall`` of each
 view, no concatenation) and come back into a buffer the caller owns.

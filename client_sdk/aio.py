@@ -23,8 +23,9 @@ import torch
 from client_sdk import _common as c
 from client_sdk._http import AsyncConnection, BrokenConnection, Endpoint
 from client_sdk.aio_planning import AsyncClientPlanner, AsyncHttpMedium, AsyncMedium, AsyncShmMedium
-from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, ConnectionFailed, Forbidden, RequestTimeout, ServiceError,
-                                 error_from, host_id)
+from kvstore.wire.rest import BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, host_id
+from kvstore.errors import ConnectionFailed, Forbidden, RequestTimeout, ServiceError
+from kvstore.wire.errors import error_from
 from kvstore.errors import KVStoreError, TierFull
 from kvstore.keys import BlockHash, check_key, validate_namespace
 from kvstore.planner import Decision, Planner

@@ -19,7 +19,7 @@ import torch
 from client_sdk.media import Throttled
 from client_sdk.planning import PlanCore
 from client_sdk.rest_media import shm_probe
-from client_sdk.protocol import ServiceError
+from kvstore.errors import ServiceError
 from kvstore.errors import KVStoreError
 from kvstore.planner import RECOMPUTE, Decision, Option
 from kvstore.policy import Policy

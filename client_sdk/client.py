@@ -8,7 +8,7 @@ small commit request). Otherwise KV moves over HTTP, as raw bytes received
 straight into the returned tensor (``client_sdk._http``). Small JSON calls
 (admin, info) go through httpx.
 
-Errors come back as the server's classes (``client_sdk.protocol.ERRORS``):
+Errors come back as the server's classes (``kvstore.wire.errors.ERRORS``):
 ``InvalidSpec``, ``TierFull``, ``Unauthorized`` ... Connection failures are
 retried with exponential backoff (every call is idempotent: a put of stored
 blocks is a no-op); a timeout is not.
@@ -32,8 +32,9 @@ from client_sdk._http import BrokenConnection, Connection, Endpoint
 from client_sdk.media import Medium
 from client_sdk.planning import ClientPlanner
 from client_sdk.rest_media import HttpMedium, InprocMedium, ShmMedium, side_media
-from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, ConnectionFailed, Forbidden,
-                                 RequestTimeout, ServiceError, error_from, host_id, pad64)
+from kvstore.wire.rest import BATCH_MEDIA, FRAME_MEDIA, H_TOKENS, KV_MEDIA, host_id, pad64
+from kvstore.errors import ConnectionFailed, Forbidden, RequestTimeout, ServiceError
+from kvstore.wire.errors import error_from
 from client_sdk._common import BlockSink, BlockWriter
 from kvstore.errors import InvalidInput, KVStoreError, TierFull
 from kvstore.keys import BlockHash, check_key, validate_namespace

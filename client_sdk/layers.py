@@ -33,11 +33,13 @@ import torch
 from client_sdk import _common as c
 from client_sdk._common import _SRC  # the full get's verified-view slot: both paths share one check per handle
 from client_sdk._http import BrokenConnection, Connection
-from client_sdk.protocol import H_TOKENS, KV_MEDIA, ConnectionFailed, RequestTimeout, ServiceError, error_from
+from kvstore.wire.rest import H_TOKENS, KV_MEDIA
+from kvstore.errors import ConnectionFailed, RequestTimeout, ServiceError
+from kvstore.wire.errors import error_from
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import BlockNotFound, FrameError, InvalidKV, KVStoreError
-from kvstore.shmview import SlotHandle
+from kvstore.memory.shm import SlotHandle
 from kvstore.spec import KVSpec
 
 if TYPE_CHECKING:

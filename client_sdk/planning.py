@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from client_sdk.media import Medium
-from client_sdk.protocol import ConnectionFailed
+from kvstore.errors import ConnectionFailed
 from kvstore.errors import InvalidInput, KVStoreError
 from kvstore.planner import RECOMPUTE, Decision, Option, Planner, wire_bytes
 from kvstore.policy import Policy, PolicySet

@@ -19,7 +19,7 @@ import torch
 
 from client_sdk import _common as c
 from client_sdk.media import Medium
-from client_sdk.protocol import ServiceError
+from kvstore.errors import ServiceError
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHash, check_key
 from kvstore.spec import KVSpec

@@ -11,50 +11,51 @@ model ``get_kv``s the longest stored prefix instead of recomputing it.
     kv2, n2 = store.get_kv(spec, tokens)
 """
 
-# Order matters: tiers import kvstore.tier, so the engine's leaf modules load
-# before the store (which may import tiers).
+# Names load on first use (PEP 562): ``import kvstore.spec`` from the SDK runs this
+# file, and must not drag in the store, placement or the tiers with it.
 from kvstore._version import __version__
-from kvstore import errors
-from kvstore.errors import (
-    BlockNotFound,
-    CorruptFrame,
-    FrameError,
-    InvalidInput,
-    InvalidKey,
-    InvalidKV,
-    InvalidSpec,
-    InvalidTokens,
-    KVStoreError,
-    NotDurable,
-    StoreClosed,
-    TierError,
-    TierFull,
-    TierIOError,
-    TierUnavailable,
-    UnsupportedFrame,
-)
-from kvstore.spec import KVSpec
-from kvstore.keys import BlockHash, block_hashes, from_hex, to_hex
-from kvstore.codec import Codec
-from kvstore.tier import Tier, TierStats
-from kvstore.config import Settings
-from kvstore.index import IndexEntry
-from kvstore.store import EmbeddedStore, KVStore, StoreStats
 
-__all__ = [
-    "__version__",
-    "KVSpec",
-    "EmbeddedStore",
-    "KVStore",
-    "StoreStats",
-    "IndexEntry",
-    "Settings",
-    "Codec",
-    "Tier",
-    "TierStats",
-    "BlockHash",
-    "block_hashes",
-    "to_hex",
-    "from_hex",
-    *errors.__all__,
-]
+_ENGINE_ERRORS = (
+    "KVStoreError", "InvalidInput", "InvalidSpec", "InvalidKV", "InvalidTokens", "InvalidKey",
+    "FrameError", "CorruptFrame", "UnsupportedFrame", "BlockNotFound", "TierError", "TierUnavailable",
+    "TierFull", "TierIOError", "StoreClosed", "NotDurable",
+)
+
+_WHERE = {
+    "KVSpec": "kvstore.spec",
+    "EmbeddedStore": "kvstore.store",
+    "KVStore": "kvstore.store",
+    "StoreStats": "kvstore.store",
+    "IndexEntry": "kvstore.index",
+    "Settings": "kvstore.config",
+    "Codec": "kvstore.codec",
+    "Tier": "kvstore.tier",
+    "TierStats": "kvstore.tier",
+    "BlockHash": "kvstore.keys",
+    "block_hashes": "kvstore.keys",
+    "to_hex": "kvstore.keys",
+    "from_hex": "kvstore.keys",
+    **{name: "kvstore.errors" for name in _ENGINE_ERRORS},
+}
+
+__all__ = ["__version__", *_WHERE]
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    where = _WHERE.get(name)
+    if where is None:  # a submodule, as ``import kvstore; kvstore.codec`` found it when this file imported them
+        try:
+            return importlib.import_module(f"kvstore.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"kvstore.{name}":
+                raise
+            raise AttributeError(f"module 'kvstore' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # once: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

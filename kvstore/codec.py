@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import struct
-import threading
 import warnings
 from dataclasses import dataclass
 from enum import Enum
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore.memory.buffers import Scratch
 from kvstore.errors import CorruptFrame, InvalidInput, InvalidKV, UnsupportedFrame
 from kvstore.spec import DTYPES
 
@@ -418,22 +418,17 @@ def _maybe_lz4(mv: memoryview, off: int, n: int) -> int:
     return len(packed)
 
 
-class _Scratch(threading.local):
-    """Per-thread float32 buffers, grown on demand and reused across calls."""
-
-    def __init__(self) -> None:
-        self.work = torch.empty(0, dtype=torch.float32)
-        self.small = torch.empty(0, dtype=torch.float32)
-
-    def get(self, name: str, n: int) -> torch.Tensor:
-        buf = getattr(self, name)
-        if buf.numel() < n:
-            buf = torch.empty(n, dtype=torch.float32)
-            setattr(self, name, buf)
-        return buf[:n]
+def _float32(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.float32)
 
 
-_SCRATCH = _Scratch()
+# Per-thread float32 work areas, grown on demand and reused across calls.
+_WORK = Scratch(_float32, torch.Tensor.numel)
+_SMALL = Scratch(_float32, torch.Tensor.numel)
+
+
+def _scratch(pool: Scratch, n: int) -> torch.Tensor:
+    return pool.get(n)[:n]
 
 
 def _chunks(layers: int, heads: int, per_head: int):
@@ -464,9 +459,9 @@ def _quantize(kv: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, n_k: int)
     exact = scales.dtype == torch.float32
     for part, scale, reduce_dim in _parts(scales, n_k, layers, heads, tokens, dim):
         for l0, l1, h0, h1 in _chunks(layers, heads, tokens * dim):
-            buf = _SCRATCH.get("work", (l1 - l0) * (h1 - h0) * tokens * dim).view(l1 - l0, h1 - h0, tokens, dim)
+            buf = _scratch(_WORK, (l1 - l0) * (h1 - h0) * tokens * dim).view(l1 - l0, h1 - h0, tokens, dim)
             dest = scale[l0:l1, h0:h1]
-            small = _SCRATCH.get("small", 2 * dest.numel())
+            small = _scratch(_SMALL, 2 * dest.numel())
             hi, lo = small[: dest.numel()].view(dest.shape), small[dest.numel() :].view(dest.shape)
             buf.copy_(kv[l0:l1, part, h0:h1])
             torch.amax(buf, dim=reduce_dim, keepdim=True, out=hi)
@@ -743,7 +738,7 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor, n_k: int, out: torch.Tens
         scales = scales.float()  # small: one scale per channel or token
     for part, scale, _ in _parts(scales, n_k, layers, heads, tokens, dim):
         for l0, l1, h0, h1 in _chunks(layers, heads, tokens * dim):
-            buf = _SCRATCH.get("work", (l1 - l0) * (h1 - h0) * tokens * dim).view(l1 - l0, h1 - h0, tokens, dim)
+            buf = _scratch(_WORK, (l1 - l0) * (h1 - h0) * tokens * dim).view(l1 - l0, h1 - h0, tokens, dim)
             buf.copy_(q[l0:l1, part, h0:h1])
             buf.mul_(scale[l0:l1, h0:h1])
             out[l0:l1, part, h0:h1].copy_(buf)

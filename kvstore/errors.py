@@ -4,7 +4,7 @@ Every error the engine raises on purpose is a ``KVStoreError``. Leaves also
 inherit the builtin that a caller would reach for first, so ``except
 ValueError`` or ``except KeyError`` keeps working for code that does not know
 kvstore. The server maps each class to one HTTP status in one handler and the
-SDK maps the status back to the same class.
+SDK maps the status back to the same class (``kvstore.wire.errors``).
 
     KVStoreError
     ├── InvalidInput (ValueError)            the caller sent something wrong
@@ -21,7 +21,18 @@ SDK maps the status back to the same class.
     │   ├── TierFull                         the frame does not fit
     │   └── TierIOError (OSError)            the backing reported an I/O error
     ├── StoreClosed (RuntimeError)           the store was used after close()
-    └── NotDurable                           a put asked to be durable sits (partly) on volatile tiers
+    ├── NotDurable                           a put asked to be durable sits (partly) on volatile tiers
+    └── ServiceError                         the server answered with an error (status kept)
+        ├── Unauthorized (PermissionError)   no bearer token, or an unknown one (401)
+        ├── Forbidden (PermissionError)      another tenant's namespace, or /admin (403)
+        ├── BodyTimeout (TimeoutError)       a request body stalled (408)
+        ├── QuotaExceeded                    the tenant's byte quota (507)
+        ├── RouteNotFound                    no such route or method (404/405)
+        ├── ConnectionFailed (ConnectionError)  the SDK could not reach the server
+        └── RequestTimeout (TimeoutError)    no answer within the client's timeout
+
+    InvalidInput also has two service leaves: MalformedRequest (400, a body
+    that cannot be parsed) and PayloadTooLarge (413).
 
 A miss is never an error: tiers return ``None`` and the store returns fewer
 tokens. Lower-layer exceptions are translated at the boundary with
@@ -48,6 +59,14 @@ __all__ = [
     "StoreClosed",
     "NotDurable",
 ]
+
+SERVICE_ERRORS = [
+    "ServiceError", "Unauthorized", "Forbidden", "MalformedRequest", "BodyTimeout", "PayloadTooLarge",
+    "QuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout",
+]
+"""The errors of the service layer (the server's answers, the SDK's transport); they are in
+``__all__`` too, after the engine's, but ``kvstore`` itself re-exports the engine's alone."""
+__all__ += SERVICE_ERRORS
 
 
 class KVStoreError(Exception):
@@ -138,3 +157,50 @@ class NotDurable(KVStoreError):
 
 class StoreClosed(KVStoreError, RuntimeError):
     """The store (or a tier) was used after ``close()``."""
+
+
+# -- errors of the service layer (raised by the server's routes and the SDK's transports) ----------------------------------------------------------
+
+
+class ServiceError(KVStoreError):
+    """The server answered with an error the SDK has no finer class for."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Unauthorized(ServiceError, PermissionError):
+    """No bearer token, or one the server does not know (401)."""
+
+
+class Forbidden(ServiceError, PermissionError):
+    """A known token asked for what it may not: another tenant's namespace, or /admin (403)."""
+
+
+class MalformedRequest(InvalidInput):
+    """The body cannot be parsed at all: bad JSON, a bad magic, a length that does not add up (400)."""
+
+
+class PayloadTooLarge(InvalidInput):
+    """The body is over the server's limit (413)."""
+
+
+class BodyTimeout(ServiceError, TimeoutError):
+    """The request body stalled or trickled past the server's ``body_timeout_s`` (408)."""
+
+
+class QuotaExceeded(ServiceError):
+    """The tenant's byte quota would be exceeded (507); nothing was stored."""
+
+
+class RouteNotFound(ServiceError):
+    """No such route, or a method the route does not take (404/405)."""
+
+
+class ConnectionFailed(ServiceError, ConnectionError):
+    """The SDK could not reach the server, after its retries."""
+
+
+class RequestTimeout(ServiceError, TimeoutError):
+    """The server did not answer within the client's timeout (not retried: the request may be running)."""

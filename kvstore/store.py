@@ -34,6 +34,7 @@ from kvstore.errors import (
     TierFull,
 )
 from kvstore.index import Index, IndexEntry
+from kvstore.memory.buffers import Scratch
 from kvstore.heat import Scorer
 from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
 from kvstore.shared import SharedTier, WritePolicy, find_shared
@@ -300,7 +301,7 @@ class KVStore:
         given = out is not None
         out = out[:, :, :, : len(found) * bt] if given else spec.empty_kv(len(found) * bt)
         # One reused frame buffer per thread: a fresh buffer per block would page-fault
-        # at a fraction of copy speed (see kvstore.pool).
+        # at a fraction of copy speed (see kvstore.memory.buffers).
         scratch = _FRAMES.get(max((e.size for _, e in found), default=0))
         good = 0
         for i, (key, entry) in enumerate(found):
@@ -860,19 +861,12 @@ class EmbeddedStore(KVStore):
 # -- helpers ---------------------------------------------------------------------
 
 
-class _FrameBuffers(threading.local):
-    """A per-thread frame buffer that grows to the largest frame read so far."""
-
-    def __init__(self) -> None:
-        self.buf = memoryview(bytearray(0))
-
-    def get(self, nbytes: int) -> memoryview:
-        if len(self.buf) < nbytes:
-            self.buf = memoryview(bytearray(max(nbytes, 2 * len(self.buf))))
-        return self.buf
+def _frame_buffer(n: int) -> memoryview:
+    return memoryview(bytearray(n))
 
 
-_FRAMES = _FrameBuffers()
+# One frame buffer per thread, grown (at least doubling) to the largest frame read so far.
+_FRAMES = Scratch(_frame_buffer, len, grow=2.0)
 
 
 def _check_spec(spec: Any) -> KVSpec:

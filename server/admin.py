@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from client_sdk.protocol import MalformedRequest
+from kvstore.errors import MalformedRequest
 from kvstore.errors import BlockNotFound, InvalidInput
 from kvstore.evict import coldest_first, evict
 from kvstore.keys import BlockHash

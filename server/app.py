@@ -21,7 +21,8 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 
-from client_sdk.protocol import BodyTimeout, PayloadTooLarge, error_body
+from kvstore.errors import BodyTimeout, PayloadTooLarge
+from kvstore.wire.errors import error_body
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.store import KVStore

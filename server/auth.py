@@ -11,7 +11,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from client_sdk.protocol import Forbidden, Unauthorized
+from kvstore.errors import Forbidden, Unauthorized
 from kvstore.keys import validate_namespace
 from server.config import ServerSettings, TenantGrant
 

@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from client_sdk.protocol import (BATCH_MEDIA, FRAME_MEDIA, H_CODEC, H_TIER, MalformedRequest, encode_batch_head,
-                                 pad64, parse_batch_head)
+from kvstore.wire.rest import BATCH_MEDIA, FRAME_MEDIA, H_CODEC, H_TIER, encode_batch_head, pad64, parse_batch_head
+from kvstore.errors import MalformedRequest
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.errors import BlockNotFound, FrameError, InvalidInput, InvalidKV

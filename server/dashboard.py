@@ -14,7 +14,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from client_sdk.protocol import RouteNotFound
+from kvstore.errors import RouteNotFound
 
 __all__ = ["router", "STATIC_DIR"]
 

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
-from client_sdk.protocol import (H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, MalformedRequest,
-                                 PayloadTooLarge, RouteNotFound, parse_kv_head)
+from kvstore.wire.rest import H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
+from kvstore.errors import MalformedRequest, PayloadTooLarge, RouteNotFound
 from kvstore import __version__
 from kvstore.evict import EvictionQuery, evict
 from kvstore.errors import InvalidInput
@@ -83,7 +83,7 @@ async def info(request: Request, p: Principal = Depends(principal)) -> dict:
 
 @router.post("/v1/kv/put")
 async def kv_put(request: Request) -> JSONResponse:
-    """Store the KV of every full block. Body: a KV body (``client_sdk.protocol``)."""
+    """Store the KV of every full block. Body: a KV body (``kvstore.wire.rest``)."""
     svc, p, ns = _caller(request)
     if not _is_kv_body(request):
         raise MalformedRequest(f"content-type: must be {KV_MEDIA}")

@@ -1,4 +1,4 @@
-"""One handler maps every error to one status and one JSON body (``client_sdk.protocol``).
+"""One handler maps every error to one status and one JSON body (``kvstore.wire.errors``).
 
 Typed store errors use ``STATUS``; FastAPI's own validation errors become 422
 naming the field; unknown routes and methods 404/405; anything else is a 500
@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from client_sdk.protocol import RouteNotFound, Unauthorized, error_body, status_for
+from kvstore.errors import RouteNotFound, Unauthorized
+from kvstore.wire.errors import error_body, status_for
 from kvstore.errors import InvalidInput, KVStoreError
 
 __all__ = ["install_error_handlers", "field_error", "error_response", "store_error", "unexpected_error"]

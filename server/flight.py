@@ -26,9 +26,11 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import torch
 
-from client_sdk.flight import (BATCH_BYTES, FRAMES_SCHEMA, LAYER_SCHEMA, MAX_PROBE_BYTES, MAX_TICKET_KEYS,
-                               batch_frames, error_detail, frames_batch)
-from client_sdk.protocol import H_NAMESPACE, MalformedRequest, ServiceError, status_for
+from kvstore.wire.flight import (BATCH_BYTES, FRAMES_SCHEMA, LAYER_SCHEMA, MAX_PROBE_BYTES, MAX_TICKET_KEYS,
+                                 batch_frames, error_detail, frames_batch)
+from kvstore.wire.rest import H_NAMESPACE
+from kvstore.errors import MalformedRequest, ServiceError
+from kvstore.wire.errors import status_for
 from kvstore import codec as codec_mod
 from kvstore.errors import InvalidInput, InvalidKV, InvalidSpec, KVStoreError
 from kvstore.keys import HASH_BYTES, BlockHash, from_hex
@@ -85,7 +87,7 @@ class FlightService(fl.FlightServerBase):
         svc: the app's service (store, auth, quotas, metrics).
         host: the address to bind.
         port: the port; 0 picks a free one (``self.port`` says which).
-        batch_bytes: frame bytes a streamed record batch holds (``client_sdk.flight.BATCH_BYTES``).
+        batch_bytes: frame bytes a streamed record batch holds (``kvstore.wire.flight.BATCH_BYTES``).
 
     Raises:
         OSError: the address cannot be bound.

@@ -23,7 +23,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from client_sdk.protocol import H_SHAPE, H_TOKENS, KV_MEDIA
+from kvstore.wire.rest import H_SHAPE, H_TOKENS, KV_MEDIA
 from server import data
 
 __all__ = ["router", "LAYERS_ROUTE"]

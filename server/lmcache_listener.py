@@ -35,7 +35,7 @@ from typing import Any
 
 from kvstore.errors import TierError
 from server.config import ServerSettings, is_loopback
-from server.lmcache_protocol import (CLIENT_META, FAIL, SUCCESS, BadRequest, Command, Request, parse_key,
+from kvstore.wire.lmcache import (CLIENT_META, FAIL, SUCCESS, BadRequest, Command, Request, parse_key,
                                      parse_request, payload_length, server_meta)
 from server.lmcache_store import LMCacheChunks
 from server.service import Service

@@ -21,12 +21,12 @@ import logging
 from typing import Any, Callable
 
 from kvstore import codec as codec_mod
+from kvstore.memory.buffers import BufferPool
 from kvstore.errors import FrameError, TierError
 from kvstore.keys import BlockHash, block_meta, name_fingerprint, named_key, validate_namespace
 from kvstore.store import KVStore
 from server import engine
-from server.lmcache_protocol import SUCCESS, LMKey, Request, server_meta
-from server.service import BufferPool
+from kvstore.wire.lmcache import SUCCESS, LMKey, Request, server_meta
 
 __all__ = ["LMCacheChunks", "DOMAIN"]
 

@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from client_sdk.protocol import MalformedRequest
+from kvstore.errors import MalformedRequest
 from kvstore.errors import InvalidInput
 from kvstore.planner import RECOMPUTE
 from kvstore.policy import CODECS, MEDIA, CanaryJudge, Policy, PolicySet

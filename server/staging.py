@@ -28,10 +28,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
-from client_sdk.protocol import Forbidden
+from kvstore.errors import Forbidden
 from kvstore.errors import InvalidInput, TierFull, TierIOError
-from kvstore.pool import SlabAllocator
-from kvstore.shmview import SHM_DIR
+from kvstore.memory.slab import SlabAllocator
+from kvstore.memory.shm import SHM_DIR
 
 __all__ = ["StagingArena", "Lease"]
 

@@ -153,11 +153,11 @@ def test_scratch_buffers_are_reused():
     out = torch.empty_like(x)
     n = encode_into(x, buf, "int8")
     decode(memoryview(buf)[:n], out=out)
-    ptr = codec._SCRATCH.work.data_ptr()
+    ptr = codec._WORK.get(0).data_ptr()
     for _ in range(3):
         n = encode_into(x, buf, "int8")
         decode(memoryview(buf)[:n], out=out)
-    assert codec._SCRATCH.work.data_ptr() == ptr  # no fresh scratch per call
+    assert codec._WORK.get(0).data_ptr() == ptr  # no fresh scratch per call
 
 
 # -- damaged frames: always a typed error, never data ------------------------------
@@ -315,7 +315,7 @@ def test_kv_with_autograd_history_does_not_poison_the_scratch():
     for c in Codec:
         y = decode(encode(x, c))
         assert not y.requires_grad and rel_err(y, x.detach()) <= 0.01
-    assert not codec._SCRATCH.work.requires_grad
+    assert not codec._WORK.get(0).requires_grad
     assert rel_err(decode(encode(kv(), "int8")), kv()) <= 0.01  # the next plain call still works
 
 

@@ -39,5 +39,10 @@ def test_tier_errors_carry_the_tier():
 
 
 def test_package_reexports_the_tree():
+    """The engine's errors from ``kvstore``, the service's from ``client_sdk``: one tree either way."""
+    import client_sdk
+
     for name in errors.__all__:
-        assert getattr(kvstore, name) is getattr(errors, name)
+        home = client_sdk if name in errors.SERVICE_ERRORS else kvstore
+        assert getattr(home, name) is getattr(errors, name)
+        assert issubclass(getattr(errors, name), errors.KVStoreError)

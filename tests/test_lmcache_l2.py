@@ -23,7 +23,7 @@ from bench.lmcache_mp import LMCacheServer, MPDriver, adapter_spec, missing_modu
 from bench.peers import lmcache_python
 from client_sdk import KVClient
 from kvstore.keys import from_hex
-from kvstore.shmview import HEADER, SHM_DIR, ShmReader
+from kvstore.memory.shm import HEADER, SHM_DIR, ShmReader
 from tests.conftest import require_venv
 from tests.server.live import ServeProcess, small_env
 from tests.tiers.redis_servers import free_port

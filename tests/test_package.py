@@ -71,7 +71,7 @@ def test_imports_flow_one_way():
     Two entry points sit on top of everything and are exempt: ``kvstore/cli.py``
     (``kvstore serve`` starts the server, ``kvstore stats`` uses the SDK) and
     ``bench/`` (benchmarks drive the whole stack). The SDK reads a co-located
-    server's arena through ``kvstore.shmview``, never through the tiers. One
+    server's arena through ``kvstore.memory.shm``, never through the tiers. One
     exception: the ``redis`` medium (``client_sdk/redis_direct.py``) reads the
     shared Redis tier's frames with that tier's own chunk-aware reader rather
     than a second copy of its layout. And the engine plug-ins

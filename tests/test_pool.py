@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.errors import InvalidInput
-from kvstore.pool import SlabAllocator, _bin, _bin_floor
+from kvstore.memory.slab import SlabAllocator, _bin, _bin_floor
 
 
 def test_bins_are_monotonic_and_floors_round_trip():
@@ -128,3 +128,47 @@ def test_shrink_returns_the_tail():
     a.shrink(off, 100)
     assert a.used_bytes == 128 and a.largest_free() == 4096 - 128
     assert a.alloc(3968) == 128
+
+
+# -- kvstore.memory.buffers ---------------------------------------------------------------
+
+
+def test_scratch_is_reused_grows_and_is_per_thread():
+    import threading
+
+    from kvstore.memory.buffers import Scratch
+
+    made: list[int] = []
+
+    def alloc(n: int) -> bytearray:
+        made.append(n)
+        return bytearray(n)
+
+    s = Scratch(alloc, len, round_to=4096, max_kept=1 << 20)
+    a = s.get(100)
+    assert len(a) == 4096 and s.get(4096) is a  # rounded up, then reused
+    big = s.get(2 << 20)
+    assert len(big) == 2 << 20 and s.get(100) is a  # over max_kept: lent, not kept
+    other: list[bytearray] = []
+    t = threading.Thread(target=lambda: other.append(s.get(100)))
+    t.start()
+    t.join()
+    assert other[0] is not a  # each thread has its own
+    s.drop()
+    assert s.get(100) is not a
+    doubling = Scratch(bytearray, len, grow=2.0)
+    first = doubling.get(1000)
+    assert len(doubling.get(1001)) == 2000 and len(first) == 1000
+
+
+def test_buffer_pool_lends_the_smallest_fit_and_keeps_at_most_keep_bytes():
+    from kvstore.memory.buffers import BufferPool
+
+    pool = BufferPool(keep_bytes=3 << 20)
+    small, big = pool.acquire(1 << 20), pool.acquire(2 << 20)
+    pool.release(big)
+    pool.release(small)
+    assert pool.acquire(100) is small  # the smallest that fits
+    pool.release(small)
+    pool.release(bytearray(2 << 20))  # 5 MiB idle: the largest go first
+    assert sum(len(b) for b in [pool.acquire(1), pool.acquire(1)]) <= 3 << 20

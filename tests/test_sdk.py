@@ -14,7 +14,7 @@ import torch
 import client_sdk
 import server as server_pkg
 from client_sdk import AsyncKVClient, ConnectionFailed, KVClient, RequestTimeout
-from client_sdk.protocol import ERRORS, STATUS, error_body, error_from
+from kvstore.wire.errors import ERRORS, STATUS, error_body, error_from
 from kvstore import KVStore
 from kvstore.errors import InvalidInput, InvalidKV, InvalidSpec, TierFull
 from server import ServerSettings, create_app

@@ -22,7 +22,7 @@ import pytest
 from bench.engines import engine_python
 from bench.sglang_hicache import LAYOUTS, DriverError, HiCacheDriver, kvstore_extra
 from kvstore.keys import from_hex
-from kvstore.shmview import HEADER, SHM_DIR, ShmReader
+from kvstore.memory.shm import HEADER, SHM_DIR, ShmReader
 from tests.conftest import require_venv
 from tests.server.live import ServeProcess, small_env
 

@@ -25,7 +25,8 @@ from typing import Callable, Iterator, TypeVar
 
 from kvstore.errors import InvalidInput, StoreClosed, TierFull
 from kvstore.keys import BlockHash, check_key
-from kvstore.pool import Move, SlabAllocator
+from kvstore.memory.buffers import Scratch
+from kvstore.memory.slab import Move, SlabAllocator
 from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats, writable_bytes
 
 T = TypeVar("T")
@@ -42,19 +43,12 @@ def default_max_entries(capacity_bytes: int) -> int:
     return min(max(capacity_bytes // 4096, 1024), 1 << 22)
 
 
-class _Staging(threading.local):
-    """A per-thread buffer for writers that cannot write into the arena itself."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray(0)
-
-    def view(self, size: int) -> memoryview:
-        if len(self.buf) < size:
-            self.buf = bytearray(size)
-        return memoryview(self.buf)[:size]
+def _staging_buffer(n: int) -> bytearray:
+    return bytearray(n)
 
 
-_STAGING = _Staging()
+# A per-thread buffer for writers that cannot write into the arena itself.
+_STAGING = Scratch(_staging_buffer, len)
 
 
 @dataclass(slots=True)
@@ -122,7 +116,7 @@ class ArenaTier(Tier):
         This default stages through a reused per-thread buffer; host arenas
         override it to hand the writer the slot itself.
         """
-        with _STAGING.view(size) as view:
+        with memoryview(_STAGING.get(size))[:size] as view:
             n = writer(view)
             self._copy_in(offset, view[:n])
         return n

@@ -48,7 +48,7 @@ from typing import Iterator
 import numpy as np
 
 from kvstore.errors import InvalidInput, StoreClosed, TierIOError
-from kvstore.pool import Move
+from kvstore.memory.slab import Move
 from kvstore.tier import Buffer, FrameWriter
 from tiers.arena import ArenaTier
 

@@ -36,7 +36,7 @@ import torch
 
 from kvstore.errors import InvalidInput, KVStoreError, StoreClosed, TierUnavailable
 from kvstore.keys import BlockHash
-from kvstore.pool import Move
+from kvstore.memory.slab import Move
 from kvstore.tier import Buffer
 from tiers.arena import ALIGN, ArenaTier
 

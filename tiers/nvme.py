@@ -54,7 +54,7 @@ from tiers.nvme_file import (
     FORMAT,
     NO_SPACE,
     Corrupt,
-    StagingPool,
+    staging_pool,
     byte_view,
     file_header,
     fsync_dir,
@@ -127,7 +127,7 @@ class NVMeTier(Tier):
         self._pending = 0  # bytes reserved by puts still writing
         self._counters = TierCounters()
         self._quarantined = {"temp": 0, "corrupt": 0, "missing": 0}
-        self._pool = StagingPool()
+        self._pool = staging_pool()
         self._tmp_ids = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -317,7 +317,7 @@ class NVMeTier(Tier):
             self._closed = True
             self._index.clear()
             self._used = 0
-            self._pool = StagingPool()  # drop this thread's staging buffer
+            self._pool = staging_pool()  # drop this thread's staging buffer
             os.close(self._lock_fd)
 
     # -- writing ----------------------------------------------------------------

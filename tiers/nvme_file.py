@@ -14,17 +14,17 @@ import json
 import mmap
 import os
 import struct
-import threading
 from dataclasses import dataclass
 
 import xxhash
 
 from kvstore import codec as codec_mod
 from kvstore.errors import InvalidInput
+from kvstore.memory.buffers import Scratch
 from kvstore.tier import Buffer
 
 __all__ = [
-    "FORMAT", "DATA_OFFSET", "NO_SPACE", "Corrupt", "FileHeader", "StagingPool", "file_header", "load", "read_prefix",
+    "FORMAT", "DATA_OFFSET", "NO_SPACE", "Corrupt", "FileHeader", "staging_pool", "file_header", "load", "read_prefix",
     "write_direct", "write_all", "byte_view", "fsync_dir", "unlink_quietly",
 ]
 
@@ -58,21 +58,14 @@ class FileHeader:
     ident: tuple[int, int]  # (st_dev, st_ino): a failed read quarantines that file, not a newer one
 
 
-class StagingPool(threading.local):
+def staging_pool() -> Scratch[mmap.mmap]:
     """One page-aligned buffer per thread (O_DIRECT needs the alignment), reused across puts:
     a fresh 32 MiB allocation costs ~15 ms of page faults here, more than the write."""
+    return Scratch(_anonymous_map, len, round_to=ALIGN, max_kept=MAX_POOLED_BYTES)
 
-    def __init__(self) -> None:
-        self.buf: mmap.mmap | None = None
 
-    def get(self, size: int) -> mmap.mmap:
-        size = round_up(size)
-        if self.buf is not None and len(self.buf) >= size:
-            return self.buf
-        buf = mmap.mmap(-1, size)
-        if size <= MAX_POOLED_BYTES:
-            self.buf = buf
-        return buf
+def _anonymous_map(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size)
 
 
 def file_header(key_hex: str, frame: memoryview) -> bytes:

@@ -3,9 +3,9 @@
 The arena is a single ``/dev/shm`` file, sized once, preallocated and mapped
 with ``MAP_POPULATE``. A segment per put would cost a create, a truncate and
 fresh page faults every time: about 1 GB/s here, against 13 GB/s for copying
-into an arena that already exists (``../shared/BASELINES.md``).
+into an arena that already exists (``docs/design.md``, "Figures this design rests on").
 
-The file layout and ``ShmReader`` live in ``kvstore/shmview.py``, so that a
+The file layout and ``ShmReader`` live in ``kvstore/memory/shm.py``, so that a
 co-located client reads frames without importing the tiers.
 
 Readers in other processes (``ShmReader``) never take the writer's lock. They
@@ -44,9 +44,9 @@ import numpy as np
 
 from kvstore.errors import InvalidInput, TierFull, TierIOError
 from kvstore.keys import BlockHash, check_key
-from kvstore.pool import Move
+from kvstore.memory.slab import Move
 from kvstore.tier import Buffer, FrameWriter
-from kvstore.shmview import (
+from kvstore.memory.shm import (
     GEN,
     HEADER,
     KEY,

@@ -51,7 +51,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 
 from client_sdk import KVClient
-from client_sdk.protocol import ConnectionFailed, RequestTimeout, ServiceError
+from kvstore.errors import ConnectionFailed, RequestTimeout, ServiceError
 from kvstore import codec as codec_mod
 from kvstore.errors import KVStoreError, StoreClosed, TierUnavailable
 from kvstore.integrations.lmcache_parts import (DOMAIN, AdapterParams, Health, Results, Workers, chunk_name,

@@ -23,8 +23,8 @@ NAMESPACE = "leases"
 def main(url: str) -> None:
     from client_sdk import KVClient
     from client_sdk._common import kv_parts, tokens_of
-    from client_sdk.protocol import KV_MEDIA
-    from kvstore.shmview import ShmReader, SlotHandle
+    from kvstore.wire.rest import KV_MEDIA
+    from kvstore.memory.shm import ShmReader, SlotHandle
 
     with KVClient(url, namespace=NAMESPACE, plan=False) as client:
         answer = client._send("POST", "/v1/kv/handles", kv_parts(SPEC, tokens_of(SEQUENCE), None), KV_MEDIA)

@@ -189,7 +189,7 @@ def test_a_trickled_upload_gets_408_too(live):
 def test_a_stalled_hot_route_upload_gets_408_and_the_next_request_is_served(live):
     server, _, _ = live
     from client_sdk._common import kv_parts, tokens_of
-    from client_sdk.protocol import KV_MEDIA
+    from kvstore.wire.rest import KV_MEDIA
 
     tokens = list(range(15_000, 15_016))
     body = b"".join(bytes(p) for p in kv_parts(SPEC, tokens_of(tokens), expected_kv(0, tokens)))
@@ -227,7 +227,7 @@ def test_a_huge_json_token_list_is_refused(live):
 def test_spec_and_shape_mismatches_are_4xx(live):
     server, http, _ = live
     from client_sdk._common import kv_parts, tokens_of
-    from client_sdk.protocol import KV_MEDIA
+    from kvstore.wire.rest import KV_MEDIA
 
     tokens = tokens_of(list(range(13_000, 13_032)))
     parts = kv_parts(SPEC, tokens, expected_kv(0, list(range(13_000, 13_032))))

@@ -12,7 +12,7 @@ import httpx
 import torch
 
 from client_sdk import KVClient
-from kvstore.shmview import SHM_DIR
+from kvstore.memory.shm import SHM_DIR
 from tests.reliability.lease_holder import NAMESPACE, SEQUENCE, SPEC
 from tests.reliability.load_worker import expected_kv
 from tests.server.live import ServeProcess

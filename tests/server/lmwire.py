@@ -1,6 +1,6 @@
 """A minimal lm:// client for tests: raw sockets and ``struct``, independent of the server's code.
 
-The layouts are LMCache 0.5.6's (see ``server/lmcache_protocol.py``'s docstring): a
+The layouts are LMCache 0.5.6's (see ``kvstore/wire/lmcache.py``'s docstring): a
 186-byte request meta ``<9i150s`` (command, length, fmt, dtype, location, shape[4],
 space-padded key) and a 36-byte answer meta ``<9i`` (code, length, fmt, dtype, shape[4],
 location). Written apart from the server's module so that a test of the wire format does

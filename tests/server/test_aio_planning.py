@@ -12,7 +12,7 @@ import torch
 
 from client_sdk import AsyncKVClient
 from client_sdk.aio_planning import AsyncThrottled
-from client_sdk.protocol import ConnectionFailed
+from kvstore.errors import ConnectionFailed
 from kvstore.spec import KVSpec
 from tests.server.conftest import ADMIN, TOKENS
 

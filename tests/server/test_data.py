@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from client_sdk import KVClient, MalformedRequest, PayloadTooLarge
-from client_sdk.protocol import (BATCH_MEDIA, KV_MEDIA, encode_kv_head, error_from, parse_batch_head,
-                                 parse_kv_head)
+from kvstore.wire.rest import BATCH_MEDIA, KV_MEDIA, encode_kv_head, parse_batch_head, parse_kv_head
+from kvstore.wire.errors import error_from
 from kvstore import codec
 from kvstore.errors import InvalidKV, InvalidSpec, InvalidTokens
 from kvstore.keys import block_hashes

@@ -15,7 +15,7 @@ import pytest
 
 from client_sdk import KVClient
 from client_sdk._common import kv_parts
-from client_sdk.protocol import KV_MEDIA
+from kvstore.wire.rest import KV_MEDIA
 from kvstore.keys import block_hashes, normalize_tokens
 from tests.conftest import make_kv, make_spec, shm_segments
 from tests.server.live import ServeProcess, small_env

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from client_sdk import Forbidden, KVClient, MalformedRequest, QuotaExceeded, ServiceError, Unauthorized
-from client_sdk.flight import FlightMedium, batch_frames, frames_batch, typed_error
+from client_sdk.flight import FlightMedium
+from kvstore.wire.flight import batch_frames, frames_batch, typed_error
 from client_sdk.media import encode_blocks
-from client_sdk.protocol import ConnectionFailed, RouteNotFound
+from kvstore.errors import ConnectionFailed, RouteNotFound
 from kvstore import codec
 from kvstore.errors import CorruptFrame, InvalidInput, InvalidKey
 from kvstore.keys import block_hashes

@@ -12,7 +12,7 @@ import torch
 
 from client_sdk import Forbidden, KVClient, ServiceError, Unauthorized
 from client_sdk.layers import LAYERS_PATH, get_kv_layers, iter_layers_http, iter_layers_shm
-from client_sdk.protocol import KV_MEDIA
+from kvstore.wire.rest import KV_MEDIA
 from kvstore import KVStore
 from kvstore.errors import BlockNotFound
 from kvstore.keys import block_hashes

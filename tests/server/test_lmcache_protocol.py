@@ -1,10 +1,10 @@
-"""LMCache's lm:// message layouts and key strings (server/lmcache_protocol.py)."""
+"""LMCache's lm:// message layouts and key strings (kvstore/wire/lmcache.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.lmcache_protocol import (CLIENT_META, SERVER_META, BadRequest, Command, LMKey, parse_key, parse_request,
+from kvstore.wire.lmcache import (CLIENT_META, SERVER_META, BadRequest, Command, LMKey, parse_key, parse_request,
                                      payload_length, server_meta)
 from tests.server import lmwire as lm
 

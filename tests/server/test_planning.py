@@ -265,7 +265,7 @@ def test_a_failing_medium_is_set_aside_and_the_get_retried_over_http(serve_app):
         flight = client._planned().media["flight"]
 
         def broken(*args, **kwargs):
-            from client_sdk.protocol import ConnectionFailed
+            from kvstore.errors import ConnectionFailed
             raise ConnectionFailed("injected: flight is down")
 
         flight.get_kv = broken  # a fault, injected

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from client_sdk import KVClient
-from client_sdk.protocol import ConnectionFailed
+from kvstore.errors import ConnectionFailed
 from kvstore.errors import InvalidKV, InvalidSpec
 from kvstore.integrations import weights
 from kvstore.integrations.vllm_layout import layout_for, runs

@@ -10,7 +10,7 @@ import time
 
 import xxhash
 
-from kvstore.shmview import ShmReader
+from kvstore.memory.shm import ShmReader
 
 
 def check(frame) -> bool:

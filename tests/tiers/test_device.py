@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvstore.errors import InvalidInput, StoreClosed, TierUnavailable
-from kvstore.pool import Move
+from kvstore.memory.slab import Move
 from tests.tiers.conformance import MiB, TierContract, key, payload, tier_state_machine
 from tiers.device import DeviceTier
 

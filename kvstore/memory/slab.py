@@ -3,7 +3,7 @@
 Arena tiers (shm, cxl, device) allocate their memory once, at start, and carve
 frames out of it with ``SlabAllocator``. Per-put allocation is what we avoid: a
 fresh 32 MiB buffer copies at 2-7 GB/s here against 12-14 GB/s for a reused one
-(``../shared/BASELINES.md``), and churn fragments the heap.
+(``docs/design.md``, "Figures this design rests on"), and churn fragments the heap.
 
 The allocator hands out offsets only; it never touches memory, so the same code
 serves a ``/dev/shm`` mapping, a hugepage mapping and a CUDA tensor.

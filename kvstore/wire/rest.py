@@ -1,7 +1,7 @@
-"""The wire contract between ``server`` and ``client_sdk``: body layouts, headers, errors.
+"""The REST wire contract between ``server`` and ``client_sdk``: body layouts and headers.
 
-Both sides import this one module, so a layout or a status code is defined once.
-Nothing here does I/O.
+Both sides import this one module, so a layout is defined once. Nothing here does
+I/O. Error answers are ``kvstore.wire.errors``.
 
 **KV body** (``application/x-kvstore-kv``), the request of ``POST /v1/kv/put``,
 ``/v1/kv/get`` and ``/v1/kv/handles``; little-endian, regions 64-byte aligned
@@ -30,9 +30,6 @@ a client can receive it straight into the tensor it returns.
              pad  zeros to a multiple of 64
     data_at  ...  frames; each at data_at + offset, 64-byte aligned
 
-**Errors**: every error answer is JSON ``{"error": {"type": T, "message": M,
-"field": F}}``. ``T`` is the name of a class in ``ERRORS`` and ``STATUS[T]``
-its one status; the SDK raises the class of that name.
 """
 
 from __future__ import annotations
@@ -42,17 +39,13 @@ import json
 import struct
 from typing import Any, Iterable, Mapping
 
-from kvstore import errors as _e
-from kvstore.errors import InvalidInput, KVStoreError, TierFull
+from kvstore.errors import InvalidInput, MalformedRequest
 
 __all__ = [
     "KV_MEDIA", "BATCH_MEDIA", "FRAME_MEDIA", "JSON_MEDIA",
     "H_NAMESPACE", "H_TOKENS", "H_SHAPE", "H_DTYPE", "H_MEDIUM", "H_TIER", "H_CODEC",
-    "ServiceError", "Unauthorized", "Forbidden", "MalformedRequest", "BodyTimeout", "PayloadTooLarge",
-    "QuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout",
-    "ERRORS", "STATUS", "status_for", "error_type", "error_body", "error_from",
     "KVHeader", "encode_kv_head", "parse_kv_head", "kv_nbytes",
-    "encode_batch_head", "parse_batch_head", "pad64", "host_id", "MAX_TOUCH_KEYS",
+    "encode_batch_head", "parse_batch_head", "pad64", "host_id", "MAX_TOUCH_KEYS", "MAX_HEADER_BYTES",
 ]
 
 KV_MEDIA = "application/x-kvstore-kv"
@@ -76,137 +69,6 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_TOUCH_KEYS = 65_536
 """Keys one access report (``POST /v1/kv/touch``) may carry; a client sends more in further reports."""
 _ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-
-# -- errors of the service layer ----------------------------------------------------------
-
-
-class ServiceError(KVStoreError):
-    """The server answered with an error the SDK has no finer class for."""
-
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class Unauthorized(ServiceError, PermissionError):
-    """No bearer token, or one the server does not know (401)."""
-
-
-class Forbidden(ServiceError, PermissionError):
-    """A known token asked for what it may not: another tenant's namespace, or /admin (403)."""
-
-
-class MalformedRequest(InvalidInput):
-    """The body cannot be parsed at all: bad JSON, a bad magic, a length that does not add up (400)."""
-
-
-class PayloadTooLarge(InvalidInput):
-    """The body is over the server's limit (413)."""
-
-
-class BodyTimeout(ServiceError, TimeoutError):
-    """The request body stalled or trickled past the server's ``body_timeout_s`` (408)."""
-
-
-class QuotaExceeded(ServiceError):
-    """The tenant's byte quota would be exceeded (507); nothing was stored."""
-
-
-class RouteNotFound(ServiceError):
-    """No such route, or a method the route does not take (404/405)."""
-
-
-class ConnectionFailed(ServiceError, ConnectionError):
-    """The SDK could not reach the server, after its retries."""
-
-
-class RequestTimeout(ServiceError, TimeoutError):
-    """The server did not answer within the client's timeout (not retried: the request may be running)."""
-
-
-ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (
-        *(getattr(_e, name) for name in _e.__all__),
-        ServiceError, Unauthorized, Forbidden, MalformedRequest, BodyTimeout, PayloadTooLarge, QuotaExceeded,
-        RouteNotFound, ConnectionFailed, RequestTimeout,
-    )
-}
-"""Every error class that crosses the wire, by name."""
-
-STATUS: dict[str, int] = {
-    "KVStoreError": 500,
-    "ServiceError": 500,
-    "InvalidInput": 422, "InvalidSpec": 422, "InvalidKV": 422, "InvalidTokens": 422, "InvalidKey": 422,
-    "FrameError": 422, "CorruptFrame": 422, "UnsupportedFrame": 422,
-    "MalformedRequest": 400, "BodyTimeout": 408,
-    "PayloadTooLarge": 413,
-    "Unauthorized": 401,
-    "Forbidden": 403,
-    "BlockNotFound": 404,
-    "RouteNotFound": 404,
-    "TierError": 503, "TierUnavailable": 503, "TierIOError": 500, "StoreClosed": 503,
-    "TierFull": 507, "QuotaExceeded": 507,
-    "ConnectionFailed": 503, "RequestTimeout": 504,
-}
-"""One status per error class; a class not listed takes its nearest listed base's."""
-
-
-def error_type(exc: BaseException) -> str:
-    """The name of the nearest class of ``exc`` that the wire knows (``KVStoreError`` at worst)."""
-    for cls in type(exc).__mro__:
-        if cls.__name__ in STATUS and ERRORS.get(cls.__name__) is cls:
-            return cls.__name__
-    return "KVStoreError"
-
-
-def status_for(exc: BaseException) -> int:
-    return STATUS[error_type(exc)]
-
-
-def error_body(exc: BaseException, *, field: str | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"type": error_type(exc), "message": str(exc)}
-    field = field or getattr(exc, "field", None)
-    if field:
-        body["field"] = field
-    if isinstance(exc, TierFull) and exc.stored_tokens is not None:
-        body["stored_tokens"] = exc.stored_tokens
-    if isinstance(exc, _e.TierError) and exc.tier:
-        body["tier"] = exc.tier
-    return {"error": body}
-
-
-def error_from(status: int, body: bytes | Mapping[str, Any] | None) -> Exception:
-    """The exception an error answer stands for (the SDK raises it)."""
-    info: Mapping[str, Any] = {}
-    if isinstance(body, (bytes, bytearray, memoryview)):
-        try:
-            parsed = json.loads(bytes(body) or b"{}")
-            info = parsed.get("error") or {} if isinstance(parsed, dict) else {}
-            if not info and isinstance(parsed, dict) and "detail" in parsed:
-                info = {"message": str(parsed["detail"])}
-        except ValueError:
-            info = {"message": bytes(body[:200]).decode("utf-8", "replace")}
-    elif isinstance(body, Mapping):
-        info = body.get("error") or {}
-    name = str(info.get("type") or "")
-    message = str(info.get("message") or f"HTTP {status}")
-    cls = ERRORS.get(name)
-    if cls is None:
-        cls = {400: MalformedRequest, 401: Unauthorized, 403: Forbidden, 404: RouteNotFound, 405: RouteNotFound,
-               413: PayloadTooLarge, 422: InvalidInput, 507: QuotaExceeded}.get(status, ServiceError)
-    if issubclass(cls, ServiceError):
-        exc: Exception = cls(message, status=status)
-    elif issubclass(cls, TierFull):
-        exc = cls(message, tier=info.get("tier"), stored_tokens=info.get("stored_tokens"))
-    elif issubclass(cls, _e.TierError):
-        exc = cls(message, tier=info.get("tier"))
-    else:
-        exc = cls(message)
-    if info.get("field"):
-        exc.field = info["field"]  # type: ignore[attr-defined]
-    return exc
 
 
 # -- KV bodies ----------------------------------------------------------------------------

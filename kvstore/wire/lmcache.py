@@ -29,7 +29,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-from client_sdk.protocol import MalformedRequest
+from kvstore.errors import MalformedRequest
 
 __all__ = ["BadRequest", "CLIENT_META", "SERVER_META", "Command", "SUCCESS", "FAIL", "MAX_KEY_BYTES", "Request",
            "LMKey", "parse_request", "parse_key", "server_meta", "payload_length", "FORMATS", "DTYPES"]

@@ -1,0 +1,9 @@
+"""The wire: formats both ends of a connection import, so each is defined once.
+
+- ``kvstore.wire.rest``: REST bodies (KV body, batch body) and headers.
+- ``kvstore.wire.errors``: one status per error class, the JSON error body, and back.
+- ``kvstore.wire.flight``: the Arrow Flight medium's schemas, tickets and error details.
+- ``kvstore.wire.lmcache``: LMCache's ``lm://`` messages and key strings.
+
+Nothing here does I/O or imports the store, the tiers, the server or the SDK.
+"""
