@@ -25,16 +25,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
+from kvstore.core import EngineCore
 from kvstore.errors import FrameError, InvalidKV, TierError
 from kvstore.placement import MoveOrder
-from kvstore.shared import Replica
-
-if TYPE_CHECKING:  # the store owns the mover; this is for type names only
-    from kvstore.store import KVStore
+from kvstore.shared import Replica, SharedTier
 
 __all__ = ["Mover"]
 
@@ -42,11 +40,19 @@ log = logging.getLogger("kvstore.mover")
 
 
 class Mover:
-    """Executes ``MoveOrder``s for one store; optionally in a background thread."""
+    """Executes ``MoveOrder``s for one store; optionally in a background thread.
 
-    def __init__(self, store: "KVStore", *, on_move: Callable[[MoveOrder, int], None] | None = None) -> None:
-        self._store = store
-        self._placement = store.placement
+    Args:
+        core: the store's engine core (index, tiers, codecs).
+        shared: the store's shared tier, if it has one: moves into and out of it copy.
+        on_move: told of every move done, with the frame's new size.
+    """
+
+    def __init__(self, core: EngineCore, shared: SharedTier | None, *,
+                 on_move: Callable[[MoveOrder, int], None] | None = None) -> None:
+        self._core = core
+        self._shared = shared
+        self._placement = core.placement
         self._on_move = on_move
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -63,8 +69,8 @@ class Mover:
         one we read. So a concurrent put, delete or move of the same key either
         wins outright or finds the move complete; it never sees a half.
         """
-        store, index = self._store, self._store._index
-        entry = index.get(order.key)
+        core = self._core
+        entry = core.entry(order.key)
         if entry is None:
             self._placement.removed(order.key)
             return False
@@ -72,14 +78,14 @@ class Mover:
             self._placement.admitted(order.key, entry.tier, entry.size, access=False, depth=entry.depth)
             return False
         if order.dst is None:
-            with index.claim(order.key):
-                if self._placement.is_held(order.key) or index.remove(order.key, expected=entry) is None:
+            with core.claim(order.key):
+                if self._placement.is_held(order.key) or core.unpublish(order.key, expected=entry) is None:
                     return False
-                store._delete_frame(entry)
+                core.delete_frame(entry)
                 self._done(order, 0)
             return True
-        src, dst = store._by_name[order.src], store._by_name[order.dst]
-        shared = store._shared
+        src, dst = core.tier(order.src), core.tier(order.dst)
+        shared = self._shared
         to_shared = shared is not None and dst.name == shared.name
         if to_shared and shared.replica(order.key) is not None:
             return self._commit(entry, order, None)  # already there (write-through): switch, copy nothing
@@ -89,13 +95,13 @@ class Mover:
             log.warning("move of %s: tier %s failed a get (%s)", order.key.hex(), src.name, exc)
             return False
         if frame is None:
-            store._drop(entry, corrupt=False)
+            core.drop(entry, corrupt=False)
             return False
         try:
-            frame, codec, checksum = self._recode(frame, entry.codec, store._codecs[dst.name])
+            frame, codec, checksum = self._recode(frame, entry.codec, core.codec_of(dst.name))
         except (FrameError, InvalidKV) as exc:
             log.warning("move of %s: frame in %s is damaged (%s); dropped", order.key.hex(), src.name, exc)
-            store._drop(entry, corrupt=True)
+            core.drop(entry, corrupt=True)
             return False
         self._make_room(dst, len(frame), depth)  # outside the claim: it moves other keys
         return self._commit(entry, order, (frame, codec, checksum))
@@ -103,11 +109,11 @@ class Mover:
     def _commit(self, entry, order: MoveOrder, copy: tuple | None) -> bool:
         """Under the key's claim: write ``copy`` to the destination (None: use the shared
         replica), switch the index, drop the source, record the move."""
-        store, index, shared = self._store, self._store._index, self._store._shared
-        src, dst = store._by_name[order.src], store._by_name[order.dst]
+        core, shared = self._core, self._shared
+        src, dst = core.tier(order.src), core.tier(order.dst)
         leaving_shared = shared is not None and src.name == shared.name
-        with index.claim(order.key):
-            if index.get(order.key) is not entry:  # rewritten, moved or deleted meanwhile: it wins
+        with core.claim(order.key):
+            if core.entry(order.key) is not entry:  # rewritten, moved or deleted meanwhile: it wins
                 return False
             if self._downward(order) and self._placement.is_held(order.key):
                 return False  # pinned or leased since the order was planned
@@ -130,7 +136,7 @@ class Mover:
             # Other nodes read the shared tier: leaving it is a copy, never a delete.
             if leaving_shared:
                 shared.remember(order.key, Replica(entry.size, entry.codec, entry.checksum))
-            index.add(replace(entry, tier=dst.name, size=size, codec=codec, checksum=checksum))
+            core.switch(replace(entry, tier=dst.name, size=size, codec=codec, checksum=checksum))
             if not leaving_shared:
                 self._delete_quietly(src, order.key)
             self._done(order, size)
@@ -138,11 +144,11 @@ class Mover:
 
     def _downward(self, order: MoveOrder) -> bool:
         """A placement demotion (an operator's migrate may move held blocks; pins stop placement only)."""
-        names = [t.name for t in self._store._tiers]
+        names = self._core.tier_names
         return not order.reason.startswith("migrated") and names.index(order.dst) > names.index(order.src)
 
     def _make_room(self, dst, nbytes: int, depth: int) -> None:
-        if depth < len(self._store._tiers):
+        if depth < len(self._core.tier_names):
             for sub in self._placement.make_room(dst.name, nbytes):
                 self.execute(sub, depth=depth + 1)
 
@@ -198,7 +204,7 @@ class Mover:
             except Exception:  # keep moving next round; a bug here must not kill placement
                 log.exception("placement round failed")
             # a store that closed mid-round has cleared its index; nothing more to do
-            if self._store._closed:
+            if self._core.closed:
                 return
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -17,14 +17,10 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from kvstore import codec as codec_mod
+from kvstore.core import EngineCore
 from kvstore.errors import FrameError, TierError
 from kvstore.index import IndexEntry
-
-if TYPE_CHECKING:
-    from kvstore.store import KVStore
 
 __all__ = ["recover", "entry_from_frame", "entry_from_head", "RecoveryReport"]
 
@@ -85,11 +81,11 @@ def entry_from_head(key: bytes, tier: str, head, length: int, now_s: float) -> I
                       created_s=now_s, last_access_s=now_s)
 
 
-def recover(store: "KVStore") -> RecoveryReport:
-    """Index every frame in ``store``'s durable, private tiers (fastest first)."""
+def recover(core: EngineCore) -> RecoveryReport:
+    """Index every frame in the store's durable, private tiers (fastest first)."""
     report = RecoveryReport()
     now = time.time()
-    for tier in store._tiers:
+    for tier in core.tiers:
         if not tier.durable or tier.shared:
             continue
         try:
@@ -98,7 +94,7 @@ def recover(store: "KVStore") -> RecoveryReport:
             log.warning("recovery: tier %s cannot list its keys (%s); skipped", tier.name, exc)
             continue
         for key in keys:
-            if store._index.get(key) is not None:  # a faster tier has it: a move was cut short
+            if core.entry(key) is not None:  # a faster tier has it: a move was cut short
                 try:
                     tier.delete(key)
                     report.duplicates_removed += 1
@@ -116,8 +112,7 @@ def recover(store: "KVStore") -> RecoveryReport:
                 log.warning("recovery: %s in %s is unreadable (%s); left alone", key.hex(), tier.name, exc)
                 report.unreadable += 1
                 continue
-            store._index.add(entry)
-            store.placement.admitted(key, tier.name, entry.size, access=False, depth=entry.depth)
+            core.publish(entry, access=False)
             report.entries += 1
     if report.entries or report.duplicates_removed or report.unreadable:
         log.info("recovery: %s", report)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
+from kvstore.core import EngineCore
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, TierError
 from kvstore.index import IndexEntry
 from kvstore.recovery import entry_from_frame
@@ -36,8 +37,6 @@ from kvstore.tier import Tier
 
 if TYPE_CHECKING:
     import torch
-
-    from kvstore.store import KVStore
 
 __all__ = ["WritePolicy", "Replica", "SharedTier", "WRITE_POLICIES"]
 
@@ -73,8 +72,8 @@ class Replica:
 class SharedTier:
     """The store's handle on its shared tier: adoption, write policy, replicas."""
 
-    def __init__(self, store: "KVStore", tier: Tier, policy: WritePolicy) -> None:
-        self.store = store
+    def __init__(self, core: EngineCore, tier: Tier, policy: WritePolicy) -> None:
+        self._core = core
         self.tier = tier
         self.name = tier.name
         self.policy = policy
@@ -125,7 +124,7 @@ class SharedTier:
     def replicate(self, entry: IndexEntry) -> bool:
         """Copy ``entry``'s frame from its tier to the shared tier (selective policy)."""
         try:
-            frame = self.store._by_name[entry.tier].get(entry.key)
+            frame = self._core.tier(entry.tier).get(entry.key)
             if frame is None:
                 return False
             kv = codec_mod.decode(frame, expect_checksum=entry.checksum)
@@ -135,7 +134,7 @@ class SharedTier:
             return False
 
     def _copy(self, key: bytes, block: "torch.Tensor", meta: bytes) -> bool:
-        codec = self.store._codecs[self.name]
+        codec = self._core.codec_of(self.name)
         headers: list[codec_mod.FrameHeader] = []
 
         def writer(view: memoryview, codec: Codec) -> int:
@@ -154,7 +153,7 @@ class SharedTier:
             except InvalidKV:  # int8 cannot hold this block: share it raw
                 n = put(Codec.RAW)
         except TierError as exc:  # the shared tier is a copy: losing it degrades, never fails, a put
-            self.store._count(tier_errors=1)
+            self._core.count(tier_errors=1)
             log.warning("write-through of %s to %s failed: %s", key.hex(), self.name, exc)
             return False
         self.remember(key, Replica(n, headers[-1].codec, headers[-1].body_checksum))
@@ -196,13 +195,12 @@ class SharedTier:
             return None
         if entry.namespace != namespace or entry.spec_fp != spec_fp:
             return None  # cannot happen short of a hash collision; never serve it
-        store = self.store
-        with store._index.claim(key):
-            current = store._index.get(key)
+        core = self._core
+        with core.claim(key):
+            current = core.entry(key)
             if current is not None:
                 return current, None
-            store._index.add(entry)
-            store.placement.admitted(key, self.name, entry.size, depth=entry.depth)
+            core.publish(entry)
         self.remember(key, Replica(entry.size, entry.codec, entry.checksum))
         with self._lock:
             self.blocks_adopted += 1

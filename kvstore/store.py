@@ -14,7 +14,6 @@ tokens, never wrong KV.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from contextlib import contextmanager
@@ -33,10 +32,13 @@ from kvstore.errors import (
     TierError,
     TierFull,
 )
-from kvstore.index import Index, IndexEntry
+from kvstore.core import EngineCore, StoreCounters, is_current
+from kvstore.index import IndexEntry
 from kvstore.memory.buffers import Scratch
 from kvstore.heat import Scorer
 from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
+from kvstore.mover import Mover
+from kvstore.recovery import entry_from_frame, entry_from_head, recover
 from kvstore.shared import SharedTier, WritePolicy, find_shared
 from kvstore.keys import BlockHash, block_hashes, block_meta, check_key, iter_block_hashes, normalize_tokens
 from kvstore.spec import KVSpec
@@ -45,36 +47,6 @@ from kvstore.tier import FrameWriter, Tier, TierStats
 __all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
 
 log = logging.getLogger("kvstore.store")
-
-
-@dataclass(slots=True)
-class StoreCounters:
-    """What the store did since it started."""
-
-    put_calls: int = 0
-    get_calls: int = 0
-    lookup_calls: int = 0
-    blocks_written: int = 0
-    blocks_deduped: int = 0
-    """Blocks a put found already stored and did not write again."""
-    blocks_deleted: int = 0
-    tokens_requested: int = 0
-    """Full-block tokens asked for by get_kv."""
-    tokens_hit: int = 0
-    corrupt_blocks: int = 0
-    """Frames that failed verification on read; dropped and served as misses."""
-    stale_blocks: int = 0
-    """Index entries whose frame the tier no longer had; dropped."""
-    tier_errors: int = 0
-    blocks_promoted: int = 0
-    blocks_demoted: int = 0
-    blocks_evicted: int = 0
-    """Dropped from the last tier by placement."""
-    blocks_migrated: int = 0
-    blocks_adopted: int = 0
-    """Blocks this store served from the shared tier that another node had stored."""
-    blocks_kept_raw: int = 0
-    """Blocks written raw into a tier whose codec could not hold them (NaN or Inf for int8)."""
 
 
 @dataclass(slots=True)
@@ -156,12 +128,10 @@ class KVStore:
         default = Codec.parse(codec)
         kinds = {t.name: _kind(t) for t in tiers}
         cold = {name for name, kind in kinds.items() if kind in COLD_KINDS}
-        self._tiers = tiers
-        self._by_name = {t.name: t for t in tiers}
         self.durable_tiers = frozenset(t.name for t in tiers if t.durable)
         """Names of the tiers whose acknowledged writes survive a crash (``Tier.durable``, as at start)."""
         # Hot tiers keep the store's codec; cold ones hold int8 unless told otherwise.
-        self._codecs = {
+        codecs = {
             t.name: Codec.parse(overrides.get(t.name, Codec.INT8 if t.name in cold and default is Codec.RAW else default))
             for t in tiers
         }
@@ -169,11 +139,7 @@ class KVStore:
         # by design: the top tier, or the next one (admission). A put that falls
         # through to a cold tier, and a demotion, keep such a block raw instead.
         # The scan costs 2 ms per 32 MiB; a raw top tier does not need it.
-        self._put_codecs_lossy = any(self._codecs[t.name] is not Codec.RAW for t in tiers[:2])
-        self._index = Index()
-        self._counters = StoreCounters()
-        self._counter_lock = threading.Lock()
-        self._closed = False
+        self._put_codecs_lossy = any(codecs[t.name] is not Codec.RAW for t in tiers[:2])
         policies = dict(tier_policies or {})
         unknown = sorted(set(policies) - set(names))
         if unknown:
@@ -182,14 +148,14 @@ class KVStore:
             [TierPolicy(t.name, t.capacity_bytes, cold=t.name in cold, **policies.get(t.name, {})) for t in tiers],
             scorer=scorer, config=placement,
         )
+        # One core owns the index; the mover, the shared tier and recovery get it explicitly.
+        self._core = core = EngineCore(tiers, codecs, self.placement)
         policy = write_policy if isinstance(write_policy, WritePolicy) else WritePolicy(str(write_policy))
         shared = find_shared(tiers)
-        self._shared = SharedTier(self, shared, policy) if shared is not None else None
-        from kvstore.mover import Mover  # the mover reads store internals; imported late to keep one direction
-        from kvstore.recovery import recover
-
-        self._mover = Mover(self, on_move=self._moved)
-        self.recovered = recover(self)
+        self._shared = SharedTier(core, shared, policy) if shared is not None else None
+        core.shared = self._shared
+        self._mover = Mover(core, self._shared, on_move=self._moved)
+        self.recovered = recover(core)
         if background:
             self._mover.start()
 
@@ -197,7 +163,7 @@ class KVStore:
 
     @property
     def tiers(self) -> list[Tier]:
-        return list(self._tiers)
+        return self._core.tiers
 
     def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, namespace: str = "default") -> int:
         """Store the KV of every full block of ``tokens``.
@@ -222,7 +188,7 @@ class KVStore:
         n_blocks = spec.full_blocks(len(toks))
         kv = spec.validate_kv(kv, min_tokens=n_blocks * spec.block_tokens)
         keys = block_hashes(spec, toks, namespace)
-        self._count(put_calls=1)
+        self._core.count(put_calls=1)
         if not keys:
             return 0
         if self._put_codecs_lossy:  # a put writes where int8 is the codec: refuse before storing anything
@@ -232,26 +198,25 @@ class KVStore:
         held: list[BlockHash] = []  # this call's blocks: making room must not push out the chain being written
         try:
             for i, key in enumerate(keys):
-                if _is_current(self._index.get(key), namespace, spec_fp):
-                    self._count(blocks_deduped=1)
+                if is_current(self._core.entry(key), namespace, spec_fp):
+                    self._core.count(blocks_deduped=1)
                     self.placement.accessed([key])  # a shared prefix written again is in use
                     if self.placement.lease(key):
                         held.append(key)
                     continue
                 block = kv[:, :, :, i * bt : (i + 1) * bt]
                 first = self._make_room(block)  # outside any claim: it moves other keys, which claims them
-                with self._index.claim(key):
-                    if _is_current(self._index.get(key), namespace, spec_fp):  # written while we waited
-                        self._count(blocks_deduped=1)
+                with self._core.claim(key):
+                    if is_current(self._core.entry(key), namespace, spec_fp):  # written while we waited
+                        self._core.count(blocks_deduped=1)
                         continue
                     entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt, first=first)
-                    self._index.add(entry)
-                    self.placement.admitted(key, entry.tier, entry.size, depth=i, now=heat_now)
+                    self._core.publish(entry, now=heat_now)
                     if self._shared is not None:
                         self._shared.after_put(entry, block, block_meta(namespace, spec_fp, i))
                     if self.placement.lease(key):
                         held.append(key)
-                self._count(blocks_written=1)
+                self._core.count(blocks_written=1)
         finally:
             for key in held:
                 self.placement.release(key)
@@ -282,20 +247,20 @@ class KVStore:
             if out.device.type != "cpu" or out.requires_grad:
                 # checked here: a decode refusing ``out`` must not look like a damaged frame
                 raise InvalidKV(f"out must be a CPU tensor without grad, got {out.device} grad={out.requires_grad}")
-        self._count(get_calls=1, tokens_requested=spec.full_blocks(len(toks)) * spec.block_tokens)
+        self._core.count(get_calls=1, tokens_requested=spec.full_blocks(len(toks)) * spec.block_tokens)
         spec_fp = spec.fingerprint()
         found: list[tuple[BlockHash, IndexEntry]] = []
         adopted: dict[BlockHash, Any] = {}  # frames just read from the shared tier: not read twice
         for key in iter_block_hashes(spec, toks, namespace):
-            entry = self._index.get(key)
-            if not _is_current(entry, namespace, spec_fp):
+            entry = self._core.entry(key)
+            if not is_current(entry, namespace, spec_fp):
                 got = self._shared.adopt(key, namespace, spec_fp) if self._shared is not None else None
-                if got is None or not _is_current(got[0], namespace, spec_fp):
+                if got is None or not is_current(got[0], namespace, spec_fp):
                     break
                 entry, frame = got
                 if frame is not None:
                     adopted[key] = frame
-                    self._count(blocks_adopted=1)
+                    self._core.count(blocks_adopted=1)
             found.append((key, entry))
         bt = spec.block_tokens
         given = out is not None
@@ -310,13 +275,13 @@ class KVStore:
                 n = len(memoryview(frame).cast("B"))
                 scratch[:n] = memoryview(frame).cast("B")
             else:
-                n = self._read_into(entry, scratch)
+                n = self._core.read_into(entry, scratch)
             if n is None:  # moved between our index read and the copy: look once more
-                again = self._index.get(key)
-                if again is None or again is entry or not _is_current(again, namespace, spec_fp):
+                again = self._core.entry(key)
+                if again is None or again is entry or not is_current(again, namespace, spec_fp):
                     break
                 entry = again
-                n = self._read_into(entry, scratch)
+                n = self._core.read_into(entry, scratch)
                 if n is None:
                     break
             try:
@@ -324,16 +289,15 @@ class KVStore:
                 codec_mod.decode(scratch[:n], out=out[:, :, :, i * bt : (i + 1) * bt], expect_checksum=entry.checksum)
             except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
                 log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(), entry.tier, exc)
-                self._drop(entry, corrupt=True)
+                self._core.drop(entry, corrupt=True)
                 break
             good += 1
         hits = [key for key, _ in found[:good]]
-        self._index.touch(hits, time.time())
-        self.placement.accessed(hits)
+        self._core.touch(hits)
         if self._shared is not None:
             for entry in self._shared.after_hits([e for _, e in found[:good]]):
                 self._shared.replicate(entry)
-        self._count(tokens_hit=good * bt)
+        self._core.count(tokens_hit=good * bt)
         if good * bt < out.shape[3]:
             out = out[:, :, :, : good * bt] if given else out[:, :, :, : good * bt].clone()
         return out, good * bt
@@ -346,12 +310,12 @@ class KVStore:
         """
         self._check_open()
         spec = _check_spec(spec)
-        self._count(lookup_calls=1)
+        self._core.count(lookup_calls=1)
         spec_fp = spec.fingerprint()
         keys = block_hashes(spec, tokens, namespace)
         n = 0
         for key in keys:
-            if not _is_current(self._index.get(key), namespace, spec_fp):
+            if not is_current(self._core.entry(key), namespace, spec_fp):
                 break
             n += 1
         if n < len(keys) and self._shared is not None:  # other nodes may have stored the rest
@@ -376,8 +340,8 @@ class KVStore:
         spec_fp = spec.fingerprint()
         n = 0
         for key in block_hashes(spec, tokens, namespace):
-            entry = self._index.get(key)
-            if not _is_current(entry, namespace, spec_fp) or entry.tier not in self.durable_tiers:
+            entry = self._core.entry(key)
+            if not is_current(entry, namespace, spec_fp) or entry.tier not in self.durable_tiers:
                 break
             n += 1
         return n * spec.block_tokens
@@ -393,8 +357,8 @@ class KVStore:
         spec_fp = spec.fingerprint()
         removed = 0
         for key in block_hashes(spec, tokens, namespace):
-            if _is_current(self._index.get(key), namespace, spec_fp):
-                removed += self._delete_key(key)
+            if is_current(self._core.entry(key), namespace, spec_fp):
+                removed += self._core.delete_key(key)
         return removed
 
     def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
@@ -404,25 +368,34 @@ class KVStore:
             checked = [check_key(key) for key in keys]  # all or nothing: validate before deleting
         except TypeError as exc:
             raise InvalidInput(f"keys must be a list of 32-byte block keys: {exc}") from exc
-        return sum(self._delete_key(key) for key in checked)
+        return sum(self._core.delete_key(key) for key in checked)
+
+    def codec_of(self, tier: str) -> Codec:
+        """The codec new frames get in ``tier`` (cold tiers default to int8).
+
+        Raises:
+            InvalidInput: an unknown tier.
+        """
+        self._core.tier(tier)
+        return self._core.codec_of(tier)
 
     def entry(self, key: BlockHash) -> IndexEntry | None:
         """The index entry of ``key`` (a live object: read, do not change)."""
-        return self._index.get(check_key(key))
+        return self._core.entry(check_key(key))
 
     def entries_of(self, keys: Sequence[BlockHash]) -> list[IndexEntry | None]:
         """``entry`` for each key, read in one pass over the index."""
-        return self._index.get_many([check_key(key) for key in keys])
+        return self._core.entries_of([check_key(key) for key in keys])
 
     def entries(self) -> list[IndexEntry]:
         """Copies of every index entry."""
-        return self._index.snapshot()
+        return self._core.snapshot()
 
     # -- for services that read and write frames themselves ---------------------------
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._core.closed
 
     def touch(self, keys: Sequence[BlockHash], counts: Sequence[int] | None = None, *, tally: bool = True) -> None:
         """Count reads that bypassed ``get_kv`` (a co-located client, a block route) as accesses.
@@ -435,22 +408,21 @@ class KVStore:
         keys = list(keys)
         if counts is not None and len(counts) != len(keys):
             raise InvalidInput(f"touch: {len(counts)} counts for {len(keys)} keys")
-        self._index.touch(keys, time.time(), counts, tally=tally)
-        self.placement.accessed(keys, counts)
+        self._core.touch(keys, counts, tally=tally)
 
     def drop_entry(self, entry: IndexEntry, *, corrupt: bool) -> None:
         """Unpublish a block a reader outside ``get_kv`` found damaged (``corrupt``: its frame is
         deleted, counted in ``corrupt_blocks``) or gone from its tier (``stale_blocks``), as
         ``get_kv`` does with its own; a block rewritten meanwhile is left alone."""
-        self._drop(entry, corrupt=corrupt)
+        self._core.drop(entry, corrupt=corrupt)
 
     def count_lookup(self) -> None:
         """Count a lookup a service answered from its own index walk."""
-        self._count(lookup_calls=1)
+        self._core.count(lookup_calls=1)
 
     def count_get(self, tokens_requested: int, tokens_hit: int, calls: int = 1) -> None:
         """Count gets a service served without ``get_kv`` (e.g. through shm handles)."""
-        self._count(get_calls=calls, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
+        self._core.count(get_calls=calls, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
 
     def put_frame(self, key: BlockHash, frame: Any, namespace: str, *, make_room: bool = False) -> IndexEntry:
         """Store an already encoded frame under ``key``, in the first tier with room.
@@ -468,8 +440,6 @@ class KVStore:
             InvalidInput: its namespace is not ``namespace``.
             TierFull: no tier has room. TierError: every tier with room failed.
         """
-        from kvstore.recovery import entry_from_frame
-
         self._check_open()
         key = check_key(key)
         probe = entry_from_frame(key, "", frame, time.time())
@@ -481,8 +451,8 @@ class KVStore:
             tier.put(key, frame)
             return replace(probe, tier=tier.name)
 
-        with self._index.claim(key):
-            old = self._index.get(key)
+        with self._core.claim(key):
+            old = self._core.entry(key)
             if old is not None and (old.namespace != namespace or old.checksum == probe.checksum):
                 return old
             return self._publish_frame(key, old, first, probe.size, write, lambda: frame, lambda: False)
@@ -512,8 +482,6 @@ class KVStore:
             FrameError, InvalidInput: the frame is not a kvstore frame of ``namespace``.
             TierFull: no tier has room. TierError: the tier failed.
         """
-        from kvstore.recovery import entry_from_head
-
         self._check_open()
         key = check_key(key)
         first = self._room_for(size) if make_room else 0
@@ -534,18 +502,18 @@ class KVStore:
             return written.entry
 
         def frame_of() -> Any:  # for write-through only
-            return self._by_name[written.entry.tier].get(key) if written.entry is not None else None
+            return self._core.tier(written.entry.tier).get(key) if written.entry is not None else None
 
         old: IndexEntry | None = None
         try:
-            with self._index.claim(key):
-                old = self._index.get(key)
+            with self._core.claim(key):
+                old = self._core.entry(key)
                 if old is not None and old.namespace != namespace:
                     raise InvalidInput(f"key {key.hex()} belongs to another namespace")
                 return self._publish_frame(key, old, first, size, write, frame_of, lambda: written.started)
         except BaseException:
-            if old is not None and written.entry is None and not self._by_name[old.tier].contains(key):
-                self._drop(old, corrupt=False)  # outside the claim: _drop takes it
+            if old is not None and written.entry is None and not self._core.tier(old.tier).contains(key):
+                self._core.drop(old, corrupt=False)  # outside the claim: _drop takes it
             raise
 
     def _publish_frame(self, key: BlockHash, old: IndexEntry | None, first: int, size: int,
@@ -554,7 +522,7 @@ class KVStore:
         """Under ``key``'s claim: ``write`` the frame into the first tier from ``first`` that takes
         it, then index it. A failure once ``committed()`` says the bytes are spent is raised."""
         failure: TierError | None = None
-        for tier in self._tiers[first:]:
+        for tier in self._core.tiers[first:]:
             try:
                 entry = write(tier)
             except TierFull as exc:
@@ -563,16 +531,15 @@ class KVStore:
                 failure = failure or exc
                 continue
             except TierError as exc:
-                self._count(tier_errors=1)
+                self._core.count(tier_errors=1)
                 if committed():
                     raise
                 log.warning("tier %s failed a frame put (%s); trying the next", tier.name, exc)
                 failure = exc
                 continue
-            self._index.add(entry)
+            self._core.publish(entry)
             if old is not None and old.tier != tier.name:
-                self._delete_frame(old)
-            self.placement.admitted(key, tier.name, entry.size, depth=entry.depth)
+                self._core.delete_frame(old)
             if self._shared is not None and self._shared.policy.mode == "write_through" \
                     and tier.name != self._shared.name:
                 try:  # the shared tier holds a copy: losing it degrades, never fails, a put that is stored
@@ -581,7 +548,7 @@ class KVStore:
                         self._shared.after_put(entry, codec_mod.decode(frame), codec_mod.frame_meta(frame))
                 except (FrameError, TierError) as exc:
                     log.warning("write-through of %s failed: %s", key.hex(), exc)
-            self._count(blocks_written=1)
+            self._core.count(blocks_written=1)
             return entry
         if isinstance(failure, TierError) and not isinstance(failure, TierFull):
             raise failure
@@ -619,7 +586,7 @@ class KVStore:
 
     def explain(self, key: BlockHash) -> dict[str, Any] | None:
         """Where a block is, what it is, how hot, its pins and its last moves; None if absent."""
-        entry = self._index.get(check_key(key))
+        entry = self._core.entry(check_key(key))
         if entry is None:
             return None
         info = self.placement.explain(key) or {}
@@ -635,9 +602,8 @@ class KVStore:
             InvalidInput: an unknown tier.
         """
         self._check_open()
-        if tier not in self._by_name:
-            raise InvalidInput(f"unknown tier {tier!r}; tiers are {[t.name for t in self._tiers]}")
-        entry = self._index.get(check_key(key))
+        self._core.tier(tier)  # InvalidInput naming the tiers when there is no such tier
+        entry = self._core.entry(check_key(key))
         if entry is None or entry.tier == tier:
             return False
         return self._mover.execute(MoveOrder(key, entry.tier, tier, entry.size, reason))
@@ -658,7 +624,7 @@ class KVStore:
         spec_fp = spec.fingerprint()
         keys = []
         for key in iter_block_hashes(spec, tokens, namespace):
-            if not _is_current(self._index.get(key), namespace, spec_fp):
+            if not is_current(self._core.entry(key), namespace, spec_fp):
                 break
             keys.append(key)
         return keys
@@ -669,8 +635,8 @@ class KVStore:
         Returns:
             The index of that tier; the write falls through to slower tiers if it is still full.
         """
-        top = self._tiers[0]
-        return self._room_for(codec_mod.frame_size(block.shape, block.dtype, self._codecs[top.name],
+        top = self._core.tiers[0]
+        return self._room_for(codec_mod.frame_size(block.shape, block.dtype, self._core.codec_of(top.name),
                                                    meta_len=_META_BUDGET))
 
     def _room_for(self, size: int) -> int:
@@ -678,42 +644,39 @@ class KVStore:
         target = self.placement.place_new(size)
         for order in self.placement.make_room(target, size):
             self._mover.execute(order)
-        return next(i for i, t in enumerate(self._tiers) if t.name == target)
+        return self._core.tier_names.index(target)
 
     def _moved(self, order: MoveOrder, new_size: int) -> None:
-        self._count(**{f"blocks_{order.reason.split(':', 1)[0]}": 1})
+        self._core.count(**{f"blocks_{order.reason.split(':', 1)[0]}": 1})
 
     def stats(self) -> StoreStats:
-        blocks, frame_bytes, raw_bytes = self._index.totals()
-        with self._counter_lock:
-            counters = StoreCounters(**asdict(self._counters))
+        blocks, frame_bytes, raw_bytes = self._core.totals()
+        counters = self._core.counters()
         return StoreStats(
             blocks=blocks,
             frame_bytes=frame_bytes,
             raw_bytes=raw_bytes,
             codec_bytes_saved=raw_bytes - frame_bytes,
             counters=counters,
-            tiers=[t.stats() for t in self._tiers],
+            tiers=[t.stats() for t in self._core.tiers],
             moves=self.placement.counters(),
             heat=self.placement.scorer_state(),
             shared=self._shared.stats() if self._shared is not None else {},
-            reads_by_tier=self._index.reads_by_tier(),
+            reads_by_tier=self._core.reads_by_tier(),
         )
 
     def read_counters(self) -> tuple[StoreCounters, dict[str, int]]:
         """The counters and block reads by tier, without asking any tier (cheap: for sampling)."""
-        with self._counter_lock:
-            counters = StoreCounters(**asdict(self._counters))
-        return counters, self._index.reads_by_tier()
+        return self._core.counters(), self._core.reads_by_tier()
 
     def close(self) -> None:
         """Close every tier. Idempotent; the store refuses calls afterwards."""
-        if self._closed:
+        if self._core.closed:
             return
         self._mover.stop()  # no move may start against tiers that are closing
-        self._closed = True
-        self._index.clear()
-        for tier in self._tiers:
+        self._core.closed = True
+        self._core.clear()
+        for tier in self._core.tiers:
             try:
                 tier.close()
             except TierError as exc:  # close the rest regardless
@@ -737,8 +700,8 @@ class KVStore:
         """
         meta = block_meta(namespace, spec_fp, depth)
         failure: TierError | None = None
-        for tier in self._tiers[first:]:
-            codec = self._codecs[tier.name]
+        for tier in self._core.tiers[first:]:
+            codec = self._core.codec_of(tier.name)
             try:
                 try:
                     n, header = _encode_into_tier(tier, key, block, codec, meta)
@@ -747,12 +710,12 @@ class KVStore:
                         raise
                     # int8 cannot hold it (NaN or Inf): keep it exact, as a demotion would
                     n, header = _encode_into_tier(tier, key, block, Codec.RAW, meta)
-                    self._count(blocks_kept_raw=1)
+                    self._core.count(blocks_kept_raw=1)
             except TierFull as exc:
                 failure = failure or exc
                 continue
             except TierError as exc:  # down or failing: degrade to the next tier
-                self._count(tier_errors=1)
+                self._core.count(tier_errors=1)
                 log.warning("tier %s failed a put (%s); trying the next tier", tier.name, exc)
                 failure = exc if failure is None or isinstance(failure, TierFull) else failure
                 continue
@@ -763,68 +726,14 @@ class KVStore:
             )
         if isinstance(failure, TierFull) or failure is None:
             raise TierFull(
-                f"no tier has room for a block ({', '.join(t.name for t in self._tiers)} are full); "
+                f"no tier has room for a block ({', '.join(self._core.tier_names)} are full); "
                 f"{stored_tokens} tokens are stored",
                 stored_tokens=stored_tokens,
             ) from failure
         raise failure
 
-    def _read_into(self, entry: IndexEntry, out: memoryview) -> int | None:
-        """Copy ``entry``'s frame into ``out``; ``None`` (and the entry dropped) when it is gone."""
-        tier = self._by_name[entry.tier]
-        try:
-            n = tier.get_into(entry.key, out)
-        except InvalidInput:  # the frame outgrew what the index recorded: not the frame indexed
-            self._drop(entry, corrupt=True)
-            return None
-        except TierError as exc:
-            self._count(tier_errors=1)
-            log.warning("tier %s failed a get (%s); served as a miss", tier.name, exc)
-            return None
-        if n is None:
-            self._drop(entry, corrupt=False)
-        return n
-
-    def _drop(self, entry: IndexEntry, *, corrupt: bool) -> None:
-        """Unpublish a block found gone or damaged, unless it was rewritten meanwhile."""
-        with self._index.claim(entry.key):
-            if self._index.remove(entry.key, expected=entry) is None:
-                return
-            self.placement.removed(entry.key)
-            if self._shared is not None and entry.tier == self._shared.name:
-                self._shared.forget(entry.key)
-            self._count(**{"corrupt_blocks" if corrupt else "stale_blocks": 1})
-            if corrupt:
-                self._delete_frame(entry)
-
-    def _delete_key(self, key: BlockHash) -> int:
-        with self._index.claim(key):
-            entry = self._index.remove(key)  # unpublish first, then delete the data
-            if entry is None:
-                return 0
-            self.placement.removed(key)
-            self._delete_frame(entry)
-            if self._shared is not None:
-                self._shared.delete(key)
-        self._count(blocks_deleted=1)
-        return 1
-
-    def _delete_frame(self, entry: IndexEntry) -> None:
-        if self._shared is not None and entry.tier == self._shared.name:
-            self._shared.forget(entry.key)  # the copy other nodes read is going: forget we had one
-        try:
-            self._by_name[entry.tier].delete(entry.key)
-        except TierError as exc:  # unreachable now; the index no longer serves it
-            self._count(tier_errors=1)
-            log.warning("tier %s failed to delete %s: %s", entry.tier, entry.key.hex(), exc)
-
-    def _count(self, **deltas: int) -> None:
-        with self._counter_lock:
-            for name, delta in deltas.items():
-                setattr(self._counters, name, getattr(self._counters, name) + delta)
-
     def _check_open(self) -> None:
-        if self._closed:
+        if self._core.closed:
             raise StoreClosed("the store is closed")
 
 
@@ -873,11 +782,6 @@ def _check_spec(spec: Any) -> KVSpec:
     if not isinstance(spec, KVSpec):
         raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
     return spec
-
-
-def _is_current(entry: IndexEntry | None, namespace: str, spec_fp: str) -> bool:
-    """A key matches only under the namespace and spec it was written with."""
-    return entry is not None and entry.namespace == namespace and entry.spec_fp == spec_fp
 
 
 def _encode_into_tier(tier: Tier, key: BlockHash, block: torch.Tensor, codec: Codec,

@@ -80,7 +80,7 @@ def test_a_move_back_racing_the_source_delete_loses_nothing():
     s.migrate(key, "cold")
     hot.join()
     entry = s.entry(key)
-    assert s._by_name[entry.tier].contains(key)
+    assert next(t for t in s.tiers if t.name == entry.tier).contains(key)
     got, n = s.get_kv(SPEC, TOKENS)
     assert n == 16 and torch.equal(got, kv)
     assert s.placement.tier_of(key) == entry.tier

@@ -90,7 +90,7 @@ def test_an_entry_under_another_namespace_is_a_miss(store, spec):
     kv = make_kv(spec, 32)
     store.put_kv(spec, TOKENS[:32], kv, namespace="tenant-a")
     key = block_hashes(spec, TOKENS[:32], "tenant-a")[0]
-    store._index.get(key).namespace = "tenant-b"  # simulate a poisoned entry
+    store.entry(key).namespace = "tenant-b"  # simulate a poisoned entry (the live entry)
     assert store.lookup(spec, TOKENS[:32], namespace="tenant-a") == 0
     assert store.get_kv(spec, TOKENS[:32], namespace="tenant-a")[1] == 0
 
@@ -313,7 +313,7 @@ def test_settings_from_env(monkeypatch):
     monkeypatch.setenv("KVSTORE_CODEC", "int8")
     with EmbeddedStore() as store:
         assert store.tiers[0].capacity_bytes == 3 * MiB
-        assert store._codecs["memory"] is Codec.INT8
+        assert store.codec_of("memory") is Codec.INT8
     monkeypatch.setenv("KVSTORE_MEMORY_BYTES", "lots")
     with pytest.raises(InvalidInput, match="KVSTORE_MEMORY_BYTES"):
         EmbeddedStore()

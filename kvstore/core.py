@@ -1,0 +1,268 @@
+"""The engine core: the state the engine's parts share, and the one owner of the index.
+
+``KVStore`` (the facade), the mover, the shared tier and recovery all work on
+the same index, tiers, codecs and counters. They get this object, passed to
+them explicitly, and change that state only through its methods: nothing else
+holds the index, so every change to it is one of the few here, and each takes
+the key's claim (``Index.claim``) the same way.
+
+Who calls what:
+
+- publishing: ``publish`` (a new frame: index it, tell placement) and
+  ``switch`` (a moved frame, under the key's claim);
+- removing: ``unpublish`` (under the claim), ``drop`` (a frame found damaged or
+  gone), ``delete_key`` (a delete: the index entry first, then the data) and
+  ``delete_frame``;
+- reading: ``entry``, ``entries_of``, ``current_prefix`` (the one prefix walk),
+  ``read_into``;
+- counting: ``count`` and ``touch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from typing import Protocol, Sequence
+
+from kvstore.codec import Codec
+from kvstore.errors import InvalidInput, TierError
+from kvstore.index import Index, IndexEntry
+from kvstore.keys import BlockHash
+from kvstore.placement import PlacementManager
+from kvstore.tier import Tier
+
+__all__ = ["EngineCore", "StoreCounters", "SharedCopies", "is_current"]
+
+log = logging.getLogger("kvstore.store")
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """What the store did since it started."""
+
+    put_calls: int = 0
+    get_calls: int = 0
+    lookup_calls: int = 0
+    blocks_written: int = 0
+    blocks_deduped: int = 0
+    """Blocks a put found already stored and did not write again."""
+    blocks_deleted: int = 0
+    tokens_requested: int = 0
+    """Full-block tokens asked for by get_kv."""
+    tokens_hit: int = 0
+    corrupt_blocks: int = 0
+    """Frames that failed verification on read; dropped and served as misses."""
+    stale_blocks: int = 0
+    """Index entries whose frame the tier no longer had; dropped."""
+    tier_errors: int = 0
+    blocks_promoted: int = 0
+    blocks_demoted: int = 0
+    blocks_evicted: int = 0
+    """Dropped from the last tier by placement."""
+    blocks_migrated: int = 0
+    blocks_adopted: int = 0
+    """Blocks this store served from the shared tier that another node had stored."""
+    blocks_kept_raw: int = 0
+    """Blocks written raw into a tier whose codec could not hold them (NaN or Inf for int8)."""
+
+
+class SharedCopies(Protocol):
+    """What the core needs of the shared tier (``kvstore.shared.SharedTier``): its copies."""
+
+    name: str
+
+    def forget(self, key: bytes) -> object: ...
+
+    def delete(self, key: bytes) -> None: ...
+
+
+def is_current(entry: IndexEntry | None, namespace: str, spec_fp: str) -> bool:
+    """A key matches only under the namespace and spec it was written with."""
+    return entry is not None and entry.namespace == namespace and entry.spec_fp == spec_fp
+
+
+class EngineCore:
+    """Index, tiers, codecs and counters of one store, and the operations on them.
+
+    Args:
+        tiers: fastest first; names are unique (the facade checks).
+        codecs: the codec of new frames in each tier, by tier name.
+        placement: the store's placement manager, told of every publish and removal.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], codecs: dict[str, Codec], placement: PlacementManager) -> None:
+        self._tiers = list(tiers)
+        self._by_name = {t.name: t for t in self._tiers}
+        self._codecs = dict(codecs)
+        self.placement = placement
+        self._index = Index()
+        self._counters = StoreCounters()
+        self._counter_lock = threading.Lock()
+        self.shared: SharedCopies | None = None
+        """The shared tier's copies, once the facade has built it (None: no shared tier)."""
+        self.closed = False
+
+    # -- tiers --------------------------------------------------------------------------
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self._tiers)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._tiers]
+
+    def tier(self, name: str) -> Tier:
+        """The tier called ``name``.
+
+        Raises:
+            InvalidInput: no such tier.
+        """
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise InvalidInput(f"unknown tier {name!r}; tiers are {self.tier_names}") from None
+
+    def has_tier(self, name: str) -> bool:
+        return name in self._by_name
+
+    def codec_of(self, tier: str) -> Codec:
+        """The codec new frames get in ``tier``."""
+        return self._codecs[tier]
+
+    # -- the index: reads -----------------------------------------------------------------
+
+    def entry(self, key: BlockHash) -> IndexEntry | None:
+        """``key``'s index entry (a live object: read, do not change)."""
+        return self._index.get(key)
+
+    def entries_of(self, keys: Sequence[BlockHash]) -> list[IndexEntry | None]:
+        return self._index.get_many(keys)
+
+    def snapshot(self) -> list[IndexEntry]:
+        """Copies of every index entry."""
+        return self._index.snapshot()
+
+    def totals(self) -> tuple[int, int, int]:
+        """(blocks, frame bytes, raw bytes) held."""
+        return self._index.totals()
+
+    def reads_by_tier(self) -> dict[str, int]:
+        return self._index.reads_by_tier()
+
+    def current_prefix(self, keys: Sequence[BlockHash], namespace: str, spec_fp: str, *,
+                       tiers: frozenset[str] | None = None) -> list[IndexEntry]:
+        """The entries of the longest prefix of ``keys`` stored under ``namespace`` and ``spec_fp``
+        (and, with ``tiers``, held in one of those tiers): the one prefix walk of the engine."""
+        found: list[IndexEntry] = []
+        for key in keys:
+            entry = self._index.get(key)
+            if not is_current(entry, namespace, spec_fp) or (tiers is not None and entry.tier not in tiers):
+                break
+            found.append(entry)
+        return found
+
+    def claim(self, key: BlockHash) -> AbstractContextManager[None]:
+        """Exclusive right to change ``key``'s entry (and its frames) until the block exits."""
+        return self._index.claim(key)
+
+    # -- the index: changes -----------------------------------------------------------------
+
+    def publish(self, entry: IndexEntry, *, access: bool = True, now: float | None = None) -> None:
+        """Index a frame just written (under its key's claim) and tell placement.
+
+        Args:
+            access: count it as an access for heat (a put); False for a block found at start.
+            now: placement's clock reading for the put (one per chain: its blocks tie).
+        """
+        self._index.add(entry)
+        self.placement.admitted(entry.key, entry.tier, entry.size, access=access, depth=entry.depth, now=now)
+
+    def switch(self, entry: IndexEntry) -> None:
+        """Point the index at a moved frame (under the key's claim); placement hears of the move
+        from the mover."""
+        self._index.add(entry)
+
+    def unpublish(self, key: BlockHash, expected: IndexEntry | None = None) -> IndexEntry | None:
+        """Remove ``key``'s entry (only if it is still ``expected``, when given); the entry removed.
+        Under the key's claim."""
+        return self._index.remove(key, expected=expected)
+
+    def drop(self, entry: IndexEntry, *, corrupt: bool) -> None:
+        """Unpublish a block found gone (``stale_blocks``) or damaged (``corrupt_blocks``: its frame
+        is deleted too), unless it was rewritten meanwhile."""
+        with self._index.claim(entry.key):
+            if self._index.remove(entry.key, expected=entry) is None:
+                return
+            self.placement.removed(entry.key)
+            if self.shared is not None and entry.tier == self.shared.name:
+                self.shared.forget(entry.key)
+            self.count(**{"corrupt_blocks" if corrupt else "stale_blocks": 1})
+            if corrupt:
+                self.delete_frame(entry)
+
+    def delete_key(self, key: BlockHash) -> int:
+        """Delete a block: unpublish first, then its frame and any shared copy. 1 if it was stored."""
+        with self._index.claim(key):
+            entry = self._index.remove(key)
+            if entry is None:
+                return 0
+            self.placement.removed(key)
+            self.delete_frame(entry)
+            if self.shared is not None:
+                self.shared.delete(key)
+        self.count(blocks_deleted=1)
+        return 1
+
+    def delete_frame(self, entry: IndexEntry) -> None:
+        """Delete ``entry``'s frame from its tier (the index no longer names it)."""
+        if self.shared is not None and entry.tier == self.shared.name:
+            self.shared.forget(entry.key)  # the copy other nodes read is going: forget we had one
+        try:
+            self._by_name[entry.tier].delete(entry.key)
+        except TierError as exc:  # unreachable now; the index no longer serves it
+            self.count(tier_errors=1)
+            log.warning("tier %s failed to delete %s: %s", entry.tier, entry.key.hex(), exc)
+
+    def clear(self) -> None:
+        """Forget every entry (the store is closing)."""
+        self._index.clear()
+
+    # -- frames ---------------------------------------------------------------------------
+
+    def read_into(self, entry: IndexEntry, out: memoryview) -> int | None:
+        """Copy ``entry``'s frame into ``out``; ``None`` (and the entry dropped) when it is gone."""
+        tier = self._by_name[entry.tier]
+        try:
+            n = tier.get_into(entry.key, out)
+        except InvalidInput:  # the frame outgrew what the index recorded: not the frame indexed
+            self.drop(entry, corrupt=True)
+            return None
+        except TierError as exc:
+            self.count(tier_errors=1)
+            log.warning("tier %s failed a get (%s); served as a miss", tier.name, exc)
+            return None
+        if n is None:
+            self.drop(entry, corrupt=False)
+        return n
+
+    # -- counting -------------------------------------------------------------------------
+
+    def count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+    def counters(self) -> StoreCounters:
+        """A copy of the counters."""
+        with self._counter_lock:
+            return StoreCounters(**asdict(self._counters))
+
+    def touch(self, keys: Sequence[BlockHash], counts: Sequence[int] | None = None, *, tally: bool = True,
+              now: float | None = None) -> None:
+        """Count reads of ``keys`` (one each, or ``counts``) for recency, hit counts and heat."""
+        self._index.touch(keys, time.time() if now is None else now, counts, tally=tally)
+        self.placement.accessed(keys, counts)
