@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from bench.report import header
+from bench.rows import LIMIT_OF, PEER_OF
 from bench.sampling import interleave, summary
 
 __all__ = ["run", "ROWS", "TARGETS", "LIMIT_OF", "PEER_OF", "Progress", "size_name"]
@@ -46,29 +47,6 @@ CLIENTS = (1, 4, 16)
 STORED = (0, 1 * GiB, 4 * GiB)
 SCALE_BYTES = 4 * MiB
 """The sequence the scale workers get: 4 MiB, 32 tokens of a 7B-class model."""
-
-LIMIT_OF = {
-    "colocated put": "limit memcpy", "colocated get": "limit memcpy", "colocated get out=": "limit memcpy",
-    "colocated get, asking": "limit memcpy",
-    "http put": "limit tcp put", "http get": "limit tcp get", "http get out=": "limit tcp get",
-    "flight put": "limit tcp put", "flight get": "limit tcp get", "flight get out=": "limit tcp get",
-    "redis tier put": "limit tcp put", "redis tier get": "limit tcp get",
-    "nvme tier put": "limit file put", "nvme tier get": "limit file get",
-}
-"""Each kvstore row and the physical limit it is a ratio to."""
-
-PEER_OF = {
-    "redis tier put": ("redis-py put", "lmcache redis put"), "redis tier get": ("redis-py get", "lmcache redis get"),
-    "colocated put": ("lmcache local_cpu put", "pickle put"), "colocated get": ("pickle get",),
-    "colocated get out=": ("lmcache local_cpu get",),
-    "http put": ("lmcache lm:// put", "pickle put"), "http get": ("lmcache lm:// get", "pickle get"),
-    "http get out=": ("lmcache lm:// get",),
-    "flight put": ("lmcache lm:// put", "pickle put"), "flight get": ("lmcache lm:// get", "pickle get"),
-    "flight get out=": ("lmcache lm:// get",),
-}
-"""Each kvstore row and the peers it is a ratio to (where they ran). LMCache's gets copy into
-one output tensor reused across gets (``bench/lmcache_driver.py``), so their like is ``get out=``;
-the fresh-tensor rows are held to them too, and to the pickle service, which makes a new tensor."""
 
 TARGETS = (
     # (name, numerator row, denominator row, size, target)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from bench.rows import LIMIT_OF, PEER_OF
+
 __all__ = ["tables", "render", "replace_section"]
 
 START, END = "<!-- bench:results -->", "<!-- /bench:results -->"
@@ -28,8 +30,6 @@ def _g(s: dict) -> str:
 
 
 def _size_table(s: dict) -> list[str]:
-    from bench.all import LIMIT_OF, PEER_OF
-
     lines = [f"**{s['size']}**", "", "| row | GB/s median (min–max) | / its limit | / peers |", "|---|---|---|---|"]
     ratios = s["ratios"]
     for name, g in s["gbps"].items():

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -38,7 +38,8 @@ from kvstore.memory.buffers import Scratch
 from kvstore.heat import Scorer
 from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
 from kvstore.mover import Mover
-from kvstore.recovery import entry_from_frame, entry_from_head, recover
+from kvstore.frames import Frames, PrefixBlock
+from kvstore.recovery import recover
 from kvstore.shared import SharedTier, WritePolicy, find_shared
 from kvstore.keys import BlockHash, block_hashes, block_meta, check_key, iter_block_hashes, normalize_tokens
 from kvstore.spec import KVSpec
@@ -47,6 +48,7 @@ from kvstore.tier import FrameWriter, Tier, TierStats
 __all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
 
 log = logging.getLogger("kvstore.store")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -75,14 +77,6 @@ class StoreStats:
         data = asdict(self)
         data["tiers"] = [t.to_dict() for t in self.tiers]
         return data
-
-
-@dataclass(slots=True)
-class _Written:
-    """What ``put_frame_with``'s writer did: started (its bytes are spent), and the entry it wrote."""
-
-    started: bool = False
-    entry: IndexEntry | None = None
 
 
 class KVStore:
@@ -155,6 +149,7 @@ class KVStore:
         self._shared = SharedTier(core, shared, policy) if shared is not None else None
         core.shared = self._shared
         self._mover = Mover(core, self._shared, on_move=self._moved)
+        self._frames = Frames(core, self._shared, self._room_for)
         self.recovered = recover(core)
         if background:
             self._mover.start()
@@ -425,15 +420,7 @@ class KVStore:
         self._core.count(get_calls=calls, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
 
     def put_frame(self, key: BlockHash, frame: Any, namespace: str, *, make_room: bool = False) -> IndexEntry:
-        """Store an already encoded frame under ``key``, in the first tier with room.
-
-        The frame must verify and carry kvstore metadata for ``namespace``: a
-        tenant cannot plant a block in another's namespace. The same frame again,
-        or a key another namespace holds, is a no-op that returns the current entry.
-
-        Args:
-            make_room: place it as ``put_kv`` places a block (admission, then demote or
-                evict colder entries to make room) instead of falling through full tiers.
+        """Store an already encoded frame under ``key`` (``kvstore.frames.Frames.put``).
 
         Raises:
             FrameError: the frame does not verify or has no kvstore metadata.
@@ -441,41 +428,11 @@ class KVStore:
             TierFull: no tier has room. TierError: every tier with room failed.
         """
         self._check_open()
-        key = check_key(key)
-        probe = entry_from_frame(key, "", frame, time.time())
-        if probe.namespace != namespace:
-            raise InvalidInput(f"frame metadata namespace {probe.namespace!r} is not the request's {namespace!r}")
-        first = self._room_for(probe.size) if make_room else 0  # outside the claim: it moves other keys
-
-        def write(tier: Tier) -> IndexEntry:
-            tier.put(key, frame)
-            return replace(probe, tier=tier.name)
-
-        with self._core.claim(key):
-            old = self._core.entry(key)
-            if old is not None and (old.namespace != namespace or old.checksum == probe.checksum):
-                return old
-            return self._publish_frame(key, old, first, probe.size, write, lambda: frame, lambda: False)
+        return self._frames.put(check_key(key), frame, namespace, make_room=make_room)
 
     def put_frame_with(self, key: BlockHash, namespace: str, size: int, writer: FrameWriter, *,
                        make_room: bool = False) -> IndexEntry:
-        """Store a frame that ``writer`` writes in place: into the tier's own memory where the
-        tier lends it (``Tier.put_with``), so bytes read from a socket land in their slot with
-        no staging copy.
-
-        ``writer`` gets a writable view of ``size`` bytes, writes a whole sealed frame that
-        carries kvstore metadata for ``namespace``, and returns its length. Its header is
-        checked and its metadata read; its body checksum is the one ``writer`` sealed (this is
-        for frames the server builds itself, not ones a client sent). A tier that refuses
-        before ``writer`` ran (full) passes the put to the next; once it ran, the put ends there.
-
-        A failed ``writer`` stores nothing, but an overwrite may lose the frame it replaced
-        (a full arena frees it to make room): its index entry then goes too, never left
-        pointing at nothing.
-
-        Args:
-            make_room: demote or evict colder entries first, as ``put_kv`` does; off by default,
-                so that nothing is evicted for bytes that may never arrive.
+        """Store a frame that ``writer`` writes in place (``kvstore.frames.Frames.put_with``).
 
         Raises:
             whatever ``writer`` raises: nothing is stored.
@@ -483,76 +440,57 @@ class KVStore:
             TierFull: no tier has room. TierError: the tier failed.
         """
         self._check_open()
-        key = check_key(key)
-        first = self._room_for(size) if make_room else 0
-        written = _Written()
+        return self._frames.put_with(check_key(key), namespace, size, writer, make_room=make_room)
 
-        def write(tier: Tier) -> IndexEntry:
-            def fill(view: memoryview) -> int:
-                written.started = True  # the bytes are being spent: no other tier gets a try
-                n = writer(view)
-                entry = entry_from_head(key, tier.name, view[:n], n, time.time())
-                if entry.namespace != namespace:  # refused before commit: the tier keeps what it had
-                    raise InvalidInput(f"frame metadata namespace {entry.namespace!r} is not {namespace!r}")
-                written.entry = entry
-                return n
+    def read_frame(self, key: BlockHash, namespaces: frozenset[str] | None) -> tuple[Any, IndexEntry] | None:
+        """``key``'s frame and entry, a read counted (``kvstore.frames.Frames.read``)."""
+        return self._frames.read(check_key(key), namespaces)
 
-            tier.put_with(key, size, fill)
-            assert written.entry is not None
-            return written.entry
+    def read_frame_with(self, key: BlockHash, namespaces: frozenset[str] | None,
+                        reader: Callable[[memoryview, Any, IndexEntry], T], *, tally: bool = True) -> T | None:
+        """``reader`` over ``key``'s verified frame, lent in place (``kvstore.frames.Frames.read_with``)."""
+        return self._frames.read_with(check_key(key), namespaces, reader, tally=tally)
 
-        def frame_of() -> Any:  # for write-through only
-            return self._core.tier(written.entry.tier).get(key) if written.entry is not None else None
+    def block_entry(self, key: BlockHash, namespaces: frozenset[str] | None) -> IndexEntry | None:
+        """What ``read_frame`` would serve, without counting a read."""
+        return self._frames.block_entry(check_key(key), namespaces)
 
-        old: IndexEntry | None = None
-        try:
-            with self._core.claim(key):
-                old = self._core.entry(key)
-                if old is not None and old.namespace != namespace:
-                    raise InvalidInput(f"key {key.hex()} belongs to another namespace")
-                return self._publish_frame(key, old, first, size, write, frame_of, lambda: written.started)
-        except BaseException:
-            if old is not None and written.entry is None and not self._core.tier(old.tier).contains(key):
-                self._core.drop(old, corrupt=False)  # outside the claim: _drop takes it
-            raise
+    def current_entry(self, key: BlockHash, namespaces: frozenset[str] | None) -> IndexEntry | None:
+        """``key``'s entry if its namespace is one of ``namespaces`` (None: any); a block of
+        another namespace is reported exactly like an absent one."""
+        return self._frames.current_entry(check_key(key), namespaces)
 
-    def _publish_frame(self, key: BlockHash, old: IndexEntry | None, first: int, size: int,
-                       write: Callable[[Tier], IndexEntry], frame_of: Callable[[], Any],
-                       committed: Callable[[], bool]) -> IndexEntry:
-        """Under ``key``'s claim: ``write`` the frame into the first tier from ``first`` that takes
-        it, then index it. A failure once ``committed()`` says the bytes are spent is raised."""
-        failure: TierError | None = None
-        for tier in self._core.tiers[first:]:
-            try:
-                entry = write(tier)
-            except TierFull as exc:
-                if committed():
-                    raise
-                failure = failure or exc
-                continue
-            except TierError as exc:
-                self._core.count(tier_errors=1)
-                if committed():
-                    raise
-                log.warning("tier %s failed a frame put (%s); trying the next", tier.name, exc)
-                failure = exc
-                continue
-            self._core.publish(entry)
-            if old is not None and old.tier != tier.name:
-                self._core.delete_frame(old)
-            if self._shared is not None and self._shared.policy.mode == "write_through" \
-                    and tier.name != self._shared.name:
-                try:  # the shared tier holds a copy: losing it degrades, never fails, a put that is stored
-                    frame = frame_of()
-                    if frame is not None:
-                        self._shared.after_put(entry, codec_mod.decode(frame), codec_mod.frame_meta(frame))
-                except (FrameError, TierError) as exc:
-                    log.warning("write-through of %s failed: %s", key.hex(), exc)
-            self._core.count(blocks_written=1)
-            return entry
-        if isinstance(failure, TierError) and not isinstance(failure, TierFull):
-            raise failure
-        raise TierFull(f"no tier has room for a {size}-byte frame", stored_tokens=0) from failure
+    def prefix_blocks(self, spec: KVSpec, tokens: Any, namespace: str) -> list[PrefixBlock]:
+        """The blocks of the longest stored prefix of ``tokens`` (``kvstore.frames.Frames.prefix``)."""
+        self._check_open()
+        spec = _check_spec(spec)
+        toks = normalize_tokens(tokens)
+        keys = block_hashes(spec, toks, namespace)
+        found = self._frames.local_prefix(keys, namespace, spec.fingerprint())
+        if len(found) == len(keys):
+            self._core.count(lookup_calls=1)
+            return found
+        n = self.lookup(spec, toks, namespace) // spec.block_tokens  # counts the call
+        return self._frames.extend_prefix(found, keys[:n], namespace, spec.fingerprint())
+
+    def durable_blocks(self, blocks: Sequence[PrefixBlock]) -> int:
+        """How many of ``blocks``, from the first, sit on durable tiers in this store's index
+        (as ``durable_tokens`` counts, without walking the keys again)."""
+        n = 0
+        for b in blocks:
+            if b.entry is None or b.tier not in self.durable_tiers:
+                break
+            n += 1
+        return n
+
+    @property
+    def shared_tier(self) -> Tier | None:
+        """The tier other stores write to (Redis), where this store's index may be behind."""
+        return self._frames.shared_tier
+
+    def tier_named(self, name: str) -> Tier | None:
+        """The tier called ``name``, or None."""
+        return self._core.tier(name) if self._core.has_tier(name) else None
 
     # -- placement ------------------------------------------------------------------
 

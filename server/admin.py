@@ -16,7 +16,6 @@ from kvstore.errors import MalformedRequest
 from kvstore.errors import BlockNotFound, InvalidInput
 from kvstore.evict import coldest_first, evict
 from kvstore.keys import BlockHash
-from server import engine
 from server.auth import Authenticator, Principal
 from server.blocks import _key
 from server.errors import field_error
@@ -63,7 +62,7 @@ def _pin_keys(svc: Service, data: dict[str, Any]) -> list[BlockHash]:
         spec = parse_spec(require(data, "spec", dict))
         tokens = parse_tokens(require(data, "tokens", list))
         ns = require(data, "namespace", str, default="default")
-        return [b.key for b in engine.prefix_blocks(svc.store, spec, tokens, ns) if b.entry is not None]
+        return [b.key for b in svc.store.prefix_blocks(spec, tokens, ns) if b.entry is not None]
     raise MalformedRequest("body: give keys, or spec and tokens (and namespace)")
 
 

@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from kvstore.errors import BodyTimeout, PayloadTooLarge
 from kvstore.wire.errors import error_body
-from kvstore import __version__
+from kvstore._version import __version__
 from kvstore.errors import KVStoreError
 from kvstore.store import KVStore
 from server import admin, blocks, connectors, dashboard, data, layers, ops, planning

@@ -18,7 +18,6 @@ from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.errors import BlockNotFound, FrameError, InvalidInput, InvalidKV
 from kvstore.keys import BlockHash, from_hex
-from server import engine
 from server.auth import Principal
 from server.data import colocated_only, principal, svc_of
 from server.errors import field_error
@@ -52,7 +51,7 @@ def _scope(svc: Service, request: Request, p: Principal) -> frozenset[str]:
 async def block_get(hex_key: str, request: Request, p: Principal = Depends(principal)) -> Response:
     svc = svc_of(request)
     key, scope = _key(hex_key), _scope(svc, request, p)
-    got = await svc.run(engine.read_frame, svc.store, key, scope)
+    got = await svc.run(svc.store.read_frame, key, scope)
     if got is None:
         raise BlockNotFound(f"block {hex_key} is not stored in this namespace")
     frame, entry = got
@@ -64,7 +63,7 @@ async def block_get(hex_key: str, request: Request, p: Principal = Depends(princ
 @router.head("/v1/blocks/{hex_key}")
 async def block_head(hex_key: str, request: Request, p: Principal = Depends(principal)) -> Response:
     svc = svc_of(request)
-    entry = await svc.run(engine.block_entry, svc.store, _key(hex_key), _scope(svc, request, p))
+    entry = await svc.run(svc.store.block_entry, _key(hex_key), _scope(svc, request, p))
     if entry is None:
         return Response(status_code=404)
     return Response(status_code=200, headers={"content-length": str(entry.size), H_TIER: entry.tier,
@@ -89,7 +88,7 @@ def _put_frames(svc: Service, p: Principal, ns: str, frames: list[tuple[BlockHas
                 make_room: bool = False) -> int:
     svc.quotas.check(p, ns, sum(len(memoryview(f).cast("B")) for _, f in frames))
     for key, frame in frames:
-        engine.put_frame(svc.store, key, frame, ns, make_room=make_room)
+        svc.store.put_frame(key, frame, ns, make_room=make_room)
     return len(frames)
 
 
@@ -134,7 +133,7 @@ async def blocks_put_staged(lease_id: str, request: Request, p: Principal = Depe
 async def block_delete(hex_key: str, request: Request, p: Principal = Depends(principal)) -> dict:
     svc = svc_of(request)
     key, scope = _key(hex_key), _scope(svc, request, p)
-    if engine.current_entry(svc.store, key, scope) is None:
+    if svc.store.current_entry(key, scope) is None:
         raise BlockNotFound(f"block {hex_key} is not stored in this namespace")
     return {"deleted": await svc.run(svc.store.delete_blocks, [key])}
 
@@ -181,9 +180,9 @@ def _read_frames(svc: Service, keys: list[BlockHash], scope: frozenset[str],
     for key in keys:
         # verified here: a damaged frame is dropped from the index (a miss now, and stored anew by
         # the client's next put) instead of being served and refused by every reader in turn
-        got = engine.read_frame_with(svc.store, key, scope, lambda view, _header, entry: (bytes(view), entry))
-        if got is None and engine.current_entry(svc.store, key, scope) is None:
-            got = engine.read_frame(svc.store, key, scope)  # not indexed here: another node's, in the shared tier
+        got = svc.store.read_frame_with(key, scope, lambda view, _header, entry: (bytes(view), entry))
+        if got is None and svc.store.current_entry(key, scope) is None:
+            got = svc.store.read_frame(key, scope)  # not indexed here: another node's, in the shared tier
         if got is not None and codec is not None:
             try:
                 got = (codec_mod.transcode(got[0], codec), got[1])
@@ -222,7 +221,7 @@ async def blocks_handles(request: Request, p: Principal = Depends(principal)) ->
 def _block_handles(svc: Service, keys: list[BlockHash], scope: frozenset[str], count: bool) -> list[dict]:
     out, read_here = [], []
     for key in keys:
-        entry = engine.current_entry(svc.store, key, scope)
+        entry = svc.store.current_entry(key, scope)
         handle = svc.shm.handle(key) if entry is not None and entry.tier == svc.shm.name else None
         out.append({"key": key.hex(), "checksum": entry.checksum if entry is not None else None,
                     "handle": None if handle is None else
@@ -230,7 +229,7 @@ def _block_handles(svc: Service, keys: list[BlockHash], scope: frozenset[str], c
         if handle is not None:
             read_here.append(key)
     if count:  # the client reads these itself: count them here (else it reports what it reads)
-        engine.record_hits(svc.store, read_here)
+        svc.store.touch(read_here)
     return out
 
 
@@ -265,7 +264,7 @@ async def blocks_delete(request: Request, p: Principal = Depends(principal)) -> 
     svc = svc_of(request)
     scope = _scope(svc, request, p)
     keys = _keys(await json_body(request))
-    mine = [k for k in keys if engine.current_entry(svc.store, k, scope) is not None]
+    mine = [k for k in keys if svc.store.current_entry(k, scope) is not None]
     return {"deleted": await svc.run(svc.store.delete_blocks, mine) if mine else 0}
 
 
@@ -286,7 +285,7 @@ async def blocks_pin(request: Request, p: Principal = Depends(principal)) -> dic
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_PIN_TTL_S:
         raise field_error(InvalidInput(f"must be a number of seconds in (0, {MAX_PIN_TTL_S:.0f}], got {ttl!r}"),
                           "ttl_s")
-    mine = [k for k in keys if engine.current_entry(svc.store, k, scope) is not None]
+    mine = [k for k in keys if svc.store.current_entry(k, scope) is not None]
     return {"pinned": await svc.run(svc.store.pin_keys, mine, float(ttl)) if mine else 0, "requested": len(keys)}
 
 
@@ -296,7 +295,7 @@ async def blocks_unpin(request: Request, p: Principal = Depends(principal)) -> d
     svc = svc_of(request)
     scope = _scope(svc, request, p)
     keys = _keys(await json_body(request))
-    mine = [k for k in keys if engine.current_entry(svc.store, k, scope) is not None]
+    mine = [k for k in keys if svc.store.current_entry(k, scope) is not None]
     return {"unpinned": await svc.run(svc.store.unpin_keys, mine) if mine else 0, "requested": len(keys)}
 
 
@@ -305,5 +304,5 @@ async def blocks_exists(request: Request, p: Principal = Depends(principal)) -> 
     svc = svc_of(request)
     scope = _scope(svc, request, p)
     keys = _keys(await json_body(request))
-    present = await svc.run(lambda: [engine.block_entry(svc.store, k, scope) is not None for k in keys])
+    present = await svc.run(lambda: [svc.store.block_entry(k, scope) is not None for k in keys])
     return {"present": present}

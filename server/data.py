@@ -17,11 +17,10 @@ from starlette.background import BackgroundTask
 
 from kvstore.wire.rest import H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
 from kvstore.errors import MalformedRequest, PayloadTooLarge, RouteNotFound
-from kvstore import __version__
+from kvstore._version import __version__
 from kvstore.evict import EvictionQuery, evict
 from kvstore.errors import InvalidInput
 from kvstore.keys import from_hex
-from server import engine
 from server.auth import Principal
 from server.errors import field_error
 from server.service import Service, json_body, kv_view, parse_spec, parse_tokens, released, require
@@ -145,9 +144,9 @@ async def lookup(request: Request) -> JSONResponse:
     it sits on durable tiers (``durable_tokens``), which ``put_kv(..., durable=True)`` checks."""
     svc, _, ns = _caller(request)
     spec, tokens = await _spec_and_tokens(request)
-    blocks = await svc.run_index(engine.prefix_blocks, svc.store, spec, tokens, ns)
+    blocks = await svc.run_index(svc.store.prefix_blocks, spec, tokens, ns)
     return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
-                         "durable_tokens": engine.durable_blocks(svc.store, blocks) * spec.block_tokens,
+                         "durable_tokens": svc.store.durable_blocks(blocks) * spec.block_tokens,
                          "blocks": [{"key": b.key.hex(), "tier": b.tier} for b in blocks]})
 
 
@@ -279,15 +278,15 @@ async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
 
 def _touch(svc: Service, ns: str, keys: list, reads: list[int], counts: dict[str, int]) -> int:
     mine = [(k, n) for k, n, e in zip(keys, reads, svc.store.entries_of(keys)) if e is not None and e.namespace == ns]
-    engine.record_hits(svc.store, [k for k, _ in mine], [n for _, n in mine])
-    engine.record_get(svc.store, counts["tokens_requested"], counts["tokens_hit"], gets=counts["gets"])
+    svc.store.touch([k for k, _ in mine], [n for _, n in mine])
+    svc.store.count_get(counts["tokens_requested"], counts["tokens_hit"], calls=counts["gets"])
     if counts["gets"]:
         svc.metrics.colocated.labels("get").inc(counts["gets"])
     return len(mine)
 
 
 def _handles(svc: Service, spec, tokens, ns: str) -> list[dict]:
-    blocks = engine.prefix_blocks(svc.store, spec, tokens, ns)
+    blocks = svc.store.prefix_blocks(spec, tokens, ns)
     out, read_here = [], []
     for b in blocks:
         handle = svc.shm.handle(b.key) if b.tier == svc.shm.name else None
@@ -298,9 +297,9 @@ def _handles(svc: Service, spec, tokens, ns: str) -> list[dict]:
             read_here.append(b.key)
     # Only the blocks the client reads through a handle: it fetches the others with
     # /v1/blocks/get, which counts them itself (counting them here too read them twice).
-    engine.record_hits(svc.store, read_here)
+    svc.store.touch(read_here)
     bt = spec.block_tokens
-    engine.record_get(svc.store, spec.full_blocks(len(tokens)) * bt, len(blocks) * bt)
+    svc.store.count_get(spec.full_blocks(len(tokens)) * bt, len(blocks) * bt)
     return out
 
 

@@ -4,7 +4,7 @@
 set, publishes its port in ``/v1/info`` (``media.flight.port``) and stops it
 first at shutdown. The tickets, schemas and error details are the SDK's
 (``client_sdk.flight``); the rules are the REST routes': the same auth and
-namespace headers (``server.auth``), the same engine calls (``server.engine``)
+namespace headers (``server.auth``), the same engine calls (``KVStore``'s frame reads)
 and quota check (``server.blocks``), the same typed errors.
 
 Handlers run on gRPC's threads, never on the app's event loop, so they call
@@ -34,7 +34,6 @@ from kvstore.wire.errors import status_for
 from kvstore import codec as codec_mod
 from kvstore.errors import InvalidInput, InvalidKV, InvalidSpec, KVStoreError
 from kvstore.keys import HASH_BYTES, BlockHash, from_hex
-from server import engine
 from server.auth import Principal
 from server.blocks import _put_frames  # the REST batch put: quota check, then the store
 from server.config import ServerSettings, is_loopback
@@ -186,7 +185,7 @@ class FlightService(fl.FlightServerBase):
                 yield self._sent(frames_batch(pending), size)
 
     def _frame(self, key: BlockHash, codec: str | None, scope: frozenset[str]) -> Any:
-        got = engine.read_frame(self.svc.store, key, scope)
+        got = self.svc.store.read_frame(key, scope)
         if got is None:
             return None
         if codec is None:

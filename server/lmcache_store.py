@@ -25,7 +25,6 @@ from kvstore.memory.buffers import BufferPool
 from kvstore.errors import FrameError, TierError
 from kvstore.keys import BlockHash, block_meta, name_fingerprint, named_key, validate_namespace
 from kvstore.store import KVStore
-from server import engine
 from kvstore.wire.lmcache import SUCCESS, LMKey, Request, server_meta
 
 __all__ = ["LMCacheChunks", "DOMAIN"]
@@ -101,7 +100,7 @@ class LMCacheChunks:
     # -- GET, EXIST, LIST ----------------------------------------------------------------------
 
     def exists(self, key: LMKey) -> bool:
-        return engine.block_entry(self.store, self.block_key(key), self._scope) is not None
+        return self.store.block_entry(self.block_key(key), self._scope) is not None
 
     def get(self, key: LMKey, send: Callable[[memoryview], None]) -> bool:
         """Send the stored chunk of ``key`` (its 36-byte meta in one call, then the payload) with
@@ -121,10 +120,10 @@ class LMCacheChunks:
             send(view[header.payload_offset : header.frame_len])
             return True
 
-        found = engine.read_frame_with(self.store, bkey, self._scope, answer, tally=False)
-        if found is None and engine.shared_tier(self.store) is not None \
-                and engine.current_entry(self.store, bkey, self._scope) is None:
-            got = engine.read_frame(self.store, bkey, self._scope)  # another node's, in the shared tier
+        found = self.store.read_frame_with(bkey, self._scope, answer, tally=False)
+        if found is None and self.store.shared_tier is not None \
+                and self.store.current_entry(bkey, self._scope) is None:
+            got = self.store.read_frame(bkey, self._scope)  # another node's, in the shared tier
             if got is not None:
                 with memoryview(got[0]).cast("B") as view:
                     found = answer(view, codec_mod.read_header(view), got[1])
@@ -140,7 +139,7 @@ class LMCacheChunks:
         for e in self.store.entries():
             if e.namespace != self.namespace:
                 continue
-            tier = engine.tier_named(self.store, e.tier)
+            tier = self.store.tier_named(e.tier)
             try:
                 got = tier.head(e.key, _HEAD_BYTES) if tier is not None else None
                 if got is None:

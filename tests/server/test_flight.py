@@ -271,12 +271,12 @@ def test_settings_flight_port():
 
 
 def test_an_unexpected_failure_is_an_internal_error_without_a_traceback(fserver, spec, monkeypatch):
-    from server import engine
+    from kvstore.store import KVStore
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(engine, "read_frame", broken)
+    monkeypatch.setattr(KVStore, "read_frame", broken)
     with medium(fserver) as m:
         with pytest.raises(ServiceError) as info:
             m.get_frames([os.urandom(32)])
