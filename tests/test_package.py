@@ -70,7 +70,8 @@ def test_the_pickle_peer_loads_weights_only():
 LAYERS = {
     # layer: (module prefixes, the layers it may import besides its own)
     "foundation": (("kvstore._version", "kvstore.errors", "kvstore.spec", "kvstore.keys", "kvstore.codec",
-                    "kvstore.tier", "kvstore.config", "kvstore.policy", "kvstore.planner", "kvstore.memory",
+                    "kvstore.tier", "kvstore.config", "kvstore.policy", "kvstore.costs", "kvstore.decisions",
+                    "kvstore.planner", "kvstore.memory",
                     "kvstore.wire"), ()),
     "tiers": (("tiers",), ("foundation",)),
     "engine": (("kvstore.index", "kvstore.heat", "kvstore.placement", "kvstore.evict", "kvstore.core",
