@@ -25,7 +25,7 @@ import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from kvstore.codec import Codec
 from kvstore.errors import InvalidInput, TierError
@@ -91,9 +91,15 @@ class EngineCore:
         tiers: fastest first; names are unique (the facade checks).
         codecs: the codec of new frames in each tier, by tier name.
         placement: the store's placement manager, told of every publish and removal.
+        clock: wall-clock seconds (default ``time.time``): every ``created_s`` and
+            ``last_access_s`` the engine records is a reading of it. Tests pass a fake one
+            to age entries without sleeping.
     """
 
-    def __init__(self, tiers: Sequence[Tier], codecs: dict[str, Codec], placement: PlacementManager) -> None:
+    def __init__(self, tiers: Sequence[Tier], codecs: dict[str, Codec], placement: PlacementManager,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.clock: Callable[[], float] = time.time if clock is None else clock
+        """The engine's wall clock: the facade, frames, the shared tier and recovery read it too."""
         self._tiers = list(tiers)
         self._by_name = {t.name: t for t in self._tiers}
         self._codecs = dict(codecs)
@@ -264,5 +270,5 @@ class EngineCore:
     def touch(self, keys: Sequence[BlockHash], counts: Sequence[int] | None = None, *, tally: bool = True,
               now: float | None = None) -> None:
         """Count reads of ``keys`` (one each, or ``counts``) for recency, hit counts and heat."""
-        self._index.touch(keys, time.time() if now is None else now, counts, tally=tally)
+        self._index.touch(keys, self.clock() if now is None else now, counts, tally=tally)
         self.placement.accessed(keys, counts)

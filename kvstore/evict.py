@@ -150,7 +150,7 @@ def select(store: Any, query: EvictionQuery, now_s: float | None = None) -> Evic
     Raises:
         InvalidInput: an unknown tier.
     """
-    now = time.time() if now_s is None else now_s
+    now = getattr(store, "clock", time.time)() if now_s is None else now_s  # the clock entries were stamped by
     tiers = {t.name: t for t in store.tiers}
     if query.tier is not None and query.tier not in tiers:
         raise InvalidInput(f"tier: unknown tier {query.tier!r}; tiers are {sorted(tiers)}")

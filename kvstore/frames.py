@@ -12,7 +12,6 @@ rather than the same bad bytes. ``KVStore`` forwards to it.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -181,7 +180,7 @@ class Frames:
             frame = shared.get(key)
             if frame is None:
                 return None
-            entry = entry_from_frame(key, shared.name, frame, time.time())
+            entry = entry_from_frame(key, shared.name, frame, self._core.clock())
         except (TierError, FrameError) as exc:
             log.warning("shared tier %s: block %s unreadable (%s); served as a miss", shared.name, key.hex(), exc)
             return None
@@ -207,7 +206,7 @@ class Frames:
             InvalidInput: its namespace is not ``namespace``.
             TierFull: no tier has room. TierError: every tier with room failed.
         """
-        probe = entry_from_frame(key, "", frame, time.time())
+        probe = entry_from_frame(key, "", frame, self._core.clock())
         if probe.namespace != namespace:
             raise InvalidInput(f"frame metadata namespace {probe.namespace!r} is not the request's {namespace!r}")
         first = self._room_for(probe.size) if make_room else 0  # outside the claim: it moves other keys
@@ -254,7 +253,7 @@ class Frames:
             def fill(view: memoryview) -> int:
                 written.started = True  # the bytes are being spent: no other tier gets a try
                 n = writer(view)
-                entry = entry_from_head(key, tier.name, view[:n], n, time.time())
+                entry = entry_from_head(key, tier.name, view[:n], n, self._core.clock())
                 if entry.namespace != namespace:  # refused before commit: the tier keeps what it had
                     raise InvalidInput(f"frame metadata namespace {entry.namespace!r} is not {namespace!r}")
                 written.entry = entry

@@ -42,8 +42,9 @@ class IndexEntry:
     depth: int
     """Position of the block in its chain (0 = first block of a sequence)."""
     created_s: float
-    """Wall-clock time of the write."""
+    """Time of the write, by the store's clock (``KVStore(clock=)``; wall time by default)."""
     last_access_s: float
+    """Time of the last read (the write until then), by the same clock."""
     hits: int = 0
 
 

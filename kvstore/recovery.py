@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from kvstore import codec as codec_mod
 from kvstore.core import EngineCore
@@ -84,7 +83,7 @@ def entry_from_head(key: bytes, tier: str, head, length: int, now_s: float) -> I
 def recover(core: EngineCore) -> RecoveryReport:
     """Index every frame in the store's durable, private tiers (fastest first)."""
     report = RecoveryReport()
-    now = time.time()
+    now = core.clock()
     for tier in core.tiers:
         if not tier.durable or tier.shared:
             continue

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -189,7 +188,7 @@ class SharedTier:
         if frame is None:
             return None
         try:
-            entry = entry_from_frame(key, self.name, frame, time.time())
+            entry = entry_from_frame(key, self.name, frame, self._core.clock())
         except FrameError as exc:
             log.warning("shared block %s is unreadable (%s); served as a miss", key.hex(), exc)
             return None

@@ -71,11 +71,25 @@ class StoreStats:
     """The heat scorer; for ``adaptive-rate``, the memory it follows and its shadow hits."""
     reads_by_tier: dict[str, int] = field(default_factory=dict)
     """Block reads served from each tier since start, on every read path (gets, shm handles,
-    block routes, co-located reads reported back): with ``tokens_hit`` it splits hits by tier."""
+    block routes, co-located reads reported back): with ``tokens_hit`` it splits hits by tier.
+    The one account of reads by tier: ``/admin/stats``, ``/admin/tiers``, ``/metrics``
+    (``kvstore_tier_reads_total``), the dashboard and ``kvstore stats`` all report this."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["tiers"] = [t.to_dict() for t in self.tiers]
+        data["tiers"] = [self.tier_dict(t, self.reads_by_tier) for t in self.tiers]
+        return data
+
+    @staticmethod
+    def tier_dict(tier: TierStats, reads_by_tier: Mapping[str, int]) -> dict[str, Any]:
+        """``tier`` as the JSON routes show it: ``reads``, the block reads it served (from
+        ``reads_by_tier``, however the bytes travelled), and ``backend_counters``, the tier's
+        own operation counters (``TierCounters``). Those count only what went through the tier's
+        methods (the server's reads and writes, placement's moves), never a co-located client's
+        read of an shm slot: a tier that served every token can show 0 backend hits."""
+        data = tier.to_dict()
+        data["reads"] = reads_by_tier.get(tier.name, 0)
+        data["backend_counters"] = data.pop("counters")
         return data
 
 
@@ -95,6 +109,16 @@ class KVStore:
             simulator call ``run_placement()`` themselves instead.
         write_policy: when blocks reach a shared tier (Redis), if there is one:
             ``write_through``, ``write_back``, ``selective`` (or a ``WritePolicy``).
+        clock: a function returning seconds, non-decreasing (default ``time.time``).
+            Every timestamp the engine records (an entry's ``created_s`` and
+            ``last_access_s``: at a put, a read, an adoption from the shared tier,
+            recovery) is a reading of it; it is kept as ``self.clock`` for callers that
+            compare ages against those stamps (``kvstore.evict.select(store, q,
+            now_s=store.clock())``). A clock given here drives placement too (heat decay,
+            pin TTLs, residency, the move log's ages): one clock for both lets a test age
+            heat and entries together by advancing it, with no sleep. With none given,
+            placement keeps its own ``time.monotonic`` (a wall clock can step back; heat
+            must not) and entries keep wall time, as before.
     """
 
     def __init__(
@@ -108,6 +132,7 @@ class KVStore:
         scorer: Scorer | None = None,
         background: bool = True,
         write_policy: str | WritePolicy = "write_through",
+        clock: Callable[[], float] | None = None,
     ) -> None:
         tiers = list(tiers)
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
@@ -140,10 +165,12 @@ class KVStore:
             raise InvalidInput(f"tier_policies names unknown tier(s) {unknown}; tiers are {names}")
         self.placement = PlacementManager(
             [TierPolicy(t.name, t.capacity_bytes, cold=t.name in cold, **policies.get(t.name, {})) for t in tiers],
-            scorer=scorer, config=placement,
+            scorer=scorer, config=placement, **({} if clock is None else {"clock": clock}),
         )
+        self.clock: Callable[[], float] = time.time if clock is None else clock
+        """The engine's wall clock: what ``created_s`` and ``last_access_s`` are readings of."""
         # One core owns the index; the mover, the shared tier and recovery get it explicitly.
-        self._core = core = EngineCore(tiers, codecs, self.placement)
+        self._core = core = EngineCore(tiers, codecs, self.placement, clock=self.clock)
         policy = write_policy if isinstance(write_policy, WritePolicy) else WritePolicy(str(write_policy))
         shared = find_shared(tiers)
         self._shared = SharedTier(core, shared, policy) if shared is not None else None
@@ -188,7 +215,7 @@ class KVStore:
             return 0
         if self._put_codecs_lossy:  # a put writes where int8 is the codec: refuse before storing anything
             _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])
-        bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), time.time()
+        bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), self._core.clock()
         heat_now = self.placement.clock()  # one reading for the whole chain: its blocks tie, depth decides
         held: list[BlockHash] = []  # this call's blocks: making room must not push out the chain being written
         try:
@@ -685,7 +712,8 @@ class EmbeddedStore(KVStore):
         tiers: tiers to use instead of the configured ones.
         codec, tier_codecs: as for ``KVStore``; ``codec`` defaults to the settings'.
         settings: defaults to ``Settings.from_env()``.
-        placement: ``placement``, ``tier_policies``, ``scorer``, ``background``, as for ``KVStore``.
+        placement: ``placement``, ``tier_policies``, ``scorer``, ``background``, ``write_policy``,
+            ``clock``, as for ``KVStore``.
     """
 
     def __init__(

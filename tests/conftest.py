@@ -29,6 +29,21 @@ def spec() -> KVSpec:
     return make_spec()
 
 
+class FakeClock:
+    """A clock a test advances by hand: ``KVStore(clock=FakeClock())`` ages entries, heat and
+    pins together, with no sleep (a store passes the clock it is given to placement too)."""
+
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = float(now)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
 def require_venv(found, why: str, flag: str):
     """``found`` (an engine venv's interpreter), or skip saying ``why``: a failure where ``flag``
     (set by ``.ci/run``, which makes the venvs) says the venv must be there."""

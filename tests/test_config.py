@@ -7,7 +7,6 @@ import pytest
 from kvstore.build import build_tiers
 from kvstore.config import Settings
 from kvstore.errors import InvalidInput
-from tests.conftest import shm_segments
 
 MiB = 1 << 20
 
@@ -47,8 +46,18 @@ def test_env_forms(monkeypatch):
         Settings.from_env()
 
 
-def test_build_closes_what_it_built_when_a_later_tier_fails():
-    before = shm_segments(os.getpid())
+def test_build_closes_what_it_built_when_a_later_tier_fails(monkeypatch):
+    import tiers.shm
+
+    made: list[str] = []
+
+    class Recorded(tiers.shm.ShmTier):  # the arena this build makes: its own segment, not all of the pid's
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self.path)
+
+    monkeypatch.setattr(tiers.shm, "ShmTier", Recorded)
     with pytest.raises(InvalidInput):
         build_tiers(Settings(tiers="shm,redis", shm_bytes=MiB))  # redis named, but no URL
-    assert shm_segments(os.getpid()) == before  # the shm arena built first was closed and unlinked
+    assert made, "the shm arena was not built first"
+    assert not [p for p in made if os.path.exists(p)], "the shm arena built first was not closed and unlinked"

@@ -9,7 +9,7 @@ from kvstore import EmbeddedStore, KVStore, Settings
 from kvstore.codec import Codec, read_header
 from kvstore.errors import InvalidInput, InvalidKV, InvalidSpec, InvalidTokens, StoreClosed, TierFull, TierUnavailable
 from kvstore.keys import block_hashes
-from tests.conftest import make_kv, make_spec
+from tests.conftest import FakeClock, make_kv, make_spec
 from tiers.memory import MemoryTier
 
 MiB = 1 << 20
@@ -556,3 +556,70 @@ def test_put_frame_with_writes_in_place_and_fails_cleanly(spec, tmp_path):
         with pytest.raises(TierFull):
             store.put_frame_with(named_key("ns", "test", "e"), "ns", at + 8 * MiB, writer_of(b"y"),
                                  make_room=False)
+
+
+# -- the store's clock: tests age entries, heat and pins by advancing it, never by sleeping --------
+
+
+def test_a_given_clock_stamps_entries_and_ages_heat_pins_and_moves(spec):
+    clock = FakeClock(1_000.0)
+    with KVStore([MemoryTier(64 * MiB, name="a"), MemoryTier(64 * MiB, name="b")], background=False,
+                 clock=clock) as store:
+        assert store.clock is clock and store.placement.clock is clock  # one clock for entries and heat
+        keys = block_hashes(spec, TOKENS[:32])
+        store.put_kv(spec, TOKENS[:32], make_kv(spec, 32))
+        assert [(e.created_s, e.last_access_s) for e in store.entries_of(keys)] == [(1_000.0, 1_000.0)] * 2
+        clock.advance(30)
+        store.get_kv(spec, TOKENS[:16])  # reads the first block only
+        first, second = store.entries_of(keys)
+        assert (first.created_s, first.last_access_s, second.last_access_s) == (1_000.0, 1_030.0, 1_000.0)
+        store.touch([keys[1]])  # a read that bypassed get_kv
+        assert store.entry(keys[1]).last_access_s == 1_030.0
+        info = store.explain(keys[0])
+        assert info["created_s"] == 1_000.0 and info["last_access_age_s"] == 0.0
+        hot = info["heat_per_s"]
+        clock.advance(600)  # idle for ten short half-lives, two long ones: heat decays
+        info = store.explain(keys[0])
+        assert info["last_access_age_s"] == 600.0 and 0 < info["heat_per_s"] < hot / 3
+        assert store.pin_keys(keys, ttl_s=5.0) == 2
+        assert store.placement.is_pinned(keys[0]) and store.explain(keys[0])["pinned_for_s"] == 5.0
+        clock.advance(5.5)  # the pin's ttl runs out
+        assert not store.placement.is_pinned(keys[0]) and not store.explain(keys[0])["pinned"]
+        assert store.migrate(keys[0], "b")
+        clock.advance(7)
+        assert store.moves()[-1]["age_s"] == 7.0
+
+
+def test_a_given_clock_stamps_frames_put_and_blocks_recovered(spec, tmp_path):
+    from kvstore import codec as codec_mod
+    from kvstore.keys import block_meta
+    from tiers.nvme import NVMeTier
+
+    clock = FakeClock(50.0)
+    key = block_hashes(spec, TOKENS[:16], "acme")[0]
+    frame = codec_mod.encode(make_kv(spec, 16), "raw", meta=block_meta("acme", spec.fingerprint(), 0))
+    with KVStore([NVMeTier(str(tmp_path), 64 * MiB)], background=False, clock=clock) as store:
+        entry = store.put_frame(key, frame, namespace="acme")
+        assert (entry.created_s, entry.last_access_s) == (50.0, 50.0)
+        clock.advance(10)
+        assert store.read_frame(key, None) is not None and store.entry(key).last_access_s == 60.0
+    clock.advance(1_000)
+    with KVStore([NVMeTier(str(tmp_path), 64 * MiB)], background=False, clock=clock) as again:
+        assert again.recovered.entries == 1
+        assert (again.entry(key).created_s, again.entry(key).last_access_s) == (1_060.0, 1_060.0)
+
+
+def test_no_clock_keeps_wall_time_for_entries_and_monotonic_for_placement(spec):
+    import time
+
+    before = time.time()
+    with KVStore([MemoryTier(16 * MiB)], background=False) as store:
+        store.put_kv(spec, TOKENS[:16], make_kv(spec, 16))
+        (entry,) = store.entries()
+        assert before <= entry.created_s <= time.time() and store.clock is time.time
+        assert store.placement.clock is time.monotonic
+    clock = FakeClock()
+    with EmbeddedStore(settings=Settings(tiers="memory", memory_bytes=16 * MiB), background=False,
+                       clock=clock) as embedded:  # EmbeddedStore forwards it
+        embedded.put_kv(spec, TOKENS[:16], make_kv(spec, 16))
+        assert embedded.entries()[0].created_s == clock.now and embedded.placement.clock is clock

@@ -24,9 +24,10 @@ TOKENS = {
 }
 
 
-def make_store(shm_bytes: int = 32 << 20, memory_bytes: int = 64 << 20) -> KVStore:
-    """shm on top (the co-located path needs it), memory below; placement runs only when asked."""
-    return KVStore([ShmTier(shm_bytes), MemoryTier(memory_bytes)], background=False)
+def make_store(shm_bytes: int = 32 << 20, memory_bytes: int = 64 << 20, clock=None) -> KVStore:
+    """shm on top (the co-located path needs it), memory below; placement runs only when asked.
+    ``clock`` (a ``tests.conftest.FakeClock``) ages entries and heat with no sleep."""
+    return KVStore([ShmTier(shm_bytes), MemoryTier(memory_bytes)], background=False, clock=clock)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from kvstore import KVStore
 from kvstore.errors import InvalidInput
 from kvstore.evict import EvictionQuery, evict, select
 from kvstore.keys import block_hashes
-from tests.conftest import make_kv, make_spec
+from tests.conftest import FakeClock, make_kv, make_spec
 from tiers.memory import MemoryTier
 from tiers.shm import ShmTier
 
@@ -97,3 +97,21 @@ def test_bad_queries_say_what_is_wrong(fields, words):
 def test_unknown_tier_is_refused(store):
     with pytest.raises(InvalidInput, match="unknown tier 'tape'"):
         select(store, EvictionQuery(tier="tape"))
+
+
+def test_older_than_selects_by_last_access_on_the_stores_clock(spec):
+    """Aged by advancing the store's clock, not by sleeping: ``now_s`` is a reading of the same clock."""
+    clock = FakeClock()
+    with KVStore([ShmTier(16 << 20), MemoryTier(16 << 20)], background=False, clock=clock) as store:
+        old, new = list(range(32)), list(range(500, 532))
+        store.put_kv(spec, old, make_kv(spec, 32))
+        clock.advance(10)
+        store.put_kv(spec, new, make_kv(spec, 32))
+        clock.advance(1)
+        plan = select(store, EvictionQuery(older_than_s=5), now_s=store.clock())
+        assert {e.key for e in plan.entries} == set(block_hashes(spec, old))
+        store.get_kv(spec, old[:16])  # a read makes the first block young again
+        plan = select(store, EvictionQuery(older_than_s=5), now_s=store.clock())
+        assert [e.key for e in plan.entries] == block_hashes(spec, old)[1:]
+        clock.advance(10)
+        assert len(select(store, EvictionQuery(older_than_s=5), now_s=store.clock()).entries) == 4

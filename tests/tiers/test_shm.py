@@ -144,24 +144,27 @@ def test_cross_process_reader_long_churn(make_tier):
 
 
 def test_no_segment_outlives_kill_9(tmp_path):
+    # A prefix of this test's own: the stale scan looks at (and unlinks) only its segments, never
+    # the "kvstore" ones of other servers on the machine, some of which other tests kill on purpose.
+    prefix = f"kvtest{os.getpid()}"
     child = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time; from tiers.shm import ShmTier\n"
-         "t = ShmTier(1 << 20, name='victim'); print(t.path, flush=True); time.sleep(60)"],
+         f"t = ShmTier(1 << 20, name='victim', prefix={prefix!r}); print(t.path, flush=True); time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
     try:
         path = child.stdout.readline().strip()
         assert os.path.exists(path)
-        assert os.path.basename(path) not in cleanup_stale()  # its owner is alive: keep it
+        assert cleanup_stale(prefix) == []  # its owner is alive: keep it
         assert os.path.exists(path)
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
         assert os.path.exists(path)  # kill -9 runs no cleanup of its own
-        tier = ShmTier(1 << 20)
+        tier = ShmTier(1 << 20, prefix=prefix)
         try:
             assert not os.path.exists(path)
-            assert os.path.basename(path) in tier.stale_removed
+            assert tier.stale_removed == [os.path.basename(path)]
         finally:
             tier.close()
     finally:
