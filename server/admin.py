@@ -16,6 +16,7 @@ from kvstore.errors import MalformedRequest
 from kvstore.errors import BlockNotFound, InvalidInput
 from kvstore.evict import coldest_first, evict
 from kvstore.keys import BlockHash
+from kvstore.store import StoreStats
 from server.auth import Authenticator, Principal
 from server.blocks import _key
 from server.errors import field_error
@@ -111,6 +112,8 @@ async def admin_migrate(request: Request, p: Principal = Depends(admin)) -> dict
 
 @router.get("/stats")
 async def admin_stats(request: Request) -> dict:
+    """``StoreStats``: store counters, ``reads_by_tier``, and each tier with its ``reads`` (the
+    same figure) and ``backend_counters``; plus the service's own figures."""
     svc = svc_of(request)
     stats = await svc.run(svc.store.stats)
     out = stats.to_dict()
@@ -129,15 +132,19 @@ async def admin_connectors(request: Request) -> dict:
 
 @router.get("/tiers")
 async def admin_tiers(request: Request) -> dict:
+    """Each tier: occupancy, state, watermarks, ``reads`` (block reads it served, on every read
+    path: the store's ``reads_by_tier``, as ``/admin/stats`` and ``/metrics`` report them) and
+    ``backend_counters`` (the tier's own operation counters, which a co-located read bypasses)."""
     svc = svc_of(request)
 
     def tiers() -> list[dict]:
         placement = svc.store.placement
         usage = placement.usage()
         policies = {p.name: p for p in placement.tiers}
+        _, reads = svc.store.read_counters()
         out = []
         for t in svc.store.tiers:
-            s = t.stats().to_dict()
+            s = StoreStats.tier_dict(t.stats(), reads)
             s["placement_bytes"] = usage.get(t.name)
             s["state"] = "unavailable" if s["details"].get("connected") == "no" else "ok"
             policy = policies.get(t.name)
@@ -173,7 +180,7 @@ async def admin_entries(request: Request, sort: str = Query("heat"), order: str 
     svc = svc_of(request)
 
     def page() -> tuple[int, list[dict]]:
-        now = time.time()
+        now = svc.store.clock()  # the clock the entries' created_s were read from
         entries = [e for e in svc.store.entries()
                    if (namespace is None or e.namespace == namespace) and (tier is None or e.tier == tier)
                    and (min_age_s is None or now - e.created_s >= min_age_s)

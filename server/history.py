@@ -8,7 +8,10 @@ interval's ratios.
 
 Tier ``t``'s hit ratio over an interval is the share of requested tokens that
 were served from ``t``: the interval's token hit ratio, split by the tier each
-read block was in. Reads whose tokens no get counts (LMCache's chunks over the
+read block was in. The split comes from the store's ``reads_by_tier``, the one
+account of reads by tier that ``/admin/stats``, ``/admin/tiers`` and ``/metrics``
+report too (co-located reads included); each point also carries those block
+reads (``reads``), by tier. Reads whose tokens no get counts (LMCache's chunks over the
 ``lm://`` listener) are left out of both. The split is by blocks (``IndexEntry`` does not know its
 block size in tokens), which is exact when the interval's reads share one
 ``block_tokens``; the per-tier ratios then add up to the whole hit ratio.
@@ -93,8 +96,10 @@ class History:
         """One point per interval between samples, the last running to now; oldest first.
 
         Each point: ``time_s`` (the interval's end), ``seconds``, ``gets``, ``tokens_requested``,
-        ``hit_ratio`` (None when nothing was asked for) and ``tiers``, each tier's share of the
-        requested tokens it served (None likewise).
+        ``hit_ratio`` (None when nothing was asked for), ``tiers``, each tier's share of the
+        requested tokens it served (None likewise), and ``reads``, the block reads each tier
+        served in the interval (the deltas of ``reads_by_tier``, the figure ``/admin/stats``,
+        ``/admin/tiers`` and ``/metrics`` report as totals).
         """
         samples = [*self._samples, self._now()]
         pairs = list(zip(samples, samples[1:]))
@@ -117,4 +122,4 @@ def _point(a: Sample, b: Sample, names: list[str]) -> dict[str, Any]:
         else:
             tiers[t] = ratio * reads[t] / total_reads if total_reads else 0.0
     return {"time_s": b.time_s, "seconds": b.mono_s - a.mono_s, "gets": b.get_calls - a.get_calls,
-            "tokens_requested": requested, "hit_ratio": ratio, "tiers": tiers}
+            "tokens_requested": requested, "hit_ratio": ratio, "tiers": tiers, "reads": reads}

@@ -21,6 +21,25 @@ log = logging.getLogger("kvstore.server")
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+_READS_DOC = ("Block reads served from the tier since start, on every read path: server gets, co-located "
+              "clients' shm reads (reported back), block routes. The store's reads_by_tier, as /admin/stats "
+              "and the dashboard show it; lm:// listener reads are not counted.")
+_HITS_DOC = "Same as kvstore_tier_reads_total (the name kept for existing dashboards and alerts)."
+_BACKEND_NOTE = (" As the tier itself saw them: only what went through its methods (the server's own reads and "
+                 "writes, placement's moves), never a co-located client's read of an shm slot.")
+_BACKEND_COUNTERS = (
+    ("gets", "Frame reads the tier answered."),
+    ("hits", "Frame reads the tier answered with a frame."),
+    ("misses", "Frame reads the tier answered with nothing."),
+    ("puts", "Frames written to the tier."),
+    ("deletes", "Frame deletes the tier answered."),
+    ("errors", "Tier operations that failed."),
+)
+_LEGACY_COUNTERS = ("misses", "puts", "gets", "errors", "deletes")
+"""The tier's own counters under their old names (before the ``backend_`` ones), kept so existing
+queries keep working; ``kvstore_tier_hits`` now reports reads served (``kvstore_tier_reads``)."""
+
+
 class _StoreCollector:
     """Turns one ``store.stats()`` snapshot into metric families."""
 
@@ -43,18 +62,33 @@ class _StoreCollector:
             ("entries", "Frames held by the tier."),
             ("up", "1 when the tier's backing answers, 0 when it is unavailable."),
         )}
-        c = {name: CounterMetricFamily(f"kvstore_tier_{name}", f"Tier {name} since start.", labels=["tier", "kind"])
-             for name in ("hits", "misses", "puts", "gets", "errors", "deletes")}
+        # Reads by the tier that served them, however the bytes travelled: the store's one account.
+        reads = CounterMetricFamily("kvstore_tier_reads", _READS_DOC, labels=["tier", "kind"])
+        hits = CounterMetricFamily("kvstore_tier_hits", _HITS_DOC, labels=["tier", "kind"])
+        # The tier's own operation counters, as its methods saw them.
+        backend = {name: CounterMetricFamily(f"kvstore_tier_backend_{name}", doc + _BACKEND_NOTE,
+                                             labels=["tier", "kind"]) for name, doc in _BACKEND_COUNTERS}
+        legacy = {name: CounterMetricFamily(f"kvstore_tier_{name}", f"Deprecated name of kvstore_tier_backend_{name}"
+                                            "_total, the tier's own counter.", labels=["tier", "kind"])
+                  for name in _LEGACY_COUNTERS}
         for t in s.tiers:
             labels = [t.name, t.kind]
             g["bytes"].add_metric(labels, t.used_bytes)
             g["capacity_bytes"].add_metric(labels, t.capacity_bytes)
             g["entries"].add_metric(labels, t.entries)
             g["up"].add_metric(labels, 0 if t.details.get("connected") == "no" else 1)
-            for name, family in c.items():
+            served = s.reads_by_tier.get(t.name, 0)
+            reads.add_metric(labels, served)
+            hits.add_metric(labels, served)
+            for name, family in backend.items():
+                family.add_metric(labels, getattr(t.counters, name))
+            for name, family in legacy.items():
                 family.add_metric(labels, getattr(t.counters, name))
         yield from g.values()
-        yield from c.values()
+        yield reads
+        yield hits
+        yield from backend.values()
+        yield from legacy.values()
         moves = CounterMetricFamily("kvstore_moves", "Placement moves by reason.", labels=["reason"])
         for reason, n in s.moves.items():
             if reason not in ("bytes_moved", "entries"):

@@ -252,12 +252,17 @@ function renderTiers(data) {
     if (t.high_watermark_frac) bar.append(el("div", { class: "mark high", style: { left: 100 * t.high_watermark_frac + "%" },
       title: "high watermark " + t.high_watermark_frac }));
     const down = t.state !== "ok";
+    // reads: block reads the tier served on every path (co-located shm reads too), the store's
+    // one account, as /admin/stats and /metrics (kvstore_tier_reads_total) report it.
+    const reads = t.reads || 0;
     const row = el("div", { class: "tier" + (down ? " down" : ""), "data-tier": t.name,
-      "data-used-bytes": t.used_bytes, "data-capacity-bytes": t.capacity_bytes, "data-entries": t.entries },
+      "data-used-bytes": t.used_bytes, "data-capacity-bytes": t.capacity_bytes, "data-entries": t.entries,
+      "data-reads": reads },
       el("div", { class: "name" }, t.name + " ", el("span", { class: "kind", text: t.kind + (t.durable ? ", durable" : "") })),
       bar,
       el("div", { class: "label", text: fmtBytes(t.used_bytes) + " of " + fmtBytes(t.capacity_bytes) + " (" +
-        pct.toFixed(1) + "%) · " + t.entries + " entries" + (down ? " · UNAVAILABLE" : "") }));
+        pct.toFixed(1) + "%) · " + t.entries + " entries · " + reads + (reads === 1 ? " block read" : " block reads") +
+        " served" + (down ? " · UNAVAILABLE" : "") }));
     if (down) row.append(el("div", { class: "reason", text: t.details.error || "not connected" }));
     return row;
   }));

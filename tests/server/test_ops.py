@@ -40,16 +40,23 @@ def test_metrics_expose_the_named_series(serve_app, spec):
         c.put_kv(spec, tokens, make_kv(spec, 48))
         c.get_kv(spec, tokens)
         c.lookup(spec, tokens)
-        c.migrate(block_hashes(spec, tokens)[0], "memory")
+        c.admin.migrate(block_hashes(spec, tokens)[0], "memory")
         text = c.metrics()
     for name in ("kvstore_tier_bytes", "kvstore_tier_entries", "kvstore_tier_capacity_bytes", "kvstore_tier_up"):
         assert _metric(text, name, tier="shm", kind="shm") >= 0
-    for name in ("hits", "misses", "puts", "gets", "errors"):
+    for name in ("hits", "misses", "puts", "gets", "errors", "deletes"):  # the old names keep working
         assert _metric(text, f"kvstore_tier_{name}_total", tier="memory", kind="memory") >= 0
+        assert _metric(text, f"kvstore_tier_backend_{name}_total", tier="memory", kind="memory") >= 0
     assert _metric(text, "kvstore_tier_entries", tier="shm") == 2
     assert _metric(text, "kvstore_tier_entries", tier="memory") == 1
     assert _metric(text, "kvstore_tier_puts_total", tier="shm") == 3
-    assert _metric(text, "kvstore_tier_hits_total", tier="shm") >= 3
+    assert _metric(text, "kvstore_tier_backend_puts_total", tier="shm") == 3
+    # Reads served by tier (the get's three blocks; the migration's read is a move, not a read),
+    # under the new name and the old one; the tier's own hits include the move.
+    assert _metric(text, "kvstore_tier_reads_total", tier="shm", kind="shm") == 3
+    assert _metric(text, "kvstore_tier_hits_total", tier="shm") == 3
+    assert _metric(text, "kvstore_tier_reads_total", tier="memory") == 0
+    assert _metric(text, "kvstore_tier_backend_hits_total", tier="shm") >= 3
     assert _metric(text, "kvstore_moves_total", reason="migrated") == 1
     assert _metric(text, "kvstore_codec_bytes_saved") > 0  # the int8 block in memory
     assert _metric(text, "kvstore_request_duration_seconds_count", route="/v1/kv/put", method="POST") == 1
@@ -58,6 +65,28 @@ def test_metrics_expose_the_named_series(serve_app, spec):
     assert _metric(text, "kvstore_requests_total", route="/admin/migrate", method="POST", status="200") == 1
     assert _metric(text, "kvstore_transfer_bytes_total", direction="out", medium="http") == spec.bytes_per_token * 48
     assert _metric(text, "kvstore_store_ops_total", counter="put_calls") == 1
+
+
+def test_tier_reads_count_colocated_gets_that_the_tier_never_saw(server, spec):
+    """A co-located get reads shm slots without asking the shm tier for a frame: the tier's own
+    counters stay at 0 hits, the reads by tier (and kvstore_tier_hits_total) count every block."""
+    tokens = list(range(64))
+    with KVClient(server.url) as c:
+        c.put_kv(spec, tokens, make_kv(spec, 64))
+        for _ in range(2):
+            assert c.get_kv(spec, tokens)[1] == 64 and c.stats.last_medium == "shm"
+    # close() reported the second get's reads from remembered handles
+    with KVClient(server.url, colocated=False) as c:
+        text = c.metrics()
+    assert _metric(text, "kvstore_tier_reads_total", tier="shm", kind="shm") == 2 * 4
+    assert _metric(text, "kvstore_tier_hits_total", tier="shm", kind="shm") == 2 * 4
+    assert _metric(text, "kvstore_tier_backend_hits_total", tier="shm") == 0  # labelled as the tier's own
+    assert _metric(text, "kvstore_tier_backend_gets_total", tier="shm") == 0
+    assert _metric(text, "kvstore_store_ops_total", counter="tokens_hit") == 2 * 64
+    help_lines = [line for line in text.splitlines() if line.startswith("# HELP kvstore_tier_")]
+    assert any(line.startswith("# HELP kvstore_tier_reads_total Block reads served") for line in help_lines)
+    assert any(line.startswith("# HELP kvstore_tier_backend_hits_total") and "co-located" in line
+               for line in help_lines)
 
 
 def test_readyz_degrades_when_redis_dies_and_recovers(serve_app, spec):
