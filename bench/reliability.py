@@ -1,7 +1,8 @@
 """``kvstore bench reliability``: the reliability suite's scenarios at full size, as one table.
 
-The scenarios are the ones ``tests/reliability/`` asserts on (``tests/reliability/scenarios.py``),
-run with real processes, a real ``kvstore serve``, real files and shared memory:
+The scenarios are the ones ``tests/reliability/`` asserts on (``bench/reliability_kit/``, shipped
+so that an installed kvstore runs them too), run with real processes, a real ``kvstore serve``,
+real files and shared memory:
 
 - crash: four clients put with ``durable=True`` while the server is ``kill -9``ed; every
   acknowledged put is read back after the restart (20 cycles; 3 with ``--quick``);
@@ -9,7 +10,8 @@ run with real processes, a real ``kvstore serve``, real files and shared memory:
 - load: 16 client processes of mixed operations, every get checked (100,000 ops; 2,400);
 - memory: put/delete churn through the embedded store (1,000,000 cycles; 20,000).
 
-It needs a checkout (the scenarios live with the tests) and runs from anywhere inside one.
+Its work files (data directories, the servers' logs) go in a temp dir under the current
+directory, as the other benches' do, and are removed after.
 """
 
 from __future__ import annotations
@@ -21,49 +23,36 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.reliability_kit.scenarios import WORKERS, churn, fuzz_blocks, run_crashes, run_load
 from bench.report import header, publish
 
 __all__ = ["run", "format_table"]
 
-ROOT = Path(__file__).resolve().parent.parent
 FULL = {"cycles": 20, "fuzz": 2000, "ops_per_worker": 6250, "churn": 1_000_000}
 QUICK = {"cycles": 3, "fuzz": 200, "ops_per_worker": 150, "churn": 20_000}
-
-
-def _scenarios():
-    """``tests.reliability.scenarios``, with the checkout on the path of this process and its children."""
-    if not (ROOT / "tests" / "reliability" / "scenarios.py").exists():
-        raise RuntimeError(f"kvstore bench reliability needs the source checkout's tests/ (not found under {ROOT})")
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    from tests.reliability import scenarios
-
-    return scenarios
 
 
 def run(*, quick: bool = False, out_dir: str | Path | None = None, docs: str | Path | None = None) -> dict:
     """Run every scenario; print the table; write JSON (and render ``docs``); return the result.
 
     Raises:
-        RuntimeError: not run from a checkout; a scenario could not start.
+        RuntimeError: a scenario could not start.
         AssertionError: a scenario broke a promise on the way (a client acknowledged nothing, a
             temp file among the data after a restart).
     """
-    s = _scenarios()
     sizes = QUICK if quick else FULL
-    work = Path(tempfile.mkdtemp(prefix=".kvstore-bench-reliability-", dir=ROOT))
+    work = Path(tempfile.mkdtemp(prefix=".kvstore-bench-reliability-", dir="."))
     started = time.monotonic()
     try:
         say = lambda what: print(f"[{time.monotonic() - started:6.1f}s] {what}", file=sys.stderr, flush=True)  # noqa: E731
         say(f"crash: {sizes['cycles']} kill -9 cycles")
-        crash = s.run_crashes(work / "crash", cycles=sizes["cycles"], seed=1)
+        crash = run_crashes(work / "crash", cycles=sizes["cycles"], seed=1)
         say(f"fuzz: {2 * sizes['fuzz']} damaged frames")
-        fuzz = s.fuzz_blocks(work / "fuzz", sizes["fuzz"], seed=1)
-        say(f"load: {s.WORKERS} clients x {sizes['ops_per_worker']} ops")
-        load = s.run_load(work / "load", sizes["ops_per_worker"], seed=1)
+        fuzz = fuzz_blocks(work / "fuzz", sizes["fuzz"], seed=1)
+        say(f"load: {WORKERS} clients x {sizes['ops_per_worker']} ops")
+        load = run_load(work / "load", sizes["ops_per_worker"], seed=1)
         say(f"memory: {sizes['churn']:,} put/delete cycles")
-        memory = s.churn(work / "memory", sizes["churn"])
+        memory = churn(work / "memory", sizes["churn"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     warm, *later = memory["rss"]

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from client_sdk import KVClient  # noqa: E402
 from kvstore import KVSpec  # noqa: E402
-from tests.server.live import ServeProcess, small_env  # noqa: E402
+from bench.reliability_kit.serve_process import ServeProcess, small_env  # noqa: E402
 
 TOKEN = "dashboard-demo-admin-token"
 SPEC = KVSpec("llama-tiny", num_layers=8, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16,

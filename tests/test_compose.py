@@ -14,11 +14,12 @@ import httpx
 import pytest
 import yaml
 
+from bench.reliability_kit.serve_process import ServeProcess
+from bench.serving import free_port
 from client_sdk import KVClient
 from kvstore.config import parse_size
 from tests.conftest import make_kv, make_spec
-from tests.server.live import ServeProcess
-from tests.tiers.redis_servers import RedisServer, free_port
+from tests.tiers.redis_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from bench.engines import engine_python
+from bench.reliability_kit.serve_process import ServeProcess, small_env
 from bench.sglang_hicache import LAYOUTS, DriverError, HiCacheDriver, kvstore_extra
 from kvstore.keys import from_hex
 from kvstore.memory.shm import HEADER, SHM_DIR, ShmReader
 from tests.conftest import require_venv
-from tests.server.live import ServeProcess, small_env
 
 pytestmark = pytest.mark.sglang
 

@@ -20,12 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.reliability_kit.load_worker import SPECS, expected_kv
+from bench.reliability_kit.serve_process import ServeProcess
 from client_sdk import KVClient
 from client_sdk.media import encode_blocks
 from kvstore import codec
 from kvstore.errors import FrameError
-from tests.reliability.load_worker import SPECS, expected_kv
-from tests.server.live import ServeProcess
 
 SPEC = SPECS[0]
 KEPT = list(range(11_000, 11_064))

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.reliability_kit.load_worker import SPECS, expected_kv
+from bench.reliability_kit.serve_process import ServeProcess
 from client_sdk import KVClient
-from tests.reliability.load_worker import SPECS, expected_kv
-from tests.server.live import ServeProcess
 
 SPEC = SPECS[0]
 TOKENS = list(range(7_000, 7_064))  # four blocks of 16

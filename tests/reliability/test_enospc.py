@@ -15,11 +15,11 @@ from collections import Counter
 import pytest
 import torch
 
+from bench.reliability_kit.load_worker import SPECS, expected_kv
+from bench.reliability_kit.serve_process import ServeProcess
 from client_sdk import KVClient
 from kvstore.errors import KVStoreError
-from tests.reliability.load_worker import SPECS, expected_kv
 from tests.mounts import small_tmpfs
-from tests.server.live import ServeProcess
 
 SPEC = SPECS[0]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.reliability.load_worker import expected_kv, matches, tokens_of
-from tests.reliability.scenarios import WORKERS, run_load
+from bench.reliability_kit.load_worker import expected_kv, matches, tokens_of
+from bench.reliability_kit.scenarios import WORKERS, run_load
 
 
 def _check(figures: dict, ops: int) -> None:

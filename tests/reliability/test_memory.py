@@ -1,6 +1,6 @@
 """Memory stability: put/delete churn in mixed block sizes leaves the resident set where warm-up left it.
 
-``tests/reliability/memory_churn.py`` runs in its own process (a clean resident set): 20,000
+``bench/reliability_kit/memory_churn.py`` runs in its own process (a clean resident set): 20,000
 cycles by default, 1,000,000 behind ``slow``. After the first tenth (warm-up: the arena's
 pages, the index, the allocator's bins), every later sample of VmRSS stays within 10% of it.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.scenarios import churn
+from bench.reliability_kit.scenarios import churn
 
 
 def _check(figures: dict) -> None:

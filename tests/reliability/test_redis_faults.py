@@ -20,10 +20,10 @@ from collections import Counter
 import httpx
 import torch
 
+from bench.reliability_kit.load_worker import SPECS, expected_kv
+from bench.reliability_kit.serve_process import ServeProcess
 from client_sdk import KVClient
 from kvstore.errors import KVStoreError
-from tests.reliability.load_worker import SPECS, expected_kv
-from tests.server.live import ServeProcess
 from tests.tiers.redis_servers import RedisClusterServers, RedisServer
 
 SPEC = SPECS[0]

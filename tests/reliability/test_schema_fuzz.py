@@ -17,7 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.server.live import ServeProcess
+from bench.reliability_kit.serve_process import ServeProcess
 
 ADMIN = secrets.token_urlsafe(24)
 TENANT = secrets.token_urlsafe(24)

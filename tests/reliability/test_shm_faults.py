@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench.reliability_kit.load_worker import expected_kv
+from bench.reliability_kit.serve_process import ServeProcess
 from client_sdk import KVClient
 from kvstore.memory.shm import SHM_DIR
 from tests.reliability.lease_holder import NAMESPACE, SEQUENCE, SPEC
-from tests.reliability.load_worker import expected_kv
-from tests.server.live import ServeProcess
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

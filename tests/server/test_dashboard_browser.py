@@ -18,9 +18,9 @@ from typing import Iterator
 import httpx
 import pytest
 
+from bench.reliability_kit.serve_process import ServeProcess, small_env
 from client_sdk import KVClient
 from tests.conftest import make_kv, make_spec
-from tests.server.live import ServeProcess, small_env
 
 CHROMIUM = os.environ.get("KVSTORE_CHROMIUM", "/usr/bin/chromium")
 ADMIN = "dashboard-admin-token-0123"

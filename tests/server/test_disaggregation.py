@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.reliability_kit.serve_process import ServeProcess, small_env
 from client_sdk import KVClient
 from tests.conftest import make_kv, make_spec
-from tests.server.live import ServeProcess, small_env
 from tests.tiers.redis_servers import RedisClusterServers
 
 
@@ -74,7 +74,7 @@ def test_two_servers_share_a_redis_cluster(tmp_path, redis_cluster):
 def test_lmcache_chunks_put_through_one_server_are_found_through_another(tmp_path, redis_server):
     """LMCache workers on two nodes, each talking to its own kvstore's lm:// listener."""
     from tests.server import lmwire as lm
-    from tests.tiers.redis_servers import free_port
+    from bench.serving import free_port
 
     env = dict(KVSTORE_REDIS_URL=redis_server.url, KVSTORE_REDIS_KEYSPACE="disagg-lm")
     ports = free_port(), free_port()

@@ -297,7 +297,7 @@ def test_a_layer_stream_left_early_is_cancelled(fserver, spec):
 
 
 def test_kvstore_serve_flight_port_flag(tmp_path):
-    from tests.server.live import ServeProcess, small_env
+    from bench.reliability_kit.serve_process import ServeProcess, small_env
 
     proc = ServeProcess(small_env(tmp_path), "--flight-port", "0").start()
     try:

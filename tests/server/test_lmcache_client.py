@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from bench.peers import LMCACHE_CHUNK, LMCACHE_CHUNK_BYTES, LMCacheDriver, lmcache_python
+from bench.reliability_kit.serve_process import ServeProcess, small_env
+from bench.serving import free_port
 from tests.conftest import require_venv
-from tests.server.live import ServeProcess, small_env
-from tests.tiers.redis_servers import free_port
 
 pytestmark = pytest.mark.lmcache
 

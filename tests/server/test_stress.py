@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
+from bench.reliability_kit.serve_process import ServeProcess, small_env
 from client_sdk import KVClient
 from tests.conftest import make_kv, make_spec
-from tests.server.live import ServeProcess, small_env
 
 
 def _worker(url: str, wid: int, ops: int, errors: list[str]) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,16 +19,11 @@ from pathlib import Path
 
 import redis
 
+from bench.serving import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 _PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

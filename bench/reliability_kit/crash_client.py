@@ -1,6 +1,6 @@
 """A client of the crash scenario: durable puts in a loop until it is killed.
 
-    python -m tests.reliability.crash_client URL CLIENT START
+    python -m bench.reliability_kit.crash_client URL CLIENT START
 
 Put number ``i`` (from START on) stores ``sequence(CLIENT, i)`` with
 ``put_kv(..., durable=True)`` and, once that returned, writes ``i`` and a
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from tests.reliability.load_worker import SPECS, expected_kv
+from bench.reliability_kit.load_worker import SPECS, expected_kv
 
 SPEC = SPECS[0]
 NAMESPACE = "crash"

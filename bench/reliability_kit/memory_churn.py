@@ -1,6 +1,6 @@
 """Put/delete churn through an ``EmbeddedStore``, reporting its resident set and arena fragmentation.
 
-    python -m tests.reliability.memory_churn CYCLES DATA_DIR
+    python -m bench.reliability_kit.memory_churn CYCLES DATA_DIR
 
 Each cycle puts one sequence of 1-4 blocks of one of three block sizes (8 KiB,
 64 KiB, 256 KiB) and, once 64 are live, deletes a random live one, so the

@@ -2,7 +2,9 @@
 
 ``tests/reliability/test_*.py`` assert on the figures; ``kvstore bench reliability`` runs the
 same scenarios at full size and tabulates them. Each uses real processes: ``kvstore serve``
-(``tests.server.live.ServeProcess``), client processes, and real files and shared memory.
+(``serve_process.ServeProcess``), client processes started by module name
+(``python -m bench.reliability_kit.load_worker``: importable wherever kvstore is installed),
+and real files and shared memory.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import httpx
 import torch
 
 from client_sdk import KVClient
-from tests.reliability.crash_client import NAMESPACE as CRASH_NAMESPACE
-from tests.reliability.crash_client import SPEC, sequence
-from tests.reliability.load_worker import FAMILIES, NAMESPACE, PER_FAMILY, SPECS, expected_kv, matches, tokens_of
-from tests.server.live import ServeProcess
-from tests.tiers.redis_servers import free_port
+from bench.reliability_kit.crash_client import NAMESPACE as CRASH_NAMESPACE
+from bench.reliability_kit.crash_client import SPEC, sequence
+from bench.reliability_kit.load_worker import FAMILIES, NAMESPACE, PER_FAMILY, SPECS, expected_kv, matches, tokens_of
+from bench.reliability_kit.serve_process import ServeProcess
+from bench.serving import free_port
 
 __all__ = ["WORKERS", "CLIENTS", "run_load", "run_crashes", "churn", "crash_env", "damage", "fuzz_blocks"]
 
@@ -48,7 +50,7 @@ def run_load(tmp_path, ops_per_worker: int, seed: int = 0, lossy: bool = False) 
         env["KVSTORE_TIER_CODECS"] = "cxl=raw,nvme=raw"
     server = ServeProcess(env).start()
     try:
-        workers = [subprocess.Popen([sys.executable, "-m", "tests.reliability.load_worker", server.url, str(w),
+        workers = [subprocess.Popen([sys.executable, "-m", "bench.reliability_kit.load_worker", server.url, str(w),
                                      str(ops_per_worker), str(seed), *(["lossy"] if lossy else [])],
                                     stdout=subprocess.PIPE, text=True)
                    for w in range(WORKERS)]
@@ -113,7 +115,7 @@ def crash_env(data: Path) -> dict[str, str]:
 
 def _cycle(url: str, server: ServeProcess, cycle: int, rng: random.Random) -> dict[int, tuple[list[int], int]]:
     """One storm and kill; each client's acknowledged puts and the one it had in flight."""
-    clients = [subprocess.Popen([sys.executable, "-m", "tests.reliability.crash_client", url, str(c),
+    clients = [subprocess.Popen([sys.executable, "-m", "bench.reliability_kit.crash_client", url, str(c),
                                  str(cycle * PUTS_PER_CYCLE)], stdout=subprocess.PIPE, text=True)
                for c in range(CLIENTS)]
     try:
@@ -177,15 +179,13 @@ def run_crashes(tmp_path: Path, cycles: int, seed: int = 0) -> dict:
 
 
 def churn(tmp_path: Path, cycles: int) -> dict:
-    """``tests/reliability/memory_churn.py`` in its own process (a clean resident set); its figures."""
-    done = subprocess.run([sys.executable, "-m", "tests.reliability.memory_churn", str(cycles), str(tmp_path)],
+    """``memory_churn`` in its own process (a clean resident set); its figures."""
+    done = subprocess.run([sys.executable, "-m", "bench.reliability_kit.memory_churn", str(cycles), str(tmp_path)],
                           capture_output=True, text=True, timeout=3600)
     if done.returncode:
         raise RuntimeError(f"memory_churn failed: {done.stderr[-3000:]}")
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     return figures
-
-
 
 
 def damage(frame: bytes, rng: random.Random) -> bytes:

@@ -1,6 +1,6 @@
 """One client process of the concurrent-load scenario: seeded mixed ops, every get checked.
 
-    python -m tests.reliability.load_worker URL WORKER OPS SEED [lossy]
+    python -m bench.reliability_kit.load_worker URL WORKER OPS SEED [lossy]
 
 Workers share a pool of sequences: families of sequences share a first prefix,
 and any worker may put, get, look up, delete or evict any of them at any time.
