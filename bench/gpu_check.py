@@ -104,8 +104,8 @@ def _cases(device: torch.device, tiers: dict[str, DeviceTier], nbytes: int) -> l
         return np.array_equal(np.asarray(tiers[name].get(k)), data.numpy())
 
     def stores(name: str, src: torch.Tensor) -> Callable[[], bool]:
-        def check() -> bool:  # into a cleared pool, so stale bytes from earlier puts cannot pass
-            tiers[name]._pool.zero_()
+        def check() -> bool:  # over zeros just stored, so stale bytes from earlier puts cannot pass
+            tiers[name].put(k, torch.zeros_like(src))
             _sync(device)
             tiers[name].put(k, src)
             return got_bytes(name)

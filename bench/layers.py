@@ -52,9 +52,8 @@ def _ms(seconds: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ms), "min": min(ms), "max": max(ms)}
 
 
-def _measure(url: str, n_tokens: int, repeats: int) -> dict:
+def measure(url: str, n_tokens: int, repeats: int) -> dict:
     from client_sdk import KVClient
-    from client_sdk.layers import get_kv_layers
 
     spec = _spec()
     kv = torch.randn(spec.kv_shape(n_tokens), generator=torch.Generator().manual_seed(0)).to(torch.float16)
@@ -70,9 +69,9 @@ def _measure(url: str, n_tokens: int, repeats: int) -> dict:
 
         def once() -> None:
             if fresh:
-                c._arena.handles.clear()  # type: ignore[union-attr]
+                c.colocation.arena.handles.clear()  # type: ignore[union-attr]
             start = time.perf_counter()
-            layers = get_kv_layers(c, spec, tokens)
+            layers = c.get_kv_layers(spec, tokens)
             layer, _ = next(layers)
             first = time.perf_counter()
             for layer, _ in layers:
@@ -89,7 +88,7 @@ def _measure(url: str, n_tokens: int, repeats: int) -> dict:
 
         def once() -> None:
             if fresh:
-                c._arena.handles.clear()  # type: ignore[union-attr]
+                c.colocation.arena.handles.clear()  # type: ignore[union-attr]
             start = time.perf_counter()
             _, n = c.get_kv(spec, tokens)
             times.setdefault(name, []).append(time.perf_counter() - start)
@@ -104,7 +103,7 @@ def _measure(url: str, n_tokens: int, repeats: int) -> dict:
     for r in range(repeats):
         for fn in calls[r % len(calls):] + calls[:r % len(calls)]:
             fn()
-    got = get_kv_layers(clients["http"], spec, tokens).read_all()[0]
+    got = clients["http"].get_kv_layers(spec, tokens).read_all()[0]
     assert torch.equal(got, kv), "layers read back over HTTP differ from what was stored"
     for c in clients.values():
         c.close()
@@ -128,7 +127,7 @@ def run(*, quick: bool = False, repeats: int | None = None, tokens: tuple[int, .
     repeats = repeats or (3 if quick else 9)
     sizes = (256,) if quick else tokens
     with kvstore_serve("layers", KVSTORE_STAGING_BYTES="256MiB") as url:
-        rows = [_measure(url, n, repeats) for n in sizes]
+        rows = [measure(url, n, repeats) for n in sizes]
     result = header("layers", repeats=repeats, client_torch_threads=torch.get_num_threads(),
                     unit="ms from the call to the row's event, median (min-max) over samples", rows=rows)
     result["machine"]["cpus"] = os.cpu_count()

@@ -62,7 +62,7 @@ def remember_no_handles(client: Any) -> None:
 
     The bench reaches into the SDK here: no user-facing switch turns the handle cache off.
     """
-    handles = client._arena.handles
+    handles = client.colocation.arena.handles
     handles.max_entries = 0
     handles.remember([])  # trims to max_entries: what the first get remembered goes too
 

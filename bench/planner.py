@@ -118,7 +118,7 @@ def _point(url: str, client, writer, payload: int, gbps: float, tokens: int, rep
     kv = torch.randn(spec.kv_shape(tokens), generator=torch.Generator().manual_seed(tokens)).to(torch.float16)
     writer.put_kv(spec, toks, kv)
     try:
-        media = client._planned().media
+        media = client.media()
         oracle: dict[str, list[float]] = {o.name: [] for o in _options()}
         for _ in range(repeats):
             for o in _options():  # rounds interleave the options (A B C D A B C D ...)
@@ -219,7 +219,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
         httpx.post(f"{url}/admin/policy", json={"action": "baseline", "policy": policy}).raise_for_status()
         points = _sweep(url, payloads, bandwidths, prompts, repeats, 3 if quick else 6, 2 if quick else 3, progress)
         flight_row = flight.measure(url, flight_port, repeats=repeats if quick else 5)
-        layer_row = layers._measure(url, 256, repeats if quick else 5)
+        layer_row = layers.measure(url, 256, repeats if quick else 5)
     result = header("planner", repeats=repeats, prefill_tokens_per_s=PREFILL_TPS, link_latency_s=LINK_LATENCY_S,
                     tie_frac=TIE_FRAC, targets=TARGETS, summary=_summary(points), points=points,
                     flight=flight_row, layers=layer_row, wall_s=round(time.perf_counter() - started, 1),

@@ -7,6 +7,7 @@ one on the event loop.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import mmap
@@ -21,7 +22,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from kvstore.wire.rest import H_NAMESPACE, MAX_TOUCH_KEYS, encode_batch_head, encode_kv_head, pad64, parse_batch_head
+from kvstore.wire.rest import (H_NAMESPACE, MAX_TOUCH_KEYS, encode_batch_head, encode_kv_head_json, pad64,
+                               parse_batch_head)
 from kvstore.errors import ServiceError
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
@@ -98,7 +100,7 @@ def kv_bytes(kv: torch.Tensor) -> memoryview:
 def kv_parts(spec: KVSpec, tokens: np.ndarray, kv: torch.Tensor | None, *, with_kv: bool = True) -> list[Any]:
     """A KV body as buffers to send one after another (``kvstore.wire.rest``)."""
     kv_tokens = 0 if kv is None else int(kv.shape[3])
-    head, tok_region = encode_kv_head(spec.to_dict(), len(tokens), kv_tokens)
+    head, tok_region = encode_kv_head_json(_spec_json(spec), len(tokens), kv_tokens)
     tok = memoryview(tokens).cast("B")
     parts: list[Any] = [head, tok]
     if tok_region > len(tok):
@@ -106,6 +108,12 @@ def kv_parts(spec: KVSpec, tokens: np.ndarray, kv: torch.Tensor | None, *, with_
     if kv is not None and with_kv:
         parts.append(kv_bytes(kv))
     return parts
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_json(spec: KVSpec) -> str:
+    """A spec's JSON, encoded once per spec (specs are frozen: one per model, used for every call)."""
+    return json.dumps(spec.to_dict(), separators=(",", ":"))
 
 
 def tokens_of(tokens: Any) -> np.ndarray:

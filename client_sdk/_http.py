@@ -167,7 +167,7 @@ class Connection:
             TimeoutError: no answer within the timeout.
         """
         views = _views(parts)
-        length = sum(len(v) for v in views) if views or method in ("POST", "PUT") else None
+        length = sum(map(len, views)) if views or method in ("POST", "PUT") else None
         try:
             if self._sock is None:
                 self._sock = self._connect()
@@ -310,7 +310,7 @@ class AsyncConnection:
 
     async def request(self, method: str, path: str, headers: Mapping[str, str], parts: Sequence[Any] = ()) -> Head:
         views = _views(parts)
-        length = sum(len(v) for v in views) if views or method in ("POST", "PUT") else None
+        length = sum(map(len, views)) if views or method in ("POST", "PUT") else None
         loop = asyncio.get_running_loop()
         try:
             if self._sock is None:

@@ -1,6 +1,6 @@
 """``AsyncKVClient``'s planner: ``client_sdk.planning``'s decisions, with probes and transfers awaited.
 
-Its media are the async client's own paths, behind ``AsyncMedium``: ``shm``
+Its media are the async client's own paths (``client_sdk.aio_media``): ``shm``
 (co-located arena slots) and ``http`` (raw KV over the loop's sockets), raw
 codec only. Flight and direct Redis are the synchronous client's: their
 libraries block, and a thread hop per transfer would cost what they save.
@@ -11,125 +11,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 
-from client_sdk.media import Throttled
+from client_sdk.aio_media import AsyncMedium
 from client_sdk.planning import PlanCore
-from client_sdk.rest_media import shm_probe
-from kvstore.errors import ServiceError
 from kvstore.errors import KVStoreError
 from kvstore.planner import RECOMPUTE, Decision, Option
 from kvstore.policy import Policy
 from kvstore.spec import KVSpec
 
-if TYPE_CHECKING:
-    from client_sdk.aio import AsyncKVClient
-
 log = logging.getLogger("kvstore.client")
 
-__all__ = ["AsyncMedium", "AsyncHttpMedium", "AsyncShmMedium", "AsyncThrottled", "AsyncClientPlanner"]
-
-
-class AsyncMedium(ABC):
-    """One way the async client moves KV: ``get_kv``/``put_kv`` of a token prefix, and a probe."""
-
-    name: str = "?"
-    remote: bool = True
-    puts: bool = True
-    codecs: tuple = (None, "raw")
-
-    @abstractmethod
-    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]: ...
-
-    @abstractmethod
-    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int: ...
-
-    @abstractmethod
-    async def probe(self, nbytes: int) -> None:
-        """Move ``nbytes`` of filler the way a get would (0: one empty round trip)."""
-
-    def close(self) -> None:
-        """Nothing to release by default: the client owns the sockets and the arena."""
-
-
-class AsyncHttpMedium(AsyncMedium):
-    name = "http"
-
-    def __init__(self, client: "AsyncKVClient") -> None:
-        self.client = client
-
-    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]:
-        return await self.client._get_http(spec, toks, out)
-
-    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
-        return await self.client._put_http(spec, toks, kv)
-
-    async def probe(self, nbytes: int) -> None:
-        await self.client._probe_http(nbytes)
-
-
-class AsyncShmMedium(AsyncMedium):
-    name = "shm"
-    remote = False
-
-    def __init__(self, client: "AsyncKVClient") -> None:
-        self.client = client
-        self._buf: memoryview | None = None
-
-    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]:
-        return await self.client._get_shm(spec, toks, out)
-
-    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
-        got = await self.client._put_shm(spec, toks, kv)
-        return await self.client._put_http(spec, toks, kv) if got is None else got
-
-    async def probe(self, nbytes: int) -> None:
-        """``shm_probe``, off the loop when large, as the real copies are."""
-        arena = await self.client._current_arena()  # mapped again if the server restarted
-        if arena is None:
-            raise ServiceError("the server no longer offers a shm arena this client can map")
-        self._buf = await self.client._off_loop(nbytes, shm_probe, arena, self._buf, nbytes)
-
-
-class AsyncThrottled(AsyncMedium):
-    """An async medium behind an injected link (``client_sdk.media.Throttled``'s twin): extra
-    latency per call and a bandwidth cap, waited with ``asyncio.sleep``."""
-
-    def __init__(self, inner: AsyncMedium, *, latency_s: float = 0.0, bandwidth_Bps: float | None = None) -> None:
-        self.inner = inner
-        self.name, self.remote, self.puts, self.codecs = inner.name, inner.remote, inner.puts, inner.codecs
-        self.latency_s = latency_s
-        self.bandwidth_Bps = bandwidth_Bps
-
-    left_s = Throttled.left_s
-
-    async def _hold(self, started: float, nbytes: int) -> None:
-        left = self.left_s(started, nbytes)
-        if left > 0:
-            await asyncio.sleep(left)
-
-    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]:
-        t0 = time.perf_counter()
-        kv, n = await self.inner.get_kv(spec, toks, out)
-        await self._hold(t0, n * spec.bytes_per_token)
-        return kv, n
-
-    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
-        t0 = time.perf_counter()
-        n = await self.inner.put_kv(spec, toks, kv)
-        await self._hold(t0, n * spec.bytes_per_token)
-        return n
-
-    async def probe(self, nbytes: int) -> None:
-        t0 = time.perf_counter()
-        await self.inner.probe(nbytes)
-        await self._hold(t0, nbytes)
-
-    def close(self) -> None:
-        self.inner.close()
+__all__ = ["AsyncClientPlanner"]
 
 
 class AsyncClientPlanner(PlanCore):

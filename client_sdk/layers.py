@@ -25,14 +25,17 @@ store by then raises ``BlockNotFound`` (the prefix length is already promised).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from client_sdk import _common as c
 from client_sdk._common import _SRC  # the full get's verified-view slot: both paths share one check per handle
+from client_sdk import calls
 from client_sdk._http import BrokenConnection, Connection
+from client_sdk.rest_media import ShmPath
+from client_sdk.transport import HttpTransport
 from kvstore.wire.rest import H_TOKENS, KV_MEDIA
 from kvstore.errors import ConnectionFailed, RequestTimeout, ServiceError
 from kvstore.wire.errors import error_from
@@ -42,8 +45,6 @@ from kvstore.errors import BlockNotFound, FrameError, InvalidKV, KVStoreError
 from kvstore.memory.shm import SlotHandle
 from kvstore.spec import KVSpec
 
-if TYPE_CHECKING:
-    from client_sdk.client import KVClient
 
 __all__ = ["LAYERS_PATH", "LayerStream", "get_kv_layers", "iter_layers_http", "iter_layers_shm"]
 
@@ -102,25 +103,24 @@ class LayerStream:
         self.close()
 
 
-def get_kv_layers(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStream:
-    """The KV of the longest stored prefix, layer by layer, over the client's medium.
-
-    Shared memory when the client uses it (``KVClient._use_shm``), HTTP otherwise.
+def get_kv_layers(shm: ShmPath, spec: KVSpec, tokens: Any) -> LayerStream:
+    """The KV of the longest stored prefix, layer by layer, over a client's co-located path
+    when it has one (the server's arena is mapped here), HTTP otherwise.
 
     Raises:
         InvalidSpec, InvalidTokens: bad input. Unauthorized, Forbidden, ConnectionFailed,
             RequestTimeout: as ``get_kv``. While iterating: ``ConnectionFailed`` or
             ``RequestTimeout`` (HTTP) or ``BlockNotFound`` (shm) if the rest cannot arrive.
     """
-    if client._use_shm():
-        return iter_layers_shm(client, spec, tokens)
-    return iter_layers_http(client, spec, tokens)
+    if shm.arena() is not None:
+        return iter_layers_shm(shm, spec, tokens)
+    return iter_layers_http(shm.http, spec, tokens, shm.pool)
 
 
 # -- HTTP ------------------------------------------------------------------------------------
 
 
-def iter_layers_http(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStream:
+def iter_layers_http(http: HttpTransport, spec: KVSpec, tokens: Any, pool: c.TensorPool | None = None) -> LayerStream:
     """Layers of ``POST /v1/kv/get-layers``, each received straight into its slice of the result.
 
     Returns once the answer's head is in (``n_tokens`` known); the request is
@@ -131,27 +131,27 @@ def iter_layers_http(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStre
     """
     spec = c.check_spec(spec)
     parts = c.kv_parts(spec, c.tokens_of(tokens), None)
-    conn = Connection(client.endpoint, connect_timeout_s=client.connect_timeout_s, timeout_s=client.timeout_s)
+    conn = Connection(http.endpoint, connect_timeout_s=http.connect_timeout_s, timeout_s=http.timeout_s)
     try:
         def once() -> Any:
-            head = conn.request("POST", LAYERS_PATH, client._headers(KV_MEDIA), parts)
+            head = conn.request("POST", LAYERS_PATH, http.headers(KV_MEDIA), parts)
             if head.status != 200:
                 raise error_from(head.status, conn.read_body())
             return head
-        head = client._retrying(once)
+        head = http.retry.run(once, http.url, http.stats)
         n = int(head.headers.get(H_TOKENS, "-1"))
         if n < 0 or head.length != spec.bytes_per_token * n:
             raise ServiceError(f"get_kv_layers answer of {head.length} bytes for {n} tokens does not match the spec")
-        kv = c.result_tensor(spec, n, None, client._pool)
+        kv = c.result_tensor(spec, n, None, pool)
     except BaseException:
         conn.close()
         raise
-    client.stats.http_gets += 1
-    client.stats.last_medium = "http"
+    http.stats.http_gets += 1
+    http.stats.last_medium = "http"
     if n == 0:  # a miss: the answer is its head
         conn.close()
         return LayerStream(0, kv, iter(()), "http")
-    return LayerStream(n, kv, _receive(conn, kv, head.keep_alive, client.url), "http", on_close=conn.close)
+    return LayerStream(n, kv, _receive(conn, kv, head.keep_alive, http.url), "http", on_close=conn.close)
 
 
 def _receive(conn: Connection, kv: torch.Tensor, keep_alive: bool, url: str) -> Iterator[tuple[int, torch.Tensor]]:
@@ -173,7 +173,7 @@ def _receive(conn: Connection, kv: torch.Tensor, keep_alive: bool, url: str) -> 
 # -- shared memory ---------------------------------------------------------------------------
 
 
-def iter_layers_shm(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStream:
+def iter_layers_shm(shm: ShmPath, spec: KVSpec, tokens: Any) -> LayerStream:
     """Layers copied out of the co-located server's shm arena as they are asked for.
 
     Layer 0 is copied (and every block checked) before this returns, so the
@@ -185,34 +185,48 @@ def iter_layers_shm(client: "KVClient", spec: KVSpec, tokens: Any) -> LayerStrea
     """
     spec = c.check_spec(spec)
     toks = c.tokens_of(tokens)
-    if not client._use_shm():
-        raise ServiceError("iter_layers_shm: this client does not use the shm path (remote server or colocated=False)")
-    arena = client._current_arena()
-    if arena is None:  # retired by another call in between (the server restarted without one)
-        return iter_layers_http(client, spec, toks)
+    arena = shm.arena()
+    if arena is None:
+        if shm.colocation.decided == "http" or shm.colocation.colocated is False:
+            raise ServiceError("iter_layers_shm: this client does not use the shm path "
+                               "(remote server or colocated=False)")
+        return iter_layers_http(shm.http, spec, toks, shm.pool)  # the server restarted without one
     bt = spec.block_tokens
-    cached = arena.handles.lookup(spec, toks, client.namespace)
+    cached = arena.handles.lookup(spec, toks, shm.namespace)
     if cached is not None:  # every handle remembered: no request unless one went stale
-        got = _prepare(arena, cached, spec, client._pool, client.stats)
+        got = _prepare(arena, cached, spec, shm.pool, shm.stats)
         if not got[2]:
-            arena.served_from_cache(cached, bt, client.stats)
+            arena.served_from_cache(cached, bt, shm.stats)
             if arena.accesses.due():
-                client._report_soon()
-            return _shm_stream(client, arena, cached, spec, got[0], got[1])
+                shm.report()
+            return _shm_stream(shm.http, arena, cached, spec, got[0], got[1])
         arena.handles.forget(cached)
-    answer = client._send("POST", "/v1/kv/handles", c.kv_parts(spec, toks, None), KV_MEDIA)
-    if client._arena_changed(arena, answer.get("segment"), "segment"):  # a restarted server's slots
-        return iter_layers_http(client, spec, toks)
+    answer = shm.http.run(calls.kv_call("/v1/kv/handles", spec, toks, None))
+    if shm.colocation.changed(arena, answer.get("segment"), "segment"):  # a restarted server's slots
+        return iter_layers_http(shm.http, spec, toks, shm.pool)
     blocks = answer["blocks"]
     arena.handles.remember(blocks)
-    kv, sources, missing = _prepare(arena, blocks, spec, client._pool, client.stats)
-    good = client._fill_missing(blocks, missing, kv, bt)
-    client.stats.shm_gets += 1
-    client.stats.last_medium = "shm"
+    kv, sources, missing = _prepare(arena, blocks, spec, shm.pool, shm.stats)
+    good = _fill_missing(shm.http, blocks, missing, kv, bt)
+    shm.stats.shm_gets += 1
+    shm.stats.last_medium = "shm"
     if good < len(blocks):  # rare: a block vanished; keep the result one contiguous tensor
         kv = kv[:, :, :, :good * bt].clone()
         sources = sources[:good]
-    return _shm_stream(client, arena, blocks[:good], spec, kv, sources)
+    return _shm_stream(shm.http, arena, blocks[:good], spec, kv, sources)
+
+
+def _fill_missing(http: HttpTransport, blocks: Sequence[dict], missing: Sequence[int], kv: torch.Tensor,
+                  bt: int) -> int:
+    """Fetch over HTTP the blocks the arena did not have; returns how many blocks of the prefix
+    are now in ``kv`` (it stops at the first that is gone)."""
+    if not missing:
+        return len(blocks)
+    want = {blocks[i]["key"]: i for i in missing}
+    arrived = c.fill_from_batch(http.run(calls.raw_blocks(list(want))), want, kv, bt, {})
+    http.stats.shm_blocks_fetched_over_http += len(arrived)
+    lost = sorted(set(missing) - arrived)
+    return lost[0] if lost else len(blocks)
 
 
 _Sources = list["np.ndarray | None"]
@@ -280,13 +294,13 @@ def _place_first(arena: c.Arena, b: dict, spec: KVSpec, part: torch.Tensor, part
     return src
 
 
-def _shm_stream(client: "KVClient", arena: c.Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
+def _shm_stream(http: HttpTransport, arena: c.Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
                 sources: _Sources) -> LayerStream:
     n = len(blocks) * spec.block_tokens
-    return LayerStream(n, kv, _copy_layers(client, arena, blocks, spec, kv, sources) if n else iter(()), "shm")
+    return LayerStream(n, kv, _copy_layers(http, arena, blocks, spec, kv, sources) if n else iter(()), "shm")
 
 
-def _copy_layers(client: "KVClient", arena: c.Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
+def _copy_layers(http: HttpTransport, arena: c.Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
                  sources: _Sources) -> Iterator[tuple[int, torch.Tensor]]:
     reader = arena.reader  # the arena the handles came from, even if the client has moved on since
     ints = int_view(kv)
@@ -298,12 +312,12 @@ def _copy_layers(client: "KVClient", arena: c.Arena, blocks: list[dict], spec: K
             h = blocks[i]["handle"]
             cut = slice(i * bt, (i + 1) * bt)
             if not reader.copy_current(h["index"], h["gen"], ints[layer, :, :, cut], src[layer]):
-                _refetch(client, arena, blocks[i], spec, kv[layer:, :, :, cut], layer)
+                _refetch(http, arena, blocks[i], spec, kv[layer:, :, :, cut], layer)
                 del live[i]  # its remaining layers are in place
         yield layer, kv[layer]
 
 
-def _refetch(client: "KVClient", arena: c.Arena, block: dict, spec: KVSpec, rest: torch.Tensor,
+def _refetch(http: HttpTransport, arena: c.Arena, block: dict, spec: KVSpec, rest: torch.Tensor,
              layer: int) -> None:
     """Layers ``layer..`` of a block whose slot changed mid-stream, fetched again by key.
 
@@ -313,8 +327,8 @@ def _refetch(client: "KVClient", arena: c.Arena, block: dict, spec: KVSpec, rest
     arena.handles.forget([block])
     key = block["key"]
     whole = torch.empty(spec.kv_shape(spec.block_tokens), dtype=spec.torch_dtype)
-    body = client._send_raw("POST", "/v1/blocks/get", {"keys": [key]})
+    body = http.run(calls.raw_blocks([key]))
     if not c.fill_from_batch(body, {key: 0}, whole, spec.block_tokens, {}):
         raise BlockNotFound(f"block {key} left the store while its layers streamed (at layer {layer})")
     rest.copy_(whole[layer:])
-    client.stats.shm_blocks_fetched_over_http += 1
+    http.stats.shm_blocks_fetched_over_http += 1

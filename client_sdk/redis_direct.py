@@ -15,20 +15,20 @@ whose metadata names another namespace is treated as absent.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import redis
 import torch
 
 from client_sdk import _common as c
+from client_sdk import calls
 from client_sdk.media import Medium, decode_prefix
+from client_sdk.transport import HttpTransport
 from kvstore.errors import TierUnavailable
 from kvstore.keys import BlockHash, check_key, from_hex
 from kvstore.spec import KVSpec
 from tiers.redis import RedisTier
 
-if TYPE_CHECKING:
-    from client_sdk.client import KVClient
 
 __all__ = ["RedisDirectMedium"]
 
@@ -39,7 +39,7 @@ class RedisDirectMedium(Medium):
     """Reads of the server's Redis tier from this process.
 
     Args:
-        client: the ``KVClient`` whose server indexes the blocks (lookups, puts, fallbacks).
+        http: the transport to the server that indexes the blocks (lookups, puts, fallbacks).
         redis_url: this client's URL of the same Redis.
         keyspace: the server's keyspace (its ``/v1/info`` ``media.redis.keyspace``).
         tier: the name of the server's Redis tier (lookup answers name it).
@@ -48,9 +48,9 @@ class RedisDirectMedium(Medium):
     name = "redis"
     puts = False
 
-    def __init__(self, client: "KVClient", redis_url: str, keyspace: str, tier: str = "redis") -> None:
-        self.client = client
-        self.namespace = client.namespace
+    def __init__(self, http: HttpTransport, redis_url: str, keyspace: str, tier: str = "redis") -> None:
+        self.http = http
+        self.namespace = http.namespace
         self.tier_name = tier
         self.tier = RedisTier(redis_url, 1 << 62, keyspace=keyspace)
         self._probe_key = f"kv:{keyspace}:probe:{os.urandom(8).hex()}"
@@ -61,11 +61,11 @@ class RedisDirectMedium(Medium):
         return [f if f is not None and c.frame_in_namespace(f, self.namespace) else None for f in frames]
 
     def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
-        return self.client.put_blocks(items)
+        return self.http.run(calls.put_blocks(items))
 
     def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
                codec: str | None = None) -> tuple[torch.Tensor, int]:
-        blocks = self.client.lookup_blocks(spec, tokens)["blocks"]
+        blocks = self.http.run(calls.lookup_blocks(spec, tokens))["blocks"]
         keys = [from_hex(b["key"]) for b in blocks]
         direct = [i for i, b in enumerate(blocks) if b.get("tier") == self.tier_name]
         frames: list[Any] = [None] * len(keys)
@@ -73,12 +73,15 @@ class RedisDirectMedium(Medium):
             frames[i] = frame
         rest = [i for i, f in enumerate(frames) if f is None]
         if rest:
-            for i, frame in zip(rest, self.client.get_blocks([keys[i] for i in rest])):
+            for i, frame in zip(rest, self.http.run(calls.get_blocks([keys[i] for i in rest]))):
                 frames[i] = frame
         return decode_prefix(spec, frames, out)
 
     def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
-        return self.client._put_http(spec, c.tokens_of(tokens), kv)
+        stored = self.http.run(calls.put_kv_http(spec, c.tokens_of(tokens), kv))
+        self.http.stats.http_puts += 1
+        self.http.stats.last_medium = "http"
+        return stored
 
     def probe(self, nbytes: int) -> None:
         """A PING, or a GET of this client's own probe value.
@@ -87,7 +90,7 @@ class RedisDirectMedium(Medium):
         ``kv:<keyspace>:probe:<random>``, expiring in a minute; it is set again when it expired.
         """
         try:
-            client = self.tier._connect()
+            client = self.tier.connect()
             if nbytes == 0:
                 client.ping()
                 return

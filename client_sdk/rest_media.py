@@ -1,10 +1,13 @@
 """The media a ``KVClient`` always has: HTTP, and where offered shm; plus in-process.
 
-``HttpMedium`` and ``ShmMedium`` are thin views of one ``KVClient``: its KV
-fast paths (raw KV received straight into the result; arena slot handles) are
-their ``get_kv``/``put_kv``, and the block routes are their frames. HTTP can
-also carry int8 frames (``POST /v1/blocks/get`` with a codec: the server
-transcodes, the client decodes), half the bytes on a slow link.
+``HttpMedium`` owns nothing but an ``HttpTransport``: raw KV received straight
+into the result, frames by key over the block routes. HTTP can also carry int8
+frames (``POST /v1/blocks/get`` with a codec: the server transcodes, the client
+decodes), half the bytes on a slow link.
+
+``ShmPath`` is a blocking client's co-located path: it maps the server's arena
+(once, and again after a server restart) and drives ``client_sdk.colocated``'s
+flows over the HTTP transport; ``ShmMedium`` is the planner's view of it.
 
 ``InprocMedium`` is an ``EmbeddedStore`` in this process: no socket, no copy
 on the way in, tensors by reference.
@@ -13,87 +16,167 @@ on the way in, tensors by reference.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 import torch
 
 from client_sdk import _common as c
+from client_sdk import calls
+from client_sdk.colocated import (Colocation, blocks_exist_flow, cached_get, drive, frames_flow, get_blocks_into_flow,
+                                  get_flow, put_blocks_flow, put_flow)
 from client_sdk.media import Medium
-from kvstore.errors import ServiceError
-from kvstore.errors import KVStoreError
+from client_sdk.transport import HttpTransport
+from kvstore.errors import KVStoreError, ServiceError
 from kvstore.keys import BlockHash, check_key
 from kvstore.spec import KVSpec
 
-if TYPE_CHECKING:
-    from client_sdk.client import KVClient
-
 log = logging.getLogger("kvstore.client")
 
-__all__ = ["HttpMedium", "ShmMedium", "InprocMedium", "side_media", "shm_probe"]
+__all__ = ["HttpMedium", "ShmPath", "ShmMedium", "InprocMedium", "side_media", "shm_probe"]
 
 
 class HttpMedium(Medium):
-    """Streamed REST through one ``KVClient``'s socket path."""
+    """Streamed REST over one ``HttpTransport``.
+
+    Args:
+        http: the transport (its namespace is this medium's).
+        pool: where a get's result memory comes from (None: a fresh tensor each time).
+    """
 
     name = "http"
     codecs = (None, "raw", "int8")
 
-    def __init__(self, client: "KVClient") -> None:
-        self.client = client
-        self.namespace = client.namespace
+    def __init__(self, http: HttpTransport, pool: c.TensorPool | None = None) -> None:
+        self.http = http
+        self.namespace = http.namespace
+        self.pool = pool
 
     def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
-        payload: dict[str, Any] = {"keys": [check_key(k).hex() for k in keys]}
-        if codec is not None:
-            payload["codec"] = codec
-        return c.frames_of(self.client._send_raw("POST", "/v1/blocks/get", payload))
+        return self.http.run(calls.get_blocks(keys, codec))
 
     def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
-        return self.client.put_blocks(items)
+        return self.http.run(calls.put_blocks(items))
 
     def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
                codec: str | None = None) -> tuple[torch.Tensor, int]:
         if codec not in (None, "raw"):
             return super().get_kv(spec, tokens, out, codec=codec)
-        toks = c.tokens_of(tokens)
-        parts = c.kv_parts(spec, toks, None)
-        return self.client._retrying(lambda: self.client._get_http_once(spec, parts, out))
+        return self.http.get_kv(spec, c.kv_parts(spec, c.tokens_of(tokens), None), out, self.pool)
 
     def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
-        return self.client._put_http(spec, c.tokens_of(tokens), kv)
+        stored = self.http.run(calls.put_kv_http(spec, c.tokens_of(tokens), kv))
+        self.http.stats.http_puts += 1
+        self.http.stats.last_medium = "http"
+        return stored
 
     def probe(self, nbytes: int) -> None:
-        self.client._probe_http(nbytes)
+        self.http.probe(nbytes)
+
+
+class ShmPath:
+    """A blocking client's co-located path: the server's arena, mapped on first use.
+
+    Args:
+        http: the client's transport (control requests; blocks the arena lacks).
+        colocation: the mapping state (``colocated`` as the client was given it).
+        pool, out_views: where results land (a pooled tensor, or a view of the caller's ``out``).
+        report: asks for the reads served without a request to be reported (must not block).
+    """
+
+    def __init__(self, http: HttpTransport, colocation: Colocation, pool: c.TensorPool, out_views: c.OutViews,
+                 report: Callable[[], None]) -> None:
+        self.http = http
+        self.colocation = colocation
+        self.pool = pool
+        self.out_views = out_views
+        self.stats = http.stats
+        self.namespace = http.namespace
+        self.report = report
+        self._lock = threading.Lock()
+
+    def arena(self) -> c.Arena | None:
+        """The mapped arena; None when the server is not on this host (or ``colocated=False``).
+
+        Raises:
+            ServiceError: ``colocated=True`` and the arena cannot be used here.
+        """
+        colo = self.colocation
+        if colo.decided == "shm":  # the common case, first: one attribute read
+            return colo.arena
+        if colo.undecided:
+            with self._lock:
+                if colo.undecided:
+                    drive(colo.pick_flow(), self.http.run)
+        return colo.current()
+
+    def get_kv(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
+        arena = self.arena()
+        if arena is None:  # the server restarted without an arena this client can map: HTTP
+            return self.http.get_kv(spec, c.kv_parts(spec, toks, None), out, self.pool)
+        got = cached_get(arena, spec, toks, out, self.pool, self.out_views, self.namespace, self.stats)
+        if got is not None:  # every block's slot was remembered: no request
+            if arena.accesses.due():
+                self.report()
+            return got
+        return drive(get_flow(self.colocation, arena, spec, toks, out, self.pool, self.stats), self.http.run)
+
+    def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
+        """A put through a staging lease; None when it must go over HTTP."""
+        arena = self.arena()
+        if arena is None or not kv.shape[3]:
+            return None
+        return drive(put_flow(self.colocation, arena, spec, toks, kv, self.stats), self.http.run)
+
+    def frames(self, keys: Sequence[BlockHash]) -> list[Any]:
+        arena = self.arena()
+        if arena is None:
+            return self.http.run(calls.get_blocks(keys))
+        return drive(frames_flow(arena, [check_key(k) for k in keys], self.namespace), self.http.run)
+
+    def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
+        return drive(blocks_exist_flow(self.colocation, self.arena(), keys), self.http.run)
+
+    def get_blocks_into(self, keys: list[BlockHash], sink: c.BlockSink) -> list[bool]:
+        return drive(get_blocks_into_flow(self.colocation, self.arena(), keys, sink, self.namespace, self.stats,
+                                          self.report), self.http.run)
+
+    def put_blocks_with(self, keys: list[BlockHash], offsets: list[int], writer: c.BlockWriter,
+                        make_room: bool) -> int:
+        return drive(put_blocks_flow(self.colocation, self.arena(), keys, offsets, writer, make_room, self.stats),
+                     self.http.run)
 
 
 class ShmMedium(Medium):
-    """The co-located path: gets copy out of the server's arena, puts write into a staging lease."""
+    """The co-located path as a medium: gets copy out of the server's arena, puts write into a
+    staging lease (over HTTP when staging is full)."""
 
     name = "shm"
     remote = False
 
-    def __init__(self, client: "KVClient") -> None:
-        self.client = client
-        self.namespace = client.namespace
+    def __init__(self, shm: ShmPath, http: HttpMedium) -> None:
+        self.shm = shm
+        self.http = http
+        self.namespace = shm.namespace
         self._buf: memoryview | None = None
 
     def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
-        return self.client._frames_shm(keys)
+        return self.shm.frames(keys)
 
     def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
-        return self.client.put_blocks(items)  # frames are already encoded: no staging gain
+        return self.http.put_frames(items)  # frames are already encoded: no staging gain
 
     def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
                codec: str | None = None) -> tuple[torch.Tensor, int]:
-        return self.client._get_shm(spec, c.tokens_of(tokens), out)
+        return self.shm.get_kv(spec, c.tokens_of(tokens), out)
 
     def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
         toks = c.tokens_of(tokens)
-        got = self.client._put_shm(spec, toks, kv)
-        return self.client._put_http(spec, toks, kv) if got is None else got
+        got = self.shm.put_kv(spec, toks, kv)
+        return self.http.put_kv(spec, toks, kv) if got is None else got
 
     def probe(self, nbytes: int) -> None:
-        arena = self.client._current_arena()  # mapped again if the server restarted
+        arena = self.shm.arena()  # mapped again if the server restarted
         if arena is None:
             raise ServiceError("the server no longer offers a shm arena this client can map")
         self._buf = shm_probe(arena, self._buf, nbytes)
@@ -155,9 +238,9 @@ def shm_probe(arena: Any, buf: memoryview | None, nbytes: int) -> memoryview | N
     ``buf`` (reused; returned, grown if it was short)."""
     assert arena is not None
     if nbytes == 0:
-        int(arena.reader._words[0])
+        arena.reader.generation(0)
         return buf
-    view = arena.reader._view
+    view = arena.reader.mapping()
     n = min(nbytes, len(view))
     buf = _scratch(buf, n)
     buf[:n] = view[:n]
@@ -169,8 +252,7 @@ def _scratch(buf: memoryview | None, nbytes: int) -> memoryview:
     return buf if buf is not None and len(buf) >= nbytes else memoryview(bytearray(nbytes))
 
 
-
-def side_media(client: "KVClient", info: dict) -> dict[str, Medium]:
+def side_media(http: HttpTransport, info: dict, redis_url: str | None) -> dict[str, Medium]:
     """The media a server offers beside REST (``/v1/info`` ``media``) that this client can use.
 
     Flight needs pyarrow; direct Redis needs the client's own ``redis_url``. One
@@ -182,15 +264,16 @@ def side_media(client: "KVClient", info: dict) -> dict[str, Medium]:
         try:
             from client_sdk.flight import FlightMedium
 
-            out["flight"] = FlightMedium.for_client(client, offers["flight"])
+            out["flight"] = FlightMedium.from_info(http.url, {"media": {"flight": offers["flight"]}}, http.token,
+                                                   http.namespace, timeout_s=http.timeout_s)
         except (ImportError, KVStoreError) as exc:
             log.info("flight offered but not usable here: %s", exc)
-    if offers.get("redis") and client.redis_url:
+    if offers.get("redis") and redis_url:
         try:
             from client_sdk.redis_direct import RedisDirectMedium
 
             offer = offers["redis"]
-            out["redis"] = RedisDirectMedium(client, client.redis_url, offer["keyspace"], offer.get("tier", "redis"))
+            out["redis"] = RedisDirectMedium(http, redis_url, offer["keyspace"], offer.get("tier", "redis"))
         except (ImportError, KVStoreError, KeyError) as exc:
             log.info("redis offered but not usable here: %s", exc)
     return out

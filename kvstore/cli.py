@@ -415,7 +415,7 @@ def _run_client(args: argparse.Namespace, what: str, call: Callable[[Any], int])
 
 def _stats(args: argparse.Namespace) -> int:
     def call(client: Any) -> int:
-        stats = client.admin_stats()
+        stats = client.admin.stats()
         if args.json:
             print(json.dumps(stats, indent=2, default=str))
             return 0
@@ -424,11 +424,14 @@ def _stats(args: argparse.Namespace) -> int:
               f"codec saved {stats['codec_bytes_saved']}")
         print(f"puts {c['put_calls']}  gets {c['get_calls']}  lookups {c['lookup_calls']}  "
               f"tokens hit {c['tokens_hit']}/{c['tokens_requested']}")
-        print(f"{'tier':<10}{'kind':<8}{'entries':>9}{'used':>14}{'capacity':>16}{'hits':>8}{'misses':>8}")
+        # reads: block reads each tier served on every path (co-located shm reads too), the figure
+        # /metrics (kvstore_tier_reads_total) and the dashboard show; the tier's own backend
+        # counters (which a co-located read bypasses) are in --json, under backend_counters.
+        print(f"{'tier':<10}{'kind':<8}{'entries':>9}{'used':>14}{'capacity':>16}{'reads':>10}")
         for t in stats["tiers"]:
-            k = t["counters"]
+            reads = t.get("reads", stats.get("reads_by_tier", {}).get(t["name"], 0))  # an older server: no "reads"
             print(f"{t['name']:<10}{t['kind']:<8}{t['entries']:>9}{t['used_bytes']:>14}{t['capacity_bytes']:>16}"
-                  f"{k['hits']:>8}{k['misses']:>8}")
+                  f"{reads:>10}")
         return 0
     return _run_client(args, "stats", call)
 
@@ -450,7 +453,7 @@ def _evict(args: argparse.Namespace) -> int:
             return 2
 
     def call(client: Any) -> int:
-        answer = client.evict(dry_run=args.dry_run, **selectors)
+        answer = client.admin.evict(dry_run=args.dry_run, **selectors)
         verb = "would evict" if answer["dry_run"] else "evicted"
         n = answer["blocks"] if answer["dry_run"] else answer["removed_blocks"]
         b = answer["bytes"] if answer["dry_run"] else answer["removed_bytes"]
@@ -464,10 +467,10 @@ def _evict(args: argparse.Namespace) -> int:
 def _pin(args: argparse.Namespace) -> int:
     def call(client: Any) -> int:
         if args.unpin:
-            answer = client.unpin(args.keys)
+            answer = client.admin.unpin(args.keys)
             print(f"unpinned {answer['unpinned']} of {answer['requested']} blocks")
         else:
-            answer = client.pin(args.keys, ttl_s=args.ttl)
+            answer = client.admin.pin(args.keys, ttl_s=args.ttl)
             print(f"pinned {answer['pinned']} of {answer['requested']} blocks"
                   + (f" for {args.ttl} s" if args.ttl else ""))
         return 0

@@ -47,7 +47,7 @@ def test_serve_starts_on_the_embedded_default_and_stops_on_sigterm(tmp_path):
     import signal
 
     from tests.conftest import shm_segments
-    from tests.server.live import ServeProcess, small_env
+    from bench.reliability_kit.serve_process import ServeProcess, small_env
 
     proc = ServeProcess(small_env(tmp_path / "data")).start()
     try:
@@ -119,6 +119,12 @@ def test_demo_stats_evict_and_pin_against_a_running_server(live_server):
     assert stats.returncode == 0 and "blocks 16" in stats.stdout and "shm" in stats.stdout
     raw = json.loads(_cli(live_server, "stats", "--json").stdout)
     assert raw["blocks"] == 16 and raw["counters"]["put_calls"] == 2
+    # The tier table's reads are the store's reads by tier: the co-located demo's shm reads count.
+    lines = stats.stdout.splitlines()
+    assert next(line for line in lines if line.startswith("tier")).split()[-1] == "reads"
+    shm_reads = int(next(line for line in lines if line.startswith("shm ")).split()[-1])
+    shm = next(t for t in raw["tiers"] if t["name"] == "shm")
+    assert shm_reads == shm["reads"] == raw["reads_by_tier"]["shm"] > 0
     key = live_server.store.entries()[0].key.hex()
     pin = _cli(live_server, "pin", key, "--ttl", "60")
     assert pin.returncode == 0 and "pinned 1 of 1 blocks for 60.0 s" in pin.stdout

@@ -21,12 +21,12 @@ import pytest
 
 from bench.lmcache_mp import LMCacheServer, MPDriver, adapter_spec, missing_modules
 from bench.peers import lmcache_python
+from bench.reliability_kit.serve_process import ServeProcess, small_env
+from bench.serving import free_port
 from client_sdk import KVClient
 from kvstore.keys import from_hex
 from kvstore.memory.shm import HEADER, SHM_DIR, ShmReader
 from tests.conftest import require_venv
-from tests.server.live import ServeProcess, small_env
-from tests.tiers.redis_servers import free_port
 
 pytestmark = pytest.mark.lmcache
 
@@ -95,7 +95,7 @@ def wait_for(probe, what: str, timeout_s: float = 15.0):
 
 def namespace_keys(url: str) -> set[str]:
     with KVClient(url) as admin:
-        return {e["key"] for e in admin.entries(namespace=NS, limit=1000)["entries"]}
+        return {e["key"] for e in admin.admin.entries(namespace=NS, limit=1000)["entries"]}
 
 
 # -- through a stock lmcache server ------------------------------------------------------------
@@ -197,7 +197,7 @@ def adapter(driver, kvstore, request):
 
 def evict_namespace(url: str, ns: str) -> dict:
     with KVClient(url) as admin:  # no tokens: the loopback caller is the admin
-        return admin.evict(namespace=ns)
+        return admin.admin.evict(namespace=ns)
 
 
 def test_a_locked_chunk_survives_eviction_until_its_last_unlock(driver, kvstore, adapter):

@@ -13,6 +13,7 @@ import torch
 
 import client_sdk
 import server as server_pkg
+from bench.serving import free_port
 from client_sdk import AsyncKVClient, ConnectionFailed, KVClient, RequestTimeout
 from kvstore.wire.errors import ERRORS, STATUS, error_body, error_from
 from kvstore import KVStore
@@ -21,7 +22,6 @@ from server import ServerSettings, create_app
 from tests.conftest import make_kv, make_spec
 from tests.server.conftest import make_store
 from tests.server.live import ThreadServer
-from tests.tiers.redis_servers import free_port
 from tiers.memory import MemoryTier
 
 
@@ -251,7 +251,7 @@ def test_async_block_and_admin_helpers(live, spec):
             assert await c.put_blocks(list(zip(keys, frames[:3]))) == 3
             assert torch.equal((await c.get_kv(spec, tokens))[0], kv)
             assert await c.delete_block(keys[2]) is True and await c.delete_block(keys[2]) is False
-            entries = await c.entries(sort="size", limit=10, namespace="blocks")
+            entries = await c.admin.entries(sort="size", limit=10, namespace="blocks")
             assert entries["total"] == 2
             assert (await c.evict_mine(tier="shm", dry_run=True))["blocks"] == 2
             assert "kvstore_tier_entries" in await c.metrics() and (await c.health())["status"] == "ok"

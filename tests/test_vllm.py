@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from bench.engines import engine_python
+from bench.reliability_kit.serve_process import ServeProcess, small_env
+from bench.serving import free_port
 from bench.vllm_engine import VLLMEngine, make_model
 from client_sdk import KVClient
 from kvstore.integrations.weights import weights_fingerprint
 from kvstore.keys import block_hashes
 from kvstore.spec import KVSpec
 from tests.conftest import require_venv
-from tests.server.live import ServeProcess, small_env
-from tests.tiers.redis_servers import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -190,7 +190,7 @@ def test_the_connector_counts_show_on_the_server(server_a):
     deadline = time.monotonic() + 20
     with KVClient(server_a.url) as admin:
         while True:
-            rows = [r for r in admin.connectors() if r["namespace"] == NS and r["engine"] == "vllm"]
+            rows = [r for r in admin.admin.connectors() if r["namespace"] == NS and r["engine"] == "vllm"]
             # scheduler (lookups) and worker (loads, saves) report apart, every few seconds each
             if rows and rows[0]["hit_tokens"] >= 384 + 256 + 384 and rows[0]["saved_tokens"] >= 1024 and \
                     rows[0]["loaded_tokens"] >= 384 + 256 + 384:

@@ -491,7 +491,12 @@ class RedisTier(Tier):
     def _mkey(self, key: BlockHash) -> str:
         return f"{self._prefix}{{{to_hex(key)}}}"
 
-    def _connect(self) -> Any:
+    def connect(self) -> Any:
+        """The redis-py client of this tier (connected on first use; the SDK's redis medium reads with it).
+
+        Raises:
+            StoreClosed: the tier is closed.
+        """
         with self._lock:
             if self._closed:
                 raise StoreClosed(f"tier {self.name!r} is closed")
@@ -504,7 +509,7 @@ class RedisTier(Tier):
     def _redis(self, doing: str) -> Iterator[Any]:
         """The client; Redis errors leave as TierError subclasses."""
         try:
-            yield self._connect()
+            yield self.connect()
         except (RedisError, RedisClusterException) as exc:
             raise self._error(exc, doing) from exc
 

@@ -7,7 +7,7 @@ forward computes layer 0 while later layers are still in flight, and blocks
 in layer ``l``'s ``update`` (or any read of its keys and values) only until
 that layer has arrived. ::
 
-    stream = get_kv_layers(client, spec, prompt)          # client_sdk.layers
+    stream = client.get_kv_layers(spec, prompt)          # client_sdk.layers
     cache = cache_from_layers(stream, model.config)
     out = model(prompt_ids[:, stream.n_tokens:], **cache_kwargs(model, cache))
 

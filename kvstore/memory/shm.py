@@ -192,6 +192,14 @@ class ShmReader:
         """Whether the slot still holds the handle's generation (the seqlock's check)."""
         return self._words[handle.index * ROW_WORDS + GEN] == handle.gen
 
+    def generation(self, index: int) -> int:
+        """The generation word of slot ``index`` as it stands (one load from the table)."""
+        return int(self._words[index * ROW_WORDS + GEN])
+
+    def mapping(self) -> memoryview:
+        """The whole data region, as mapped (the planner's probe copies out of it)."""
+        return self._view
+
     def frame_view(self, handle: SlotHandle) -> memoryview:
         """The handle's frame range, read only under the seqlock: ``current`` before and after a
         copy out of it; between the two, the owner may have reused the range (then the copy is

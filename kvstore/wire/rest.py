@@ -44,7 +44,7 @@ from kvstore.errors import InvalidInput, MalformedRequest
 __all__ = [
     "KV_MEDIA", "BATCH_MEDIA", "FRAME_MEDIA", "JSON_MEDIA",
     "H_NAMESPACE", "H_TOKENS", "H_SHAPE", "H_DTYPE", "H_MEDIUM", "H_TIER", "H_CODEC",
-    "KVHeader", "encode_kv_head", "parse_kv_head", "kv_nbytes",
+    "KVHeader", "encode_kv_head", "encode_kv_head_json", "parse_kv_head", "kv_nbytes",
     "encode_batch_head", "parse_batch_head", "pad64", "host_id", "MAX_TOUCH_KEYS", "MAX_HEADER_BYTES",
 ]
 
@@ -98,8 +98,13 @@ class KVHeader:
 
 def encode_kv_head(spec: Mapping[str, Any], n_tokens: int, kv_tokens: int) -> tuple[bytes, int]:
     """The bytes before the token ids (padding included) and the token region's padded size."""
-    head = json.dumps({"spec": dict(spec), "n_tokens": n_tokens, "kv_tokens": kv_tokens},
-                      separators=(",", ":")).encode()
+    return encode_kv_head_json(json.dumps(dict(spec), separators=(",", ":")), n_tokens, kv_tokens)
+
+
+def encode_kv_head_json(spec_json: str, n_tokens: int, kv_tokens: int) -> tuple[bytes, int]:
+    """``encode_kv_head`` from the spec's JSON, encoded once by the caller (a client sends the
+    same spec with every call: no JSON encoder on its hot path)."""
+    head = f'{{"spec":{spec_json},"n_tokens":{int(n_tokens)},"kv_tokens":{int(kv_tokens)}}}'.encode()
     raw = _PREFIX.pack(_KV_MAGIC, len(head)) + head
     return raw + bytes(pad64(len(raw)) - len(raw)), pad64(n_tokens * 4)
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from tests.reliability.load_worker import SPECS
+from bench.reliability_kit.load_worker import SPECS
 
 SPEC = SPECS[0]
 SEQUENCE = list(range(5_000, 5_064))
@@ -22,12 +22,12 @@ NAMESPACE = "leases"
 
 def main(url: str) -> None:
     from client_sdk import KVClient
-    from client_sdk._common import kv_parts, tokens_of
-    from kvstore.wire.rest import KV_MEDIA
+    from client_sdk import calls
+    from client_sdk._common import tokens_of
     from kvstore.memory.shm import ShmReader, SlotHandle
 
     with KVClient(url, namespace=NAMESPACE, plan=False) as client:
-        answer = client._send("POST", "/v1/kv/handles", kv_parts(SPEC, tokens_of(SEQUENCE), None), KV_MEDIA)
+        answer = client.http.run(calls.kv_call("/v1/kv/handles", SPEC, tokens_of(SEQUENCE), None))
         segment = client.info()["colocated"]["segment"]
         handle = SlotHandle.from_dict({"segment": segment, **answer["blocks"][0]["handle"]})
         reader = ShmReader(segment)

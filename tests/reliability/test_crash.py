@@ -22,11 +22,11 @@ import asyncio
 import pytest
 import torch
 
+from bench.reliability_kit.crash_client import NAMESPACE, SPEC, sequence
+from bench.reliability_kit.load_worker import expected_kv
+from bench.reliability_kit.scenarios import crash_env, run_crashes
+from bench.reliability_kit.serve_process import ServeProcess
 from client_sdk import KVClient
-from tests.reliability.crash_client import NAMESPACE, SPEC, sequence
-from tests.reliability.load_worker import expected_kv
-from tests.reliability.scenarios import crash_env, run_crashes
-from tests.server.live import ServeProcess
 
 
 def _check(figures: dict, cycles: int) -> None:
@@ -72,7 +72,7 @@ def test_a_durable_put_on_a_volatile_tier_is_refused_not_promised(tmp_path):
                 asyncio.run(_async_durable_put(server.url, tokens))
             assert client.lookup_blocks(SPEC, tokens)["durable_tokens"] == 0
             # once placement has moved it to nvme, the same put is durable (a no-op store)
-            client.migrate(client.lookup_blocks(SPEC, tokens)["blocks"][0]["key"], "nvme")
+            client.admin.migrate(client.lookup_blocks(SPEC, tokens)["blocks"][0]["key"], "nvme")
             assert client.lookup_blocks(SPEC, tokens)["durable_tokens"] == SPEC.block_tokens  # a prefix
             first = tokens[:SPEC.block_tokens]
             assert client.put_kv(SPEC, first, expected_kv(0, first), durable=True) == len(first)

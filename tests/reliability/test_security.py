@@ -17,9 +17,9 @@ import httpx
 import pytest
 import torch
 
+from bench.reliability_kit.load_worker import SPECS, expected_kv
+from bench.reliability_kit.serve_process import ServeProcess
 from client_sdk import Forbidden, KVClient, Unauthorized
-from tests.reliability.load_worker import SPECS, expected_kv
-from tests.server.live import ServeProcess
 
 SPEC = SPECS[0]
 TOKENS = list(range(3_000, 3_064))
@@ -46,12 +46,12 @@ def test_no_token_reaches_a_log(secured, tmp_path):
         client.put_kv(SPEC, TOKENS, expected_kv(0, TOKENS))
         assert client.get_kv(SPEC, TOKENS)[1] == len(TOKENS)
         with pytest.raises(Forbidden):
-            client.admin_stats()
+            client.admin.stats()
     with KVClient(server.url, token=wrong, namespace="a", plan=False) as client, pytest.raises(Unauthorized):
         client.lookup(SPEC, TOKENS)
     with KVClient(server.url, token=admin, plan=False) as client:
-        client.evict(namespace="a", dry_run=True)
-        client.audit()
+        client.admin.evict(namespace="a", dry_run=True)
+        client.admin.audit()
     # a token where none belongs: in the path, the query and another header
     for url in (f"{server.url}/v1/{wrong}", f"{server.url}/healthz?token={wrong}"):
         httpx.get(url, headers={"X-Api-Key": wrong}, timeout=10)
@@ -79,7 +79,7 @@ def test_tenant_b_finds_nothing_of_tenant_a(secured):
         assert tenant_b.delete(SPEC, TOKENS) == 0
         assert tenant_b.evict_mine(prefix={"spec": SPEC.to_dict(), "tokens": TOKENS})["removed_blocks"] == 0
         with pytest.raises(Forbidden):
-            tenant_b.pin(spec=SPEC, tokens=TOKENS)
+            tenant_b.admin.pin(spec=SPEC, tokens=TOKENS)
     with pytest.raises(Forbidden), KVClient(server.url, token=b, namespace="a", plan=False) as sneaky:
         sneaky.lookup(SPEC, TOKENS)  # A's namespace is not granted to B
     with KVClient(server.url, token=a, namespace="a", plan=False) as tenant_a:  # and A's blocks are intact

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from client_sdk import AsyncKVClient
-from client_sdk.aio_planning import AsyncThrottled
+from client_sdk.aio_media import AsyncThrottled
 from kvstore.errors import ConnectionFailed
 from kvstore.spec import KVSpec
 from tests.server.conftest import ADMIN, TOKENS

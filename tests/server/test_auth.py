@@ -32,13 +32,13 @@ def test_missing_or_unknown_token_is_401(auth_server, spec):
 
 def test_tenant_token_is_403_on_admin_and_the_admin_token_is_not(auth_server):
     with KVClient(auth_server.url, token=ACME, namespace="acme") as c:
-        for call in (c.admin_stats, c.tiers, lambda: c.evict(tier="shm", dry_run=True), c.audit):
+        for call in (c.admin.stats, c.admin.tiers, lambda: c.admin.evict(tier="shm", dry_run=True), c.admin.audit):
             with pytest.raises(Forbidden, match="admin"):
                 call()
     resp = httpx.get(f"{auth_server.url}/admin/stats", headers={"authorization": f"Bearer {BETA}"})
     assert resp.status_code == 403 and resp.json()["error"]["type"] == "Forbidden"
     with KVClient(auth_server.url, token=ADMIN) as admin:
-        assert admin.admin_stats()["blocks"] == 0
+        assert admin.admin.stats()["blocks"] == 0
 
 
 def test_a_namespace_not_granted_is_403(auth_server, spec):

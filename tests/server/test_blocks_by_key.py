@@ -107,10 +107,10 @@ def test_pins_hold_blocks_through_an_eviction_and_are_bounded(serve_app):
     with KVClient(srv.url, namespace=NS) as c:
         put(c, ks, data)
         assert c.pin_blocks(ks[:2], 60) == 2
-        c.evict(namespace=NS)
+        c.admin.evict(namespace=NS)
         assert c.blocks_exist(ks) == [True, True, False]
         assert c.unpin_blocks(ks[:2]) == 2
-        c.evict(namespace=NS)
+        c.admin.evict(namespace=NS)
         assert c.blocks_exist(ks) == [False] * 3
         for ttl in (0, -1, 3601, "60", True):
             with pytest.raises(InvalidInput, match="ttl_s"):
@@ -138,7 +138,7 @@ def test_a_remembered_slot_that_changed_is_asked_for_again(serve_app):
         get(c, ks)  # two reads the server does not see
         c.close()  # sends the pending access report
     with KVClient(srv.url, namespace=NS) as c:
-        hits = [c.explain(k)["hits"] for k in ks]
+        hits = [c.admin.explain(k)["hits"] for k in ks]
     # one read the server answered and two reported (plus the old block's remembered read, reported
     # by key after the block was replaced: reports name keys, not generations)
     assert hits == [4] * 4

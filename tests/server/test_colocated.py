@@ -97,11 +97,11 @@ def test_a_block_deleted_under_the_reader_shortens_the_prefix(server, spec, monk
 def test_an_expired_staging_lease_is_renewed(server, spec):
     with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, list(range(32)), make_kv(spec, 32))
-        (lease,) = c._arena.leases
+        (lease,) = c.colocation.arena.leases
         assert server.svc.staging.release(lease["lease"], "anonymous")  # fault: it expired server-side
         kv = make_kv(spec, 32, seed=3)
         assert c.put_kv(spec, list(range(100, 132)), kv) == 32
-        (renewed,) = c._arena.leases
+        (renewed,) = c.colocation.arena.leases
         assert renewed["lease"] != lease["lease"] and c.stats.shm_puts == 2
         assert torch.equal(c.get_kv(spec, list(range(100, 132)))[0], kv)
 
@@ -166,14 +166,14 @@ def test_concurrent_puts_from_one_client_never_share_a_staging_range(server):
             t.start()
         for t in threads:
             t.join()
-        assert c.stats.shm_puts == 8 and len(c._arena.leases) >= 1
+        assert c.stats.shm_puts == 8 and len(c.colocation.arena.leases) >= 1
         for s, k in zip(seqs, kvs):
             assert torch.equal(c.get_kv(spec, s)[0], k)
 
     async def main() -> None:
         async with AsyncKVClient(server.url, namespace="tasks", plan=False) as a:
             await asyncio.gather(*(a.put_kv(spec, s, k) for s, k in zip(seqs, kvs)))
-            assert a.stats.shm_puts == 8 and len(a._arena.leases) > 1  # each put in flight had its own
+            assert a.stats.shm_puts == 8 and len(a.colocation.arena.leases) > 1  # each put in flight had its own
             for s, k in zip(seqs, kvs):
                 assert torch.equal((await a.get_kv(spec, s))[0], k)
 
@@ -205,7 +205,7 @@ def test_reports_go_out_in_batches_while_the_client_runs(server, spec):
     tokens = list(range(16))
     with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, make_kv(spec, 16))
-        c._arena.accesses.max_keys = 4
+        c.colocation.arena.accesses.max_keys = 4
         for _ in range(5):  # the first asks the server; the next 4 fill a report
             c.get_kv(spec, tokens)
         assert c.stats.shm_cached_gets == 4
@@ -228,7 +228,7 @@ def test_a_remembered_handle_gone_stale_is_never_read(server, spec, change):
     with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
         c.get_kv(spec, tokens)
-        assert len(c._arena.handles) == 3
+        assert len(c.colocation.arena.handles) == 3
         if change == "delete":
             server.store.delete_blocks([keys[1]])
             got, n = c.get_kv(spec, tokens)
@@ -355,8 +355,8 @@ def test_a_client_outlives_a_server_restart_without_writing_into_the_old_arena(t
     import asyncio
 
     from client_sdk import AsyncKVClient
-    from tests.server.live import ServeProcess, small_env
-    from tests.tiers.redis_servers import free_port
+    from bench.reliability_kit.serve_process import ServeProcess, small_env
+    from bench.serving import free_port
 
     env, port = small_env(tmp_path / "data"), free_port()
 

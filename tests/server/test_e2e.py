@@ -13,12 +13,12 @@ import time
 
 import pytest
 
+from bench.reliability_kit.serve_process import ServeProcess, small_env
 from client_sdk import KVClient
 from client_sdk._common import kv_parts
 from kvstore.wire.rest import KV_MEDIA
 from kvstore.keys import block_hashes, normalize_tokens
 from tests.conftest import make_kv, make_spec, shm_segments
-from tests.server.live import ServeProcess, small_env
 
 CHILD = textwrap.dedent("""
     import json, sys, torch
@@ -65,7 +65,7 @@ def test_put_in_one_process_get_in_another_bit_identical(serve_with_redis, coloc
     want = make_kv(spec, 200, seed=7)[:, :, :, :192].contiguous()
     assert bytes.fromhex(got["bytes"]) == want.view(__import__("torch").uint8).numpy().tobytes()
     with KVClient(url) as c:
-        tiers = {t["name"]: t for t in c.tiers()}
+        tiers = {t["name"]: t for t in c.admin.tiers()}
     assert list(tiers) == ["shm", "cxl", "redis", "nvme"] and tiers["redis"]["state"] == "ok"
 
 
@@ -102,7 +102,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_releases_shm(tmp_path):
     kv = make_kv(spec, 320)
     with KVClient(proc.url, colocated=False) as c:  # one block to the durable tier, to see it survive
         c.put_kv(spec, tokens[:16], kv[:, :, :, :16])
-        assert c.migrate(block_hashes(spec, tokens)[0], "nvme")["moved"] is True
+        assert c.admin.migrate(block_hashes(spec, tokens)[0], "nvme")["moved"] is True
     sock, first, rest = _raw_put(proc.port, spec, tokens, kv)
     sock.sendall(first)
     time.sleep(0.3)
@@ -144,7 +144,7 @@ def test_serve_flags_and_env(tmp_path):
                         "--admin-token", "admin-token-xyz-123").start()
     try:
         with KVClient(proc.url, token="admin-token-xyz-123") as c:
-            tiers = c.tiers()
+            tiers = c.admin.tiers()
         assert [t["name"] for t in tiers] == ["shm", "nvme"] and tiers[0]["capacity_bytes"] == 8 << 20
         assert (tmp_path / "flag-data" / "nvme").is_dir() and not (tmp_path / "env-data" / "nvme").exists()
         assert "auth on" in proc.log()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from client_sdk import Forbidden, KVClient, ServiceError, Unauthorized
-from client_sdk.layers import LAYERS_PATH, get_kv_layers, iter_layers_http, iter_layers_shm
+from client_sdk.layers import LAYERS_PATH, iter_layers_http, iter_layers_shm
 from kvstore.wire.rest import KV_MEDIA
 from kvstore import KVStore
 from kvstore.errors import BlockNotFound
@@ -60,7 +60,7 @@ def test_layers_are_the_bytes_get_kv_returns(serve_app, medium, dtype, codec):
     for _ in range(2):  # a fresh client checks every frame, then copies from what it checked
         with _client(srv.url, colocated=MEDIA[medium]) as c:
             for query in (tokens[:70], tokens[:70], tokens):
-                stream = get_kv_layers(c, spec, query)
+                stream = c.get_kv_layers(spec, query)
                 assert stream.medium == medium and stream.n_tokens == 64 and stream.num_layers == spec.num_layers
                 layers = _layers_of(stream)
                 assert len(layers) == spec.num_layers
@@ -77,10 +77,10 @@ def test_layers_are_the_bytes_get_kv_returns(serve_app, medium, dtype, codec):
 def test_a_miss_yields_no_layers(server, spec, medium):
     with _client(server.url, colocated=MEDIA[medium]) as c:
         c.put_kv(spec, list(range(32)), make_kv(spec, 32))
-        stream = get_kv_layers(c, spec, list(range(1000, 1040)))
+        stream = c.get_kv_layers(spec, list(range(1000, 1040)))
         assert stream.n_tokens == 0 and list(stream) == [] and stream.kv.shape == spec.kv_shape(0)
-        assert get_kv_layers(c, spec, [1, 2, 3]).n_tokens == 0  # under one block
-        assert get_kv_layers(c, spec, []).read_all()[1] == 0
+        assert c.get_kv_layers(spec, [1, 2, 3]).n_tokens == 0  # under one block
+        assert c.get_kv_layers(spec, []).read_all()[1] == 0
 
 
 def test_each_medium_can_be_asked_for_by_name(server, spec):
@@ -88,10 +88,10 @@ def test_each_medium_can_be_asked_for_by_name(server, spec):
     kv = make_kv(spec, 32)
     with _client(server.url) as c:
         c.put_kv(spec, tokens, kv)
-        for stream in (iter_layers_http(c, spec, tokens), iter_layers_shm(c, spec, tokens)):
+        for stream in (iter_layers_http(c.http, spec, tokens), iter_layers_shm(c.shm, spec, tokens)):
             assert torch.equal(stream.read_all()[0], kv)
     with _client(server.url, colocated=False) as remote, pytest.raises(ServiceError, match="does not use the shm"):
-        iter_layers_shm(remote, spec, tokens)
+        iter_layers_shm(remote.shm, spec, tokens)
 
 
 def test_auth_errors_are_typed(serve_app, spec):
@@ -99,15 +99,15 @@ def test_auth_errors_are_typed(serve_app, spec):
     tokens = list(range(32))
     with _client(srv.url, token=ACME, namespace="acme") as acme:
         acme.put_kv(spec, tokens, make_kv(spec, 32))
-        assert get_kv_layers(acme, spec, tokens).n_tokens == 32
+        assert acme.get_kv_layers(spec, tokens).n_tokens == 32
     for medium, colocated in MEDIA.items():
         with _client(srv.url, colocated=colocated, retries=0) as anon, pytest.raises(Unauthorized):
-            get_kv_layers(anon, spec, tokens)
+            anon.get_kv_layers(spec, tokens)
         with _client(srv.url, token=ACME, namespace="beta", colocated=colocated) as wrong, \
                 pytest.raises(Forbidden):
-            get_kv_layers(wrong, spec, tokens)
+            wrong.get_kv_layers(spec, tokens)
         with _client(srv.url, token=ACME, namespace="shared", colocated=colocated) as other:
-            assert get_kv_layers(other, spec, tokens).n_tokens == 0, medium  # acme's blocks are not in "shared"
+            assert other.get_kv_layers(spec, tokens).n_tokens == 0, medium  # acme's blocks are not in "shared"
 
 
 def test_bad_input_is_a_4xx_with_a_message_and_the_server_keeps_serving(server, spec):
@@ -126,7 +126,7 @@ def test_bad_input_is_a_4xx_with_a_message_and_the_server_keeps_serving(server, 
             assert error["type"] == kind and error["message"]
     with _client(server.url, colocated=False) as c:
         c.put_kv(spec, list(range(16)), make_kv(spec, 16))
-        assert get_kv_layers(c, spec, list(range(16))).read_all()[1] == 16
+        assert c.get_kv_layers(spec, list(range(16))).read_all()[1] == 16
 
 
 def test_a_stream_stopped_early_leaves_client_and_server_usable(server):
@@ -135,12 +135,12 @@ def test_a_stream_stopped_early_leaves_client_and_server_usable(server):
     kv = make_kv(spec, 64)
     with _client(server.url, colocated=False) as c:
         c.put_kv(spec, tokens, kv)
-        with get_kv_layers(c, spec, tokens) as stream:
+        with c.get_kv_layers(spec, tokens) as stream:
             layer, first = next(stream)
             assert layer == 0 and torch.equal(first, kv[0])
         assert list(stream) == []  # closed: nothing more comes
-        get_kv_layers(c, spec, tokens).close()  # closed before its first layer: its connection too
-        assert torch.equal(get_kv_layers(c, spec, tokens).read_all()[0], kv)
+        c.get_kv_layers(spec, tokens).close()  # closed before its first layer: its connection too
+        assert torch.equal(c.get_kv_layers(spec, tokens).read_all()[0], kv)
         assert torch.equal(c.get_kv(spec, tokens)[0], kv)
 
 
@@ -195,7 +195,7 @@ def test_the_first_layer_is_yielded_while_the_server_holds_the_rest(held_server,
     kv = make_kv(spec, 64)
     with _client(srv.url, colocated=False) as c:
         c.put_kv(spec, tokens, kv)
-        stream = get_kv_layers(c, spec, tokens)
+        stream = c.get_kv_layers(spec, tokens)
         layer, first = next(stream)
         assert layer == 0 and torch.equal(first, kv[0])
         assert gate.released_in_time is None  # layer 1 has not left the server yet
@@ -214,7 +214,7 @@ def test_blocks_outside_the_arena_come_over_http(server, spec):
     with _client(server.url) as c:
         c.put_kv(spec, tokens, kv)
         assert server.store.migrate(block_hashes(spec, tokens)[2], "memory")
-        stream = get_kv_layers(c, spec, tokens)
+        stream = c.get_kv_layers(spec, tokens)
         assert torch.equal(stream.read_all()[0], kv) and stream.medium == "shm"
         assert c.stats.shm_blocks_fetched_over_http == 1
 
@@ -225,13 +225,13 @@ def test_a_slot_moved_after_layer_0_is_fetched_again(server, spec):
     key = block_hashes(spec, tokens)[1]
     with _client(server.url) as c:
         c.put_kv(spec, tokens, kv)
-        stream = get_kv_layers(c, spec, tokens)
+        stream = c.get_kv_layers(spec, tokens)
         assert next(stream)[0] == 0
         # fault: placement moves the block (a new generation) while layers 1.. are still to copy
         assert server.store.migrate(key, "memory") and server.store.migrate(key, "shm")
         assert torch.equal(stream.read_all()[0], kv)
         assert c.stats.shm_blocks_fetched_over_http == 1  # copied per layer, so the move was seen
-        assert torch.equal(get_kv_layers(c, spec, tokens).read_all()[0], kv)  # new handles from the server
+        assert torch.equal(c.get_kv_layers(spec, tokens).read_all()[0], kv)  # new handles from the server
 
 
 def test_a_block_deleted_after_layer_0_is_a_typed_error(server, spec):
@@ -239,12 +239,12 @@ def test_a_block_deleted_after_layer_0_is_a_typed_error(server, spec):
     kv = make_kv(spec, 64)
     with _client(server.url) as c:
         c.put_kv(spec, tokens, kv)
-        stream = get_kv_layers(c, spec, tokens)
+        stream = c.get_kv_layers(spec, tokens)
         next(stream)
         server.store.delete_blocks([block_hashes(spec, tokens)[2]])
         with pytest.raises(BlockNotFound, match="while its layers streamed"):
             list(stream)
-        stream = get_kv_layers(c, spec, tokens)  # before layer 0 a lost block shortens the prefix
+        stream = c.get_kv_layers(spec, tokens)  # before layer 0 a lost block shortens the prefix
         assert stream.read_all()[1] == 32 and torch.equal(stream.kv, kv[:, :, :, :32])
 
 
@@ -281,7 +281,7 @@ def test_a_streamed_cache_resumes_with_the_logits_of_a_whole_one(server, llama, 
     with _client(server.url, colocated=MEDIA[medium]) as c:
         c.put_kv(spec, prompt[0, :128], kv)
         full, n = c.get_kv(spec, prompt[0])
-        stream = get_kv_layers(c, spec, prompt[0])
+        stream = c.get_kv_layers(spec, prompt[0])
         cache = cache_from_layers(stream, model.config, background=background)
         assert cache.get_seq_length() == n == 128  # known before any layer is read
         streamed = _next_logits(model, cache, prompt[:, n:])
@@ -300,7 +300,7 @@ def test_the_model_computes_layer_0_while_the_server_holds_the_rest(held_server,
     try:
         with _client(srv.url, colocated=False) as c:
             c.put_kv(spec, prompt[0, :128], kv)
-            cache = cache_from_layers(get_kv_layers(c, spec, prompt[0]), model.config)
+            cache = cache_from_layers(c.get_kv_layers(spec, prompt[0]), model.config)
             streamed = _next_logits(model, cache, prompt[:, 128:])
     finally:
         hook.remove()

@@ -47,17 +47,17 @@ def _check_frames(medium, kv: torch.Tensor) -> None:
 
 def test_http_shm_and_inproc_media_move_frames(server):
     with KVClient(server.url) as client:
-        client._use_shm()
-        _check_frames(HttpMedium(client), _kv(seed=1))
+        client.shm.arena()
+        _check_frames(HttpMedium(client.http, client.pool), _kv(seed=1))
         client.delete(SPEC, TOKS)
-        _check_frames(ShmMedium(client), _kv(seed=2))
+        _check_frames(ShmMedium(client.shm, HttpMedium(client.http)), _kv(seed=2))
         assert client.stats.shm_puts == 1
     _check_frames(InprocMedium(server.store, "inproc-ns"), _kv(seed=3))
 
 
 def test_http_int8_frames_are_half_the_bytes(server):
     with KVClient(server.url, colocated=False) as client:
-        medium = HttpMedium(client)
+        medium = HttpMedium(client.http, client.pool)
         kv = _kv(seed=4)
         medium.put_kv(SPEC, TOKS, kv)
         keys = block_hashes(SPEC, TOKS, client.namespace)
@@ -77,7 +77,7 @@ def test_redis_medium_reads_frames_straight_from_redis(serve_app, redis_server):
     srv = serve_app(store)
     with KVClient(srv.url, colocated=False, redis_url=redis_server.url) as client:
         assert client.info()["media"]["redis"] == {"keyspace": "direct", "tier": "redis"}
-        medium = RedisDirectMedium(client, redis_server.url, "direct")
+        medium = RedisDirectMedium(client.http, redis_server.url, "direct")
         _check_frames(medium, _kv(seed=5))
         other = block_hashes(SPEC, TOKS, "someone-else")
         assert medium.get_frames(other[:2]) == [None, None]
@@ -218,7 +218,7 @@ def test_the_planner_counts_flight_among_its_media_and_moves_kv_over_it(serve_ap
     flight_only = {"action": "baseline", "policy": {"version": 7, "media": ["flight"]}}
     with KVClient(srv.url, colocated=False) as client:
         client.put_kv(SPEC, TOKS, kv)
-        assert set(client._planned().media) == {"http", "flight"}
+        assert set(client.media()) == {"http", "flight"}
         assert httpx.post(srv.url + "/admin/policy", json=flight_only).status_code == 200
         client._planner._refresh(force=True)
         got, n = client.get_kv(SPEC, TOKS)
@@ -262,7 +262,7 @@ def test_a_failing_medium_is_set_aside_and_the_get_retried_over_http(serve_app):
     slow_http = lambda m: Throttled(m, latency_s=0.05) if m.name == "http" else m  # noqa: E731
     with KVClient(srv.url, colocated=False, wrap_media=slow_http) as client:
         client.put_kv(SPEC, TOKS, kv)
-        flight = client._planned().media["flight"]
+        flight = client.media()["flight"]
 
         def broken(*args, **kwargs):
             from kvstore.errors import ConnectionFailed

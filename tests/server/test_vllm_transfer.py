@@ -219,7 +219,7 @@ def test_connector_reports_show_in_metrics_and_admin_by_namespace(auth_server):
         acme.report_connector("vllm", "engine-1/worker", {"hit_tokens": 512, "saved_tokens": 640})  # cumulative
         beta.report_connector("vllm", "engine-9/scheduler", {"miss_tokens": 99})
     with KVClient(auth_server.url, token=ADMIN) as admin:
-        rows = {(r["namespace"], r["engine"]): r for r in admin.connectors()}
+        rows = {(r["namespace"], r["engine"]): r for r in admin.admin.connectors()}
         text = admin.metrics()
     acme_row = rows[("acme", "vllm")]
     assert acme_row["hit_tokens"] == 640 and acme_row["saved_tokens"] == 640 and acme_row["instances"] == 2

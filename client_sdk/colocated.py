@@ -1,0 +1,394 @@
+"""The co-located path, written once for both clients: flows that yield what they need done.
+
+On the server's host, KV moves through the server's shared memory: gets copy out
+of its arena under each slot's seqlock, puts write into a staging lease and send
+one small commit. The logic (which requests, which copies, what to do when a
+lease expired or the server restarted) is the same for ``KVClient`` and
+``AsyncKVClient``; only how a request is sent and where a copy runs differ. So
+each operation here is a generator (a *flow*) that yields steps: a
+``client_sdk.calls.Call`` to send, or a ``Copy`` to run, and gets the answer back
+(an error answer is thrown into it). ``drive`` runs a flow with a blocking
+transport; ``adrive`` with an async one, running large copies off the event loop.
+
+``Colocation`` is the state both clients keep: whether the server's arena can be
+mapped here, the mapping, and arenas retired after a server restart (another
+thread may still be reading one; they close with the client).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any, Awaitable, Callable, Generator, Sequence, TypeVar
+
+import torch
+
+from client_sdk import _common as c
+from client_sdk import calls
+from client_sdk.calls import Call
+from kvstore.errors import Forbidden, KVStoreError, ServiceError, TierFull
+from kvstore.keys import BlockHash
+from kvstore.spec import KVSpec
+from kvstore.wire.rest import KV_MEDIA, host_id
+
+__all__ = ["Copy", "Colocation", "drive", "adrive", "get_flow", "cached_get", "put_flow", "staged_flow",
+           "frames_flow", "blocks_exist_flow", "get_blocks_into_flow", "put_blocks_flow"]
+
+log = logging.getLogger("kvstore.client")
+
+T = TypeVar("T")
+
+
+class Copy:
+    """A step: ``fn(*args)``, a copy of ``nbytes`` in or out of the arena (off the loop when large)."""
+
+    __slots__ = ("nbytes", "fn", "args")
+
+    def __init__(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> None:
+        self.nbytes, self.fn, self.args = nbytes, fn, args
+
+
+Flow = Generator["Call[Any] | Copy", Any, T]
+
+
+def drive(flow: Flow[T], run: Callable[[Call[Any]], Any]) -> T:
+    """Run ``flow`` to its result, sending its calls with ``run`` and its copies inline."""
+    answer: Any = None
+    error: Exception | None = None
+    try:
+        while True:
+            try:
+                step = flow.send(answer) if error is None else flow.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            error = None
+            try:
+                answer = run(step) if type(step) is Call else step.fn(*step.args)
+            except Exception as exc:  # the flow decides: it may handle it (an expired lease) or not
+                answer, error = None, exc
+    except BaseException:
+        flow.close()  # a flow stopped early (KeyboardInterrupt...) still gives back what it holds
+        raise
+
+
+async def adrive(flow: Flow[T], run: Callable[[Call[Any]], Awaitable[Any]],
+                 off_loop: Callable[..., Awaitable[Any]]) -> T:
+    """``drive`` with an async transport; each copy goes through ``off_loop(nbytes, fn, *args)``."""
+    answer: Any = None
+    error: Exception | None = None
+    try:
+        while True:
+            try:
+                step = flow.send(answer) if error is None else flow.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            error = None
+            try:
+                answer = await run(step) if type(step) is Call else await off_loop(step.nbytes, step.fn, *step.args)
+            except Exception as exc:
+                answer, error = None, exc
+    except BaseException:  # cancelled: the flow gives back what it holds
+        flow.close()
+        raise
+
+
+class Colocation:
+    """Whether this client reads the server's shm arena, and its mapping.
+
+    Args:
+        url: the server's (for log lines).
+        colocated: None picks shm when it works; False never (remote); True requires it.
+    """
+
+    def __init__(self, url: str, colocated: bool | None) -> None:
+        self.url = url
+        self.colocated = colocated
+        self.arena: c.Arena | None = None
+        self.decided: str | None = None
+        """"shm" or "http" once picked; None again after a restart retired the arena."""
+        self.retired: list[c.Arena] = []
+
+    @property
+    def undecided(self) -> bool:
+        return self.colocated is not False and self.decided is None
+
+    def pick_flow(self) -> Flow[str]:
+        """Ask the server where it runs and map its arena when it is on this host; "shm" or "http".
+
+        Raises:
+            ServiceError: ``colocated=True`` and the arena cannot be used here.
+        """
+        info = yield calls.info()
+        offer = (info or {}).get("colocated")
+        reason = None
+        if not offer:
+            reason = "the server offers no shm path"
+        elif offer.get("host_id") != host_id():
+            reason = "the server runs on another host"
+        else:
+            try:
+                self.arena = c.Arena(offer["segment"], offer["staging_segment"])
+                self.decided = "shm"
+                return "shm"
+            except KVStoreError as exc:
+                reason = f"its shm segments cannot be opened here ({exc})"
+        if self.colocated:
+            raise ServiceError(f"colocated=True but {reason}")
+        self.decided = "http"
+        return "http"
+
+    def current(self) -> c.Arena | None:
+        """The mapped arena; None when shm is not used (or a restart retired it: pick again)."""
+        return self.arena if self.decided == "shm" else None
+
+    def changed(self, arena: c.Arena, named: Any, which: str) -> bool:
+        """True when the server named other segments than ``arena`` maps: it restarted, and what
+        this client would write into (or read from) its old mapping is no longer the server's
+        memory. The arena is retired and the next call maps the server's new one."""
+        if named == getattr(arena, which):
+            return False
+        log.info("kvstore at %s serves from other shm segments (a restart?): mapping them again", self.url)
+        if self.arena is arena:
+            self.retired.append(arena)
+            self.arena, self.decided = None, None
+        return True
+
+    def close_flow(self) -> Flow[None]:
+        """Hand back every staging lease (each expires on its own otherwise) and unmap."""
+        if self.arena is not None:
+            for lease in self.arena.leases:
+                with contextlib.suppress(KVStoreError):
+                    yield calls.drop_lease(lease["lease"])
+            self.arena.close()
+            self.arena = None
+        for arena in self.retired:
+            arena.close()
+        self.retired.clear()
+
+
+# -- gets ------------------------------------------------------------------------------------
+
+
+def cached_get(arena: c.Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPool, out_views: c.OutViews,
+               namespace: str, stats: c.ClientStats) -> tuple[torch.Tensor, int] | None:
+    """A get whose every block's slot is remembered, read with no request; None when one is
+    not remembered or went stale (then ``get_flow`` asks the server)."""
+    cached = arena.handles.lookup(spec, toks, namespace)
+    if cached is None:
+        return None
+    bt = spec.block_tokens
+    if out is None:
+        kv, dst = pool.tensor_and_ints(spec.kv_shape(len(cached) * bt), spec.torch_dtype)
+    else:
+        kv, dst = out_views.get(spec, len(cached) * bt, out)
+    if arena.fill_from_handles(cached, kv, bt, stats, dst):
+        arena.handles.forget(cached)
+        return None
+    arena.served_from_cache(cached, bt, stats)
+    return kv, len(cached) * bt
+
+
+def get_flow(colo: Colocation, arena: c.Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPool,
+             stats: c.ClientStats) -> Flow[tuple[torch.Tensor, int]]:
+    """A co-located get: the server names the prefix's slots, each is copied out under its
+    seqlock; blocks not in the arena come over HTTP in one batch."""
+    bt = spec.block_tokens
+    answer = yield calls.kv_call("/v1/kv/handles", spec, toks, None)
+    blocks = answer["blocks"]
+    kv = c.result_tensor(spec, len(blocks) * bt, out, pool)
+    if colo.changed(arena, answer.get("segment"), "segment"):
+        missing: Sequence[int] = range(len(blocks))  # its handles name slots of another arena
+    else:
+        arena.handles.remember(blocks)
+        missing = yield Copy(spec.bytes_per_token * len(blocks) * bt, arena.fill_from_handles, blocks, kv, bt, stats)
+    good = len(blocks)
+    if missing:
+        want = {blocks[i]["key"]: i for i in missing}
+        body = yield calls.raw_blocks(list(want))
+        arrived = c.fill_from_batch(body, want, kv, bt, {})
+        stats.shm_blocks_fetched_over_http += len(arrived)
+        lost = sorted(set(missing) - arrived)
+        good = lost[0] if lost else good
+    stats.shm_gets += 1
+    stats.last_medium = "shm"
+    if good < len(blocks):
+        kv = kv[:, :, :, :good * bt].clone() if out is None else c.result_tensor(spec, good * bt, out)
+    return kv, good * bt
+
+
+def frames_flow(arena: c.Arena, keys: Sequence[BlockHash], namespace: str) -> Flow[list[Any]]:
+    """Frames of ``keys``: from the arena where it holds them (this namespace's), the rest over HTTP."""
+    frames: list[Any] = []
+    for key in keys:
+        handle = arena.reader.find(key)
+        frame = arena.reader.read(handle) if handle is not None else None
+        if frame is not None and not c.frame_in_namespace(frame, namespace):
+            frame = None
+        frames.append(frame)
+    missing = [i for i, f in enumerate(frames) if f is None]
+    if missing:
+        got = yield calls.get_blocks([keys[i] for i in missing])
+        for i, frame in zip(missing, got):
+            frames[i] = frame
+    return frames
+
+
+# -- puts ------------------------------------------------------------------------------------
+
+
+def staged_flow(colo: Colocation, arena: c.Arena, nbytes: int, write: Callable[[dict], Copy],
+                commit: Callable[[dict, Any], Call[T]], stats: c.ClientStats) -> Flow[T | None]:
+    """A put through a staging lease of at least ``nbytes``: ``write(lease)`` (a ``Copy`` into
+    the lease's range; its result is handed to ``commit``), then ``commit(lease, written)``
+    (the request that publishes it). None when staging has no room or the server's arena
+    changed: the caller goes over HTTP.
+
+    Each put holds its own lease while it writes and commits, so concurrent puts from one
+    client never write into the same range. A lease the server expired is dropped and a
+    fresh one taken, once. One generator, no nesting: each level of ``yield from`` would
+    cost a resumption per step on every put.
+    """
+    for attempt in range(2):
+        # After a refused lease, a fresh one: another idle lease may be as stale (all of them,
+        # after a server restart)
+        lease = arena.take_lease(nbytes) if attempt == 0 else None
+        if lease is None:
+            try:
+                lease = yield calls.staging_lease(max(nbytes, 1 << 20))
+            except TierFull as exc:
+                if exc.tier == "staging":
+                    return None  # staging full: go over HTTP
+                raise
+            if colo.changed(arena, lease.get("segment"), "staging_segment"):
+                with contextlib.suppress(KVStoreError):  # not ours to write: hand it back now
+                    yield calls.drop_lease(lease["lease"])
+                return None  # this put goes over HTTP; the next maps the new arena
+            arena.add_lease(lease)
+        try:
+            written = yield write(lease)
+            got = yield commit(lease, written)
+        except Forbidden:  # the lease expired server-side: lease again once
+            arena.drop_lease(lease)
+            if attempt:
+                raise
+            continue
+        except BaseException:
+            arena.give_back(lease)
+            raise
+        arena.give_back(lease)
+        stats.shm_puts += 1
+        stats.last_medium = "shm"
+        return got
+    return None
+
+
+def _stored_tokens(body: bytes) -> int:
+    return int(json.loads(body)["stored_tokens"])
+
+
+def put_flow(colo: Colocation, arena: c.Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
+             stats: c.ClientStats) -> Flow[int | None]:
+    """A co-located put of ``kv`` (not empty) through a staging lease; None: go over HTTP instead."""
+    nbytes = spec.bytes_per_token * int(kv.shape[3])
+
+    def write(lease: dict) -> Copy:
+        return Copy(nbytes, arena.write_staging, lease, kv)
+
+    def commit(lease: dict, written: Any) -> Call[int]:
+        return Call("POST", f"/v1/kv/put-staged/{lease['lease']}", c.kv_parts(spec, toks, kv, with_kv=False),
+                    KV_MEDIA, _stored_tokens)
+
+    return staged_flow(colo, arena, nbytes, write, commit, stats)
+
+
+def put_blocks_flow(colo: Colocation, arena: c.Arena | None, keys: list[BlockHash], offsets: list[int],
+                    writer: c.BlockWriter, make_room: bool, stats: c.ClientStats) -> Flow[int]:
+    """``put_blocks_with``: through a staging lease when co-located, else one HTTP batch."""
+    if arena is not None:
+        def fill(lease: dict) -> list[dict]:
+            view = memoryview(arena.staging)[lease["offset"]:lease["offset"] + offsets[-1]]
+            try:
+                return [{"key": key.hex(), "offset": offsets[i], "length": writer(i, view[offsets[i]:offsets[i + 1]])}
+                        for i, key in enumerate(keys)]
+            finally:
+                view.release()
+
+        def commit(lease: dict, blocks: list[dict]) -> Call[int]:
+            return calls.json_call("POST", f"/v1/blocks/put-staged/{lease['lease']}",
+                                   {"blocks": blocks, "make_room": make_room}, parse=lambda a: int(a["stored"]))
+
+        stored = yield from staged_flow(colo, arena, offsets[-1], lambda lease: Copy(offsets[-1], fill, lease),
+                                        commit, stats)
+        if stored is not None:
+            return stored
+    buf = bytearray(offsets[-1])
+    view = memoryview(buf)
+    items = []
+    for i, key in enumerate(keys):
+        n = writer(i, view[offsets[i]:offsets[i + 1]])
+        items.append((key, view[offsets[i]:offsets[i] + n]))
+    return (yield calls.put_blocks(items, make_room))
+
+
+# -- blocks by key ------------------------------------------------------------------------------
+
+
+def blocks_exist_flow(colo: Colocation, arena: c.Arena | None, keys: Sequence[BlockHash]) -> Flow[list[bool]]:
+    """Whether each key holds a block of this namespace. Co-located, remembered slots whose
+    generation stands answer without a request, and the answer's slots are remembered."""
+    hexes = calls.hexes(keys)
+    if arena is not None and hexes:
+        present = [b is not None and arena.holds(b) for b in arena.handles.blocks(hexes)]
+        ask = [i for i, here in enumerate(present) if not here]
+        if not ask:
+            return present
+        answer = yield calls.block_handles([hexes[i] for i in ask], count=False)
+        if not colo.changed(arena, answer.get("segment"), "segment"):
+            arena.handles.remember(answer["blocks"])
+            for i, b in zip(ask, answer["blocks"]):
+                present[i] = b.get("checksum") is not None
+            return present
+    return (yield calls.blocks_exist(keys))
+
+
+def get_blocks_into_flow(colo: Colocation, arena: c.Arena | None, keys: list[BlockHash], sink: c.BlockSink,
+                         namespace: str, stats: c.ClientStats, report: Callable[[], None]) -> Flow[list[bool]]:
+    """``get_blocks_into``: remembered slots read with no request, the rest named by one
+    ``/v1/blocks/handles`` request and read in place, what the arena lacks over HTTP."""
+    done = [False] * len(keys)
+    absent: set[int] = set()
+    if arena is not None and keys:
+        hexes = [k.hex() for k in keys]
+        served, ask = [], []
+        for i, b in enumerate(arena.handles.blocks(hexes)):
+            if b is not None and arena.read_block(b["handle"], b.get("checksum"), namespace, i, sink, stats):
+                done[i] = True
+                served.append(b)
+            else:
+                ask.append(i)
+        if served:  # the server never saw these reads: report them, for placement's heat
+            arena.accesses.add(served, 0, 0)
+            if arena.accesses.due():
+                report()
+        if ask:
+            answer = yield calls.block_handles([hexes[i] for i in ask])
+            if not colo.changed(arena, answer.get("segment"), "segment"):
+                arena.handles.remember(answer["blocks"])
+                for i, b in zip(ask, answer["blocks"]):
+                    h = b.get("handle")
+                    if h is None:
+                        if b.get("checksum") is None:
+                            absent.add(i)  # not stored: nothing to fetch
+                        continue
+                    # the checksum the server indexed: a slot reused meanwhile cannot pass for it
+                    done[i] = arena.read_block(h, b.get("checksum"), namespace, i, sink, stats)
+        stats.shm_gets += 1
+        stats.last_medium = "shm"
+    missing = [i for i, ok in enumerate(done) if not ok and i not in absent]
+    if missing:
+        frames = yield calls.get_blocks([keys[i] for i in missing])
+        for i, frame in zip(missing, frames):
+            if frame is not None and c.give_frame(memoryview(frame), namespace, i, sink, None):
+                done[i] = True
+    return done

@@ -1,0 +1,171 @@
+"""The calls ``KVClient`` and ``AsyncKVClient`` share, written once.
+
+Each method builds a ``client_sdk.calls.Call`` and hands it to ``self._run``: a
+blocking client's ``_run`` returns the answer, an async client's returns an
+awaitable of it (``await client.lookup(...)``). So the two clients cannot drift
+apart on these calls: same names, same arguments, same requests, same answers
+(``tests/client_sdk/test_surface.py`` checks the whole of both surfaces).
+
+``AdminClient`` is the operator's half (``client.admin``): the ``/admin`` routes,
+which need the admin token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from client_sdk import calls
+from client_sdk.calls import Call, key_hex
+from kvstore.keys import BlockHash
+from kvstore.spec import KVSpec
+
+__all__ = ["DataCalls", "AdminClient"]
+
+
+class DataCalls:
+    """Lookups, deletes, blocks by key, and the service's own small routes."""
+
+    namespace: str
+    _run: Callable[[Call[Any]], Any]
+
+    def lookup(self, spec: KVSpec, tokens: Any) -> Any:
+        """Tokens of the longest stored prefix (index only, no KV moves)."""
+        return self._run(calls.lookup(spec, tokens))
+
+    def lookup_blocks(self, spec: KVSpec, tokens: Any) -> Any:
+        """The lookup answer: ``{"tokens", "block_tokens", "durable_tokens", "blocks": [{"key", "tier"}]}``."""
+        return self._run(calls.lookup_blocks(spec, tokens))
+
+    def delete(self, spec: KVSpec, tokens: Any) -> Any:
+        """Delete the stored blocks of ``tokens``; returns blocks removed."""
+        return self._run(calls.delete(spec, tokens))
+
+    def get_block(self, key: BlockHash) -> Any:
+        """The stored frame of ``key`` in this namespace, or None."""
+        return self._run(calls.get_block(key))
+
+    def put_block(self, key: BlockHash, frame: Any) -> Any:
+        """Store one encoded frame under ``key`` (its metadata must name this namespace)."""
+        return self._run(calls.put_block(key, frame))
+
+    def delete_block(self, key: BlockHash) -> Any:
+        """Delete one block; False when it was not stored."""
+        return self._run(calls.delete_block(key))
+
+    def get_blocks(self, keys: Sequence[BlockHash]) -> Any:
+        """Frames of many keys in one request; None for each absent one."""
+        return self._run(calls.get_blocks(keys))
+
+    def put_blocks(self, items: Sequence[tuple[BlockHash, Any]], *, make_room: bool = False) -> Any:
+        """Store many frames in one request; returns how many. ``make_room`` places them as
+        ``put_kv`` places blocks (colder entries demoted or evicted) instead of falling through
+        full tiers."""
+        return self._run(calls.put_blocks(items, make_room))
+
+    def delete_blocks(self, keys: Sequence[BlockHash]) -> Any:
+        return self._run(calls.delete_blocks(keys))
+
+    def pin_blocks(self, keys: Sequence[BlockHash], ttl_s: float) -> Any:
+        """Hold this namespace's blocks in place for ``ttl_s`` seconds (at most an hour): placement
+        neither demotes nor evicts them until then or ``unpin_blocks``. Pins do not count: one
+        unpin releases a key however often it was pinned. Returns how many were stored."""
+        return self._run(calls.pin_blocks(keys, ttl_s))
+
+    def unpin_blocks(self, keys: Sequence[BlockHash]) -> Any:
+        return self._run(calls.unpin_blocks(keys))
+
+    def evict_mine(self, **selectors: Any) -> Any:
+        """Evict blocks of this namespace (``POST /v1/evict``): the admin selectors, tenant-scoped."""
+        return self._run(calls.evict_mine(selectors))
+
+    def report_connector(self, engine: str, instance: str, counters: Mapping[str, float]) -> Any:
+        """An engine connector's cumulative counters, for the server's /metrics and dashboard."""
+        return self._run(calls.report_connector(engine, instance, counters))
+
+    def info(self) -> Any:
+        """``/v1/info``: version, media offered, the co-located arena's segments."""
+        return self._run(calls.info())
+
+    def health(self) -> Any:
+        return self._run(calls.health())
+
+    def ready(self) -> Any:
+        """``/readyz``'s answer, degraded or not (a 503 raises ``ServiceError``)."""
+        return self._run(calls.ready())
+
+    def metrics(self) -> Any:
+        """The Prometheus exposition text of ``/metrics``."""
+        return self._run(calls.metrics())
+
+
+class AdminClient:
+    """The operator's calls (``/admin``; the admin token): ``client.admin``.
+
+    Args:
+        run: the client's transport (a blocking one returns answers, an async one awaitables).
+        namespace: the client's, for pins named by spec and tokens.
+    """
+
+    def __init__(self, run: Callable[[Call[Any]], Any], namespace: str) -> None:
+        self._run = run
+        self.namespace = namespace
+
+    def evict(self, *, dry_run: bool = False, **selectors: Any) -> Any:
+        """``POST /admin/evict``: keys, prefix, namespace, fingerprint, tier, older_than_s, watermark."""
+        return self._run(calls.evict(selectors, dry_run))
+
+    def pin(self, keys: Sequence[Any] | None = None, *, spec: KVSpec | None = None, tokens: Any = None,
+            namespace: str | None = None, ttl_s: float | None = None) -> Any:
+        """Pin blocks by key, or the stored prefix of ``tokens`` (in ``namespace``, the client's by default)."""
+        body = calls.pin_body(keys, spec, tokens, namespace or self.namespace, ttl_s)
+        return self._run(calls.json_call("POST", "/admin/pin", body))
+
+    def unpin(self, keys: Sequence[Any] | None = None, *, spec: KVSpec | None = None, tokens: Any = None,
+              namespace: str | None = None) -> Any:
+        body = calls.pin_body(keys, spec, tokens, namespace or self.namespace, None)
+        return self._run(calls.json_call("DELETE", "/admin/pin", body))
+
+    def migrate(self, key: Any, tier: str) -> Any:
+        """Move one block to ``tier`` now (pins do not stop an operator)."""
+        return self._run(calls.json_call("POST", "/admin/migrate", {"key": key_hex(key), "tier": tier}))
+
+    def stats(self) -> Any:
+        """``/admin/stats``: the store's counters, tiers, moves, heat and reads by tier."""
+        return self._run(calls.json_call("GET", "/admin/stats"))
+
+    def connectors(self) -> Any:
+        """Engine connectors' counters by namespace and engine."""
+        return self._run(calls.json_call("GET", "/admin/connectors", parse=lambda a: a["connectors"]))
+
+    def tiers(self) -> Any:
+        return self._run(calls.json_call("GET", "/admin/tiers", parse=lambda a: a["tiers"]))
+
+    def entries(self, sort: str = "heat", order: str = "desc", limit: int = 100, offset: int = 0,
+                namespace: str | None = None, tier: str | None = None, *,
+                min_heat_per_s: float | None = None, max_heat_per_s: float | None = None,
+                min_age_s: float | None = None, max_age_s: float | None = None) -> Any:
+        """A page of index entries (``GET /admin/entries``), sorted and filtered as the route says."""
+        return self._run(calls.entries(sort, order, limit, offset, namespace=namespace, tier=tier,
+                                       min_heat_per_s=min_heat_per_s, max_heat_per_s=max_heat_per_s,
+                                       min_age_s=min_age_s, max_age_s=max_age_s))
+
+    def heat(self, bins: int = 12) -> Any:
+        """The heat histogram by tier (``GET /admin/heat``)."""
+        return self._run(calls.json_call("GET", "/admin/heat", params={"bins": bins}))
+
+    def history(self, limit: int = 720) -> Any:
+        """The hit ratio over time, overall and by tier (``GET /admin/history``)."""
+        return self._run(calls.json_call("GET", "/admin/history", params={"limit": limit}))
+
+    def moves(self, limit: int = 100) -> Any:
+        """The store's latest placement moves, newest last (``GET /admin/moves``)."""
+        return self._run(calls.json_call("GET", "/admin/moves", params={"limit": limit}))
+
+    def explain(self, key: Any) -> Any:
+        """Where a block is, what it is, how hot, its pins and its last moves."""
+        return self._run(calls.json_call("GET", f"/admin/explain/{key_hex(key)}"))
+
+    def audit(self, limit: int = 100, offset: int = 0, action: str | None = None) -> Any:
+        """The audit log of operator actions, newest first."""
+        return self._run(calls.json_call("GET", "/admin/audit",
+                                         params={"limit": limit, "offset": offset, "action": action}))

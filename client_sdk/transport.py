@@ -1,0 +1,322 @@
+"""The SDK's HTTP transports: the sockets, one retry policy, nothing about what is sent.
+
+``HttpTransport`` (blocking; one keep-alive socket per thread) and
+``AsyncHttpTransport`` (a bounded pool of sockets driven by the event loop's
+``sock_*`` calls; httpx for ``https``) carry ``client_sdk.calls.Call``s, and
+receive a get's raw KV straight into the result tensor. Both retry under one
+``RetryPolicy``: a dropped connection is retried with jittered exponential
+backoff (every call is idempotent: a put of stored blocks is a no-op); a timeout
+is not (the request may be running). A plain socket is used rather than httpx
+because httpx moves 0.7-0.85 GB/s where a socket moves 3 GB/s here
+(``docs/design.md``, "Figures this design rests on").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import torch
+
+from client_sdk import _common as c
+from client_sdk._http import AsyncConnection, BrokenConnection, Connection, Endpoint
+from client_sdk.calls import Call
+from kvstore.errors import ConnectionFailed, KVStoreError, RequestTimeout, ServiceError
+from kvstore.spec import KVSpec
+from kvstore.wire.errors import error_from
+from kvstore.wire.rest import H_TOKENS, KV_MEDIA
+
+__all__ = ["RetryPolicy", "HttpTransport", "AsyncHttpTransport"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a transport retries a dropped connection.
+
+    Args:
+        retries: extra attempts after the first.
+        backoff_s: the first retry's delay; it doubles each attempt, each drawn from
+            [0.5, 1.5) of that (jitter: clients that lost one server do not return in step).
+    """
+
+    retries: int = 3
+    backoff_s: float = 0.05
+
+    def delay_s(self, attempt: int, where: str, failure: BrokenConnection) -> float:
+        """The wait before retry ``attempt`` (1, 2, ...) after ``failure``.
+
+        Raises:
+            ConnectionFailed: ``attempt`` is past ``retries``.
+        """
+        if attempt > self.retries:
+            raise ConnectionFailed(f"{where}: {failure} (after {self.retries} retries)") from failure
+        return self.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random())
+
+    def run(self, once: Callable[[], T], where: str, stats: c.ClientStats) -> T:
+        """``once()`` until it does not drop the connection, at most ``retries`` + 1 times.
+
+        Raises:
+            ConnectionFailed: every attempt dropped. RequestTimeout: no answer in time (not retried).
+        """
+        attempt = 0
+        while True:
+            try:
+                return once()
+            except BrokenConnection as exc:
+                attempt += 1
+                delay = self.delay_s(attempt, where, exc)
+            except TimeoutError as exc:
+                raise RequestTimeout(f"no answer from {where} in time") from exc
+            stats.retries += 1
+            time.sleep(delay)
+
+    async def arun(self, once: Callable[[], Awaitable[T]], where: str, stats: c.ClientStats) -> T:
+        """``run``, awaited."""
+        attempt = 0
+        while True:
+            try:
+                return await once()
+            except BrokenConnection as exc:
+                attempt += 1
+                delay = self.delay_s(attempt, where, exc)
+            except TimeoutError as exc:
+                raise RequestTimeout(f"no answer from {where} in time") from exc
+            stats.retries += 1
+            await asyncio.sleep(delay)
+
+
+def _answer(call: Call[T], status: int, body: bytes) -> T:
+    if status >= 400:
+        if status == 404 and call.answers_missing:
+            return call.missing
+        raise error_from(status, body)
+    return call.parse(body)
+
+
+def _check_kv_head(spec: KVSpec, n: int, length: int | None) -> None:
+    if n < 0 or length != spec.bytes_per_token * n:
+        raise ServiceError(f"get_kv answer of {length} bytes for {n} tokens does not match the spec")
+
+
+class HttpTransport:
+    """Blocking HTTP to one server: a keep-alive socket per thread (safe to share between threads).
+
+    Args:
+        url: ``http(s)://host:port``.
+        token, namespace: sent with every request (``Authorization``, ``x-kv-namespace``).
+        timeout_s, connect_timeout_s: per-request read timeout and TCP connect timeout.
+        retry: the retry policy.
+        stats: where retries and HTTP transfers are counted.
+    """
+
+    def __init__(self, url: str, token: str | None, namespace: str, *, timeout_s: float | None,
+                 connect_timeout_s: float, retry: RetryPolicy, stats: c.ClientStats) -> None:
+        self.url = url
+        self.endpoint = Endpoint.parse(url)
+        self.token = token
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retry = retry
+        self.stats = stats
+        self._local = threading.local()
+        self._conns: list[Connection] = []
+        self._lock = threading.Lock()
+        self._headers = {ct: c.headers_for(token, namespace, ct) for ct in (None, KV_MEDIA)}
+
+    def headers(self, content_type: str | None = None) -> dict[str, str]:
+        got = self._headers.get(content_type)
+        return got if got is not None else c.headers_for(self.token, self.namespace, content_type)
+
+    def conn(self) -> Connection:
+        """This thread's connection (opened on first use)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = Connection(self.endpoint, connect_timeout_s=self.connect_timeout_s, timeout_s=self.timeout_s)
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    def run(self, call: Call[T]) -> T:
+        """Send ``call`` (retried on a dropped connection) and read its answer.
+
+        Raises:
+            the typed error of an error answer; ConnectionFailed, RequestTimeout.
+        """
+        headers = self._headers.get(call.content_type) or self.headers(call.content_type)
+
+        def once() -> T:
+            conn = self.conn()
+            head = conn.request(call.method, call.path, headers, call.parts)
+            body = conn.read_body()
+            if head.status < 400:
+                return call.parse(body)
+            return _answer(call, head.status, body)
+        return self.retry.run(once, self.url, self.stats)
+
+    def get_kv(self, spec: KVSpec, parts: Sequence[Any], out: Any, pool: c.TensorPool | None) -> tuple[torch.Tensor, int]:
+        """``POST /v1/kv/get``: the KV of the longest stored prefix, received straight into the result."""
+        def once() -> tuple[torch.Tensor, int]:
+            conn = self.conn()
+            head = conn.request("POST", "/v1/kv/get", self.headers(KV_MEDIA), parts)
+            if head.status != 200:
+                raise error_from(head.status, conn.read_body())
+            n = int(head.headers.get(H_TOKENS, "-1"))
+            try:
+                _check_kv_head(spec, n, head.length)
+                kv = c.result_tensor(spec, n, out, pool)
+            except KVStoreError:
+                conn.close()  # the body is still on the wire
+                raise
+            if n:
+                conn.read_into(c.byte_view(kv))
+            else:
+                conn.read_body()
+            return kv, n
+        kv, n = self.retry.run(once, self.url, self.stats)
+        self.stats.http_gets += 1
+        self.stats.last_medium = "http"
+        return kv, n
+
+    def probe(self, nbytes: int) -> None:
+        """``GET /v1/probe``: ``nbytes`` of filler received into a reused buffer."""
+        def once() -> None:
+            conn = self.conn()
+            head = conn.request("GET", f"/v1/probe?bytes={int(nbytes)}", self.headers())
+            if head.status != 200:
+                raise error_from(head.status, conn.read_body())
+            if head.length:
+                buf = getattr(self._local, "probe_buf", None)
+                if buf is None or len(buf) < head.length:
+                    buf = self._local.probe_buf = bytearray(head.length)
+                conn.read_into(memoryview(buf)[:head.length])
+            else:
+                conn.read_body()
+        self.retry.run(once, self.url, self.stats)
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+
+
+class AsyncHttpTransport:
+    """HTTP to one server from an event loop: at most ``max_connections`` sockets, reused.
+
+    Plain ``http`` runs on the loop's own socket calls (no thread, no copy of a body);
+    ``https`` goes through httpx, which buffers each body whole (the loop's ``sock_*``
+    calls do not speak TLS). Arguments as ``HttpTransport``'s.
+    """
+
+    def __init__(self, url: str, token: str | None, namespace: str, *, timeout_s: float | None,
+                 connect_timeout_s: float, retry: RetryPolicy, stats: c.ClientStats, max_connections: int) -> None:
+        self.url = url
+        self.endpoint = Endpoint.parse(url)
+        self.token = token
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retry = retry
+        self.stats = stats
+        self._idle: list[AsyncConnection] = []
+        self._slots = asyncio.Semaphore(max_connections)
+        self._httpx: Any = None
+
+    def headers(self, content_type: str | None = None) -> dict[str, str]:
+        return c.headers_for(self.token, self.namespace, content_type)
+
+    async def _with_conn(self, use: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        async with self._slots:
+            conn = self._idle.pop() if self._idle else AsyncConnection(
+                self.endpoint, connect_timeout_s=self.connect_timeout_s, timeout_s=self.timeout_s)
+            try:
+                result = await use(conn)
+            except BaseException:
+                conn.close()
+                raise
+            self._idle.append(conn)
+            return result
+
+    async def _tls(self, method: str, path: str, parts: Sequence[Any], content_type: str | None) -> tuple[int, Any]:
+        """One request through httpx (``https``); a dropped connection reads as ``BrokenConnection``."""
+        import httpx  # only https needs it
+
+        if self._httpx is None:
+            self._httpx = httpx.AsyncClient(base_url=self.url,
+                                            timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s))
+        body = b"".join(bytes(memoryview(p).cast("B")) for p in parts) if parts else None
+        try:
+            resp = await self._httpx.request(method, path, content=body, headers=self.headers(content_type))
+        except httpx.TimeoutException as exc:
+            raise TimeoutError(str(exc)) from exc
+        except httpx.TransportError as exc:
+            raise BrokenConnection(str(exc)) from exc
+        return resp.status_code, resp
+
+    async def run(self, call: Call[T]) -> T:
+        """``HttpTransport.run``, awaited."""
+        if self.endpoint.tls:
+            async def tls_once() -> T:
+                status, resp = await self._tls(call.method, call.path, call.parts, call.content_type)
+                return _answer(call, status, resp.content)
+            return await self.retry.arun(tls_once, self.url, self.stats)
+
+        async def use(conn: AsyncConnection) -> T:
+            head = await conn.request(call.method, call.path, self.headers(call.content_type), call.parts)
+            return _answer(call, head.status, await conn.read_body())
+        return await self.retry.arun(lambda: self._with_conn(use), self.url, self.stats)
+
+    async def get_kv(self, spec: KVSpec, parts: Sequence[Any], out: Any,
+                     pool: c.TensorPool | None) -> tuple[torch.Tensor, int]:
+        """``HttpTransport.get_kv``, awaited."""
+        if self.endpoint.tls:
+            async def tls_once() -> tuple[torch.Tensor, int]:
+                status, resp = await self._tls("POST", "/v1/kv/get", parts, KV_MEDIA)
+                if status != 200:
+                    raise error_from(status, resp.content)
+                n = int(resp.headers.get(H_TOKENS, "-1"))
+                _check_kv_head(spec, n, len(resp.content))
+                kv = c.result_tensor(spec, n, out, pool)
+                c.byte_view(kv)[:] = resp.content
+                return kv, n
+            kv, n = await self.retry.arun(tls_once, self.url, self.stats)
+        else:
+            async def use(conn: AsyncConnection) -> tuple[torch.Tensor, int]:
+                head = await conn.request("POST", "/v1/kv/get", self.headers(KV_MEDIA), parts)
+                if head.status != 200:
+                    raise error_from(head.status, await conn.read_body())
+                n = int(head.headers.get(H_TOKENS, "-1"))
+                try:
+                    _check_kv_head(spec, n, head.length)
+                    kv = c.result_tensor(spec, n, out, pool)
+                except KVStoreError:
+                    conn.close()  # the body is still on the wire
+                    raise
+                if n:
+                    await conn.read_into(c.byte_view(kv))
+                else:
+                    await conn.read_body()
+                return kv, n
+            kv, n = await self.retry.arun(lambda: self._with_conn(use), self.url, self.stats)
+        self.stats.http_gets += 1
+        self.stats.last_medium = "http"
+        return kv, n
+
+    async def probe(self, nbytes: int) -> None:
+        """``GET /v1/probe``: ``nbytes`` of filler, read and dropped."""
+        await self.run(Call("GET", f"/v1/probe?bytes={int(nbytes)}", parse=lambda body: None))
+
+    async def aclose(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+        if self._httpx is not None:
+            await self._httpx.aclose()
