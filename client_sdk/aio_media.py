@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from client_sdk import _common as c
+from client_sdk.arena import Arena
 from client_sdk import calls
 from client_sdk.colocated import (Colocation, adrive, blocks_exist_flow, cached_get, get_blocks_into_flow, get_flow,
                                   put_blocks_flow, put_flow)
@@ -100,7 +101,7 @@ class AsyncShmPath:
         self.report = report
         self._lock = asyncio.Lock()
 
-    async def arena(self) -> c.Arena | None:
+    async def arena(self) -> Arena | None:
         """``ShmPath.arena``, awaited."""
         colo = self.colocation
         if colo.undecided:

@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable, Generator, Sequence, TypeVar
 import torch
 
 from client_sdk import _common as c
+from client_sdk.arena import Arena
 from client_sdk import calls
 from client_sdk.calls import Call
 from kvstore.errors import Forbidden, KVStoreError, ServiceError, TierFull
@@ -104,10 +105,10 @@ class Colocation:
     def __init__(self, url: str, colocated: bool | None) -> None:
         self.url = url
         self.colocated = colocated
-        self.arena: c.Arena | None = None
+        self.arena: Arena | None = None
         self.decided: str | None = None
         """"shm" or "http" once picked; None again after a restart retired the arena."""
-        self.retired: list[c.Arena] = []
+        self.retired: list[Arena] = []
 
     @property
     def undecided(self) -> bool:
@@ -128,7 +129,7 @@ class Colocation:
             reason = "the server runs on another host"
         else:
             try:
-                self.arena = c.Arena(offer["segment"], offer["staging_segment"])
+                self.arena = Arena(offer["segment"], offer["staging_segment"])
                 self.decided = "shm"
                 return "shm"
             except KVStoreError as exc:
@@ -138,11 +139,11 @@ class Colocation:
         self.decided = "http"
         return "http"
 
-    def current(self) -> c.Arena | None:
+    def current(self) -> Arena | None:
         """The mapped arena; None when shm is not used (or a restart retired it: pick again)."""
         return self.arena if self.decided == "shm" else None
 
-    def changed(self, arena: c.Arena, named: Any, which: str) -> bool:
+    def changed(self, arena: Arena, named: Any, which: str) -> bool:
         """True when the server named other segments than ``arena`` maps: it restarted, and what
         this client would write into (or read from) its old mapping is no longer the server's
         memory. The arena is retired and the next call maps the server's new one."""
@@ -170,7 +171,7 @@ class Colocation:
 # -- gets ------------------------------------------------------------------------------------
 
 
-def cached_get(arena: c.Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPool, out_views: c.OutViews,
+def cached_get(arena: Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPool, out_views: c.OutViews,
                namespace: str, stats: c.ClientStats) -> tuple[torch.Tensor, int] | None:
     """A get whose every block's slot is remembered, read with no request; None when one is
     not remembered or went stale (then ``get_flow`` asks the server)."""
@@ -189,7 +190,7 @@ def cached_get(arena: c.Arena, spec: KVSpec, toks: Any, out: Any, pool: c.Tensor
     return kv, len(cached) * bt
 
 
-def get_flow(colo: Colocation, arena: c.Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPool,
+def get_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPool,
              stats: c.ClientStats) -> Flow[tuple[torch.Tensor, int]]:
     """A co-located get: the server names the prefix's slots, each is copied out under its
     seqlock; blocks not in the arena come over HTTP in one batch."""
@@ -217,7 +218,7 @@ def get_flow(colo: Colocation, arena: c.Arena, spec: KVSpec, toks: Any, out: Any
     return kv, good * bt
 
 
-def frames_flow(arena: c.Arena, keys: Sequence[BlockHash], namespace: str) -> Flow[list[Any]]:
+def frames_flow(arena: Arena, keys: Sequence[BlockHash], namespace: str) -> Flow[list[Any]]:
     """Frames of ``keys``: from the arena where it holds them (this namespace's), the rest over HTTP."""
     frames: list[Any] = []
     for key in keys:
@@ -237,7 +238,7 @@ def frames_flow(arena: c.Arena, keys: Sequence[BlockHash], namespace: str) -> Fl
 # -- puts ------------------------------------------------------------------------------------
 
 
-def staged_flow(colo: Colocation, arena: c.Arena, nbytes: int, write: Callable[[dict], Copy],
+def staged_flow(colo: Colocation, arena: Arena, nbytes: int, write: Callable[[dict], Copy],
                 commit: Callable[[dict, Any], Call[T]], stats: c.ClientStats) -> Flow[T | None]:
     """A put through a staging lease of at least ``nbytes``: ``write(lease)`` (a ``Copy`` into
     the lease's range; its result is handed to ``commit``), then ``commit(lease, written)``
@@ -287,7 +288,7 @@ def _stored_tokens(body: bytes) -> int:
     return int(json.loads(body)["stored_tokens"])
 
 
-def put_flow(colo: Colocation, arena: c.Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
+def put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
              stats: c.ClientStats) -> Flow[int | None]:
     """A co-located put of ``kv`` (not empty) through a staging lease; None: go over HTTP instead."""
     nbytes = spec.bytes_per_token * int(kv.shape[3])
@@ -302,7 +303,7 @@ def put_flow(colo: Colocation, arena: c.Arena, spec: KVSpec, toks: Any, kv: torc
     return staged_flow(colo, arena, nbytes, write, commit, stats)
 
 
-def put_blocks_flow(colo: Colocation, arena: c.Arena | None, keys: list[BlockHash], offsets: list[int],
+def put_blocks_flow(colo: Colocation, arena: Arena | None, keys: list[BlockHash], offsets: list[int],
                     writer: c.BlockWriter, make_room: bool, stats: c.ClientStats) -> Flow[int]:
     """``put_blocks_with``: through a staging lease when co-located, else one HTTP batch."""
     if arena is not None:
@@ -334,7 +335,7 @@ def put_blocks_flow(colo: Colocation, arena: c.Arena | None, keys: list[BlockHas
 # -- blocks by key ------------------------------------------------------------------------------
 
 
-def blocks_exist_flow(colo: Colocation, arena: c.Arena | None, keys: Sequence[BlockHash]) -> Flow[list[bool]]:
+def blocks_exist_flow(colo: Colocation, arena: Arena | None, keys: Sequence[BlockHash]) -> Flow[list[bool]]:
     """Whether each key holds a block of this namespace. Co-located, remembered slots whose
     generation stands answer without a request, and the answer's slots are remembered."""
     hexes = calls.hexes(keys)
@@ -352,7 +353,7 @@ def blocks_exist_flow(colo: Colocation, arena: c.Arena | None, keys: Sequence[Bl
     return (yield calls.blocks_exist(keys))
 
 
-def get_blocks_into_flow(colo: Colocation, arena: c.Arena | None, keys: list[BlockHash], sink: c.BlockSink,
+def get_blocks_into_flow(colo: Colocation, arena: Arena | None, keys: list[BlockHash], sink: c.BlockSink,
                          namespace: str, stats: c.ClientStats, report: Callable[[], None]) -> Flow[list[bool]]:
     """``get_blocks_into``: remembered slots read with no request, the rest named by one
     ``/v1/blocks/handles`` request and read in place, what the arena lacks over HTTP."""

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from client_sdk import _common as c
-from client_sdk._common import _SRC  # the full get's verified-view slot: both paths share one check per handle
+from client_sdk.arena import Arena
+from client_sdk._common import VERIFIED_VIEW  # the full get's verified-view slot: both paths share one check per handle
 from client_sdk import calls
 from client_sdk._http import BrokenConnection, Connection
 from client_sdk.rest_media import ShmPath
@@ -233,7 +234,7 @@ _Sources = list["np.ndarray | None"]
 """Per block: its verified payload in the arena (copied a layer at a time), or None (already in place)."""
 
 
-def _prepare(arena: c.Arena, blocks: list[dict], spec: KVSpec, pool: c.TensorPool,
+def _prepare(arena: Arena, blocks: list[dict], spec: KVSpec, pool: c.TensorPool,
              stats: c.ClientStats) -> tuple[torch.Tensor, _Sources, list[int]]:
     """Check every block and place layer 0 (raw frames) or the whole block (others).
 
@@ -255,13 +256,13 @@ def _prepare(arena: c.Arena, blocks: list[dict], spec: KVSpec, pool: c.TensorPoo
     return kv, sources, missing
 
 
-def _place_first(arena: c.Arena, b: dict, spec: KVSpec, part: torch.Tensor, part_ints: np.ndarray | None,
+def _place_first(arena: Arena, b: dict, spec: KVSpec, part: torch.Tensor, part_ints: np.ndarray | None,
                  stats: c.ClientStats) -> "np.ndarray | bool":
     """One block: its raw payload view with layer 0 copied, True when decoded whole, False when missing."""
     h = b.get("handle")
     if h is None:
         return False
-    src = b.get(_SRC)
+    src = b.get(VERIFIED_VIEW)
     if src is not None:  # verified before (by this path or a full get): layer 0 under the seqlock
         if arena.reader.copy_current(h["index"], h["gen"], part_ints[0], src[0]):
             stats.shm_frames_copied += 1
@@ -290,17 +291,17 @@ def _place_first(arena: c.Arena, b: dict, spec: KVSpec, part: torch.Tensor, part
     except (FrameError, InvalidKV, KVStoreError):
         return False
     stats.shm_frames_verified += 1
-    b[_SRC] = src
+    b[VERIFIED_VIEW] = src
     return src
 
 
-def _shm_stream(http: HttpTransport, arena: c.Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
+def _shm_stream(http: HttpTransport, arena: Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
                 sources: _Sources) -> LayerStream:
     n = len(blocks) * spec.block_tokens
     return LayerStream(n, kv, _copy_layers(http, arena, blocks, spec, kv, sources) if n else iter(()), "shm")
 
 
-def _copy_layers(http: HttpTransport, arena: c.Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
+def _copy_layers(http: HttpTransport, arena: Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
                  sources: _Sources) -> Iterator[tuple[int, torch.Tensor]]:
     reader = arena.reader  # the arena the handles came from, even if the client has moved on since
     ints = int_view(kv)
@@ -317,7 +318,7 @@ def _copy_layers(http: HttpTransport, arena: c.Arena, blocks: list[dict], spec: 
         yield layer, kv[layer]
 
 
-def _refetch(http: HttpTransport, arena: c.Arena, block: dict, spec: KVSpec, rest: torch.Tensor,
+def _refetch(http: HttpTransport, arena: Arena, block: dict, spec: KVSpec, rest: torch.Tensor,
              layer: int) -> None:
     """Layers ``layer..`` of a block whose slot changed mid-stream, fetched again by key.
 

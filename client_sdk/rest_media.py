@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from client_sdk import _common as c
+from client_sdk.arena import Arena
 from client_sdk import calls
 from client_sdk.colocated import (Colocation, blocks_exist_flow, cached_get, drive, frames_flow, get_blocks_into_flow,
                                   get_flow, put_blocks_flow, put_flow)
@@ -95,7 +96,7 @@ class ShmPath:
         self.report = report
         self._lock = threading.Lock()
 
-    def arena(self) -> c.Arena | None:
+    def arena(self) -> Arena | None:
         """The mapped arena; None when the server is not on this host (or ``colocated=False``).
 
         Raises:

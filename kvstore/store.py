@@ -5,10 +5,18 @@ A sequence's KV is cut into full blocks of ``spec.block_tokens`` tokens; block
 stored block also vouches for every token before it and ``get_kv`` can return
 the longest stored prefix by walking the chain.
 
-Writes go to the first tier with room. Reads come from wherever the index says
+Writes go to the tier placement's admission picks and fall through to slower tiers
+when it is full. Reads come from wherever the index says
 the block is. A frame that fails to decode, or that the index says exists but
 the tier no longer has, is dropped and treated as a miss: the caller gets fewer
 tokens, never wrong KV.
+
+This module is one unit, longer than most: ``KVStore`` is the engine's whole
+public surface (the data calls, frames by key, placement, stats and lifecycle),
+so that what the engine offers reads in one file. Each call checks its input and
+then works through the parts that own the state: the index, tiers and counters
+are ``kvstore.core``'s, frames by key ``kvstore.frames``', moves the mover's,
+copies to the shared tier ``kvstore.shared``'s.
 """
 
 from __future__ import annotations

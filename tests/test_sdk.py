@@ -260,7 +260,7 @@ def test_async_block_and_admin_helpers(live, spec):
 
 
 def test_access_log_counts_repeats_and_splits_big_reports():
-    from client_sdk._common import AccessLog
+    from client_sdk.arena import AccessLog
 
     log = AccessLog(max_keys=4, max_age_s=3600)
     log.MAX_REPORT_KEYS = 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from client_sdk import Forbidden, KVClient, ServiceError
-from client_sdk._common import Arena
+from client_sdk.arena import Arena
 from kvstore.keys import block_hashes
 from tests.conftest import make_kv, make_spec
 from tests.server.conftest import ACME, TOKENS, make_store
