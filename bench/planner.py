@@ -58,7 +58,7 @@ TIE_FRAC = 0.10
 LEARN_MAX_S = 10.0
 WINDOW_S = 0.5
 """The bench policy's switch window: each point then reaches a steady state within about a second.
-The 5 s default's behaviour is what tests/test_planner.py's phase test checks."""
+The 5 s default's behaviour is what tests/kvstore/test_planner.py's phase test checks."""
 TARGETS = {"agreement": 0.95, "median_abs_error": 0.25}
 
 

@@ -24,7 +24,7 @@ slower on this machine (0.2 GB/s against ~2 GB/s).
 This module is one unit, longer than most: it is the frame format. The header
 layout, the encoders and the decoders read and write the same offsets and flags,
 and keeping them in one file is what lets a change to the format be checked
-whole (``tests/test_codec.py`` round-trips and damages every codec).
+whole (``tests/kvstore/test_codec.py`` round-trips and damages every codec).
 """
 
 from __future__ import annotations

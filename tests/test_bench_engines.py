@@ -1,5 +1,5 @@
 """``kvstore bench engines``' figures: ratios, targets and the rendered page, from synthetic rows
-(SGLang and LMCache themselves run in tests/test_sglang.py, tests/test_lmcache_l2.py and the bench)."""
+(SGLang and LMCache themselves run in tests/kvstore/integrations/test_sglang.py, tests/kvstore/integrations/test_lmcache_l2.py and the bench)."""
 
 from __future__ import annotations
 

