@@ -3,8 +3,8 @@
 When a server keeps blocks in Redis (the scale-out tier several kvstore nodes
 share), a client that can reach that Redis skips the server's copy: it asks
 the server where the blocks live (one small lookup), then reads the Redis
-ones itself with the tier's own reader (``tiers.redis.RedisTier``, pipelined,
-chunk-aware). Blocks in other tiers come over HTTP.
+ones itself with the reader the tier reads with (``kvstore.wire.redis.read_frames``,
+pipelined, chunk-aware: the layout is defined once). Blocks in other tiers come over HTTP.
 
 The server never hands out Redis credentials: it offers only the keyspace
 (``/v1/info`` ``media.redis``); the client brings its own ``redis_url``. Reads
@@ -19,15 +19,17 @@ from typing import Any, Sequence
 
 import redis
 import torch
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from client_sdk import _common as c
 from client_sdk import calls
 from client_sdk.media import Medium, decode_prefix
 from client_sdk.transport import HttpTransport
-from kvstore.errors import TierUnavailable
+from kvstore.errors import TierIOError, TierUnavailable
 from kvstore.keys import BlockHash, check_key, from_hex
 from kvstore.spec import KVSpec
-from tiers.redis import RedisTier
+from kvstore.wire.redis import Read, connect_options, frame_key, read_frames
 
 
 __all__ = ["RedisDirectMedium"]
@@ -52,12 +54,21 @@ class RedisDirectMedium(Medium):
         self.http = http
         self.namespace = http.namespace
         self.tier_name = tier
-        self.tier = RedisTier(redis_url, 1 << 62, keyspace=keyspace)
+        self.keyspace = keyspace
+        self._cluster, self._url, self._options = connect_options(redis_url, 2.0, 1.0)
+        self._client: Any = None
         self._probe_key = f"kv:{keyspace}:probe:{os.urandom(8).hex()}"
         self._probe_len = 0
 
     def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
-        frames = self.tier.get_many([check_key(k) for k in keys])
+        reads = [Read(frame_key(self.keyspace, check_key(k))) for k in keys]
+        try:
+            read_frames(self._connect(), reads, 1, self._cluster)
+        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
+            raise TierUnavailable(f"redis medium: {exc}", tier=self.tier_name) from exc
+        except redis.RedisError as exc:
+            raise TierIOError(f"redis medium: {exc}", tier=self.tier_name) from exc
+        frames = [read.result() for read in reads]
         return [f if f is not None and c.frame_in_namespace(f, self.namespace) else None for f in frames]
 
     def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
@@ -90,7 +101,7 @@ class RedisDirectMedium(Medium):
         ``kv:<keyspace>:probe:<random>``, expiring in a minute; it is set again when it expired.
         """
         try:
-            client = self.tier.connect()
+            client = self._connect()
             if nbytes == 0:
                 client.ping()
                 return
@@ -99,8 +110,15 @@ class RedisDirectMedium(Medium):
                 self._probe_len = nbytes
                 if client.get(self._probe_key) is None:
                     raise TierUnavailable("redis probe value vanished right after it was set")
-        except redis.RedisError as exc:
+        except (redis.RedisError, RedisClusterException) as exc:
             raise TierUnavailable(f"redis probe failed: {exc}") from exc
 
+    def _connect(self) -> Any:
+        """The redis-py client, connected on first use (a cluster client learns the slot map then)."""
+        if self._client is None:
+            self._client = (RedisCluster if self._cluster else redis.Redis).from_url(self._url, **self._options)
+        return self._client
+
     def close(self) -> None:
-        self.tier.close()
+        if self._client is not None:
+            self._client.close()

@@ -87,11 +87,8 @@ LAYERS = {
     "facade": (("kvstore",), ("foundation", "engine")),
 }
 
-EXCEPTIONS = {
-    # The ``redis`` medium reads the shared Redis tier's frames with that tier's own chunk-aware
-    # reader rather than a second copy of its layout (to become a wire module: issue 22, step 3).
-    ("client_sdk.redis_direct", "tiers.redis"),
-}
+EXCEPTIONS: set[tuple[str, str]] = set()
+"""Edges against the direction, each with its reason (none: keep it that way)."""
 
 PENDING_CYCLES: list[set[str]] = []
 """Cycles known and scheduled to go (none left: keep it that way)."""

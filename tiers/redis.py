@@ -9,8 +9,9 @@ them; a delete is one script. Reads take the manifest and chunks inside MULTI/EX
 frame read in two transactions is kept only if both saw the same version.
 
 Copies: writes send the caller's memory as it is (no packing copy); reads land each
-chunk straight from the socket in one buffer, the caller's for ``get_into`` (see
-``redis_wire``).
+chunk straight from the socket in one buffer, the caller's for ``get_into``. The
+layout and the read path live in ``kvstore.wire.redis``, which the SDK's ``redis``
+medium reads with too.
 
 URLs: ``redis://``, ``rediss://``, ``unix://`` name one server (redis-py's form);
 ``redis+cluster://host:port`` (or ``rediss+cluster://``) a cluster, through any node.
@@ -21,28 +22,24 @@ replies become ``TierFull``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, Sequence
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import (ClusterDownError, InvalidResponse, NoScriptError, OutOfMemoryError,
-                              RedisClusterException, RedisError, ResponseError, TryAgainError)
-from redis.retry import Retry
+from redis.exceptions import (ClusterDownError, NoScriptError, OutOfMemoryError, RedisClusterException, RedisError,
+                              ResponseError, TryAgainError)
 
 from kvstore.errors import (InvalidInput, StoreClosed, TierError, TierFull, TierIOError,
                             TierUnavailable)
-from kvstore.keys import BlockHash, check_key, to_hex
+from kvstore.keys import BlockHash, check_key
 from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats
-from tiers.redis_lua import DELETE, PUBLISH, RESERVE, frame_of
-from tiers.redis_wire import CONNECTIONS, Read, Wire, writable
+from kvstore.wire.redis import KEYSPACE, Read, connect_options, frame_key, frame_of, read_frames, redact, writable
+from tiers.redis_lua import DELETE, PUBLISH, RESERVE
 
 __all__ = ["RedisTier", "CHUNK_BYTES"]
 
@@ -62,13 +59,8 @@ big: with MALLOC_MMAP_THRESHOLD_=256MiB raw moved 1.38/1.54.
 
 _COPY_BELOW_BYTES = 6000  # redis-py sends each view with its own syscall; below this a copy is cheaper
 _STAGE_TTL_MS = 60_000  # a staged chunk outlives any live writer, not a dead one
-_READ_TRIES = 4  # transactions per read before a frame rewritten under us counts as a miss
 _CAS_TRIES = 8  # cluster publishes lost to concurrent writers before giving up
-_KEYSPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")  # no ':', '{' or glob characters
 _HEX_KEY = re.compile(r"^[0-9a-f]{64}$")
-_NOT_A_LOST_NODE = (redis.AuthenticationError, redis.exceptions.AuthorizationError,
-                    redis.exceptions.MaxConnectionsError, redis.BusyLoadingError)
-"""Connection errors that say the node is there: a fresh slot map would not help."""
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError,
                 RedisClusterException)
 _UNAVAILABLE_REPLIES = ("LOADING", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN")  # as Wire sees them
@@ -82,16 +74,6 @@ def _byte_view(frame: Buffer) -> memoryview:
         return view.cast("B")
     except TypeError:  # not C-contiguous: one copy
         return memoryview(view.tobytes())
-
-
-def _redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
-    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)])
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 @dataclass(slots=True)
@@ -130,24 +112,12 @@ class RedisTier(Tier):
         for what, value in (("capacity_bytes", capacity_bytes), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidInput(f"{what} must be a positive int, got {value!r}")
-        if not isinstance(keyspace, str) or not _KEYSPACE.fullmatch(keyspace):
+        if not isinstance(keyspace, str) or not KEYSPACE.fullmatch(keyspace):
             raise InvalidInput(f"keyspace must be 1-128 characters of [A-Za-z0-9._-], got {keyspace!r}")
-        scheme, sep, rest = str(url).partition("://")
-        if not sep or scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
-            raise InvalidInput(f"not a redis:// or redis+cluster:// URL: {_redact(str(url))!r}")
+        self._cluster, self._url, self._options = connect_options(url, socket_timeout_s, connect_timeout_s)
         self.name, self.capacity_bytes = name, capacity_bytes
         self.keyspace, self.chunk_bytes = keyspace, chunk_bytes
-        self._cluster = scheme.endswith("+cluster")
-        self._url = f"{scheme.partition('+')[0]}://{rest}"
-        self._shown_url = _redact(url)
-        self._options = dict(
-            socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
-            connection_class=CONNECTIONS[scheme.partition("+")[0]],
-            # One quick retry lets a pooled connection that died with a restarted server
-            # reconnect; none on timeouts, which would double a hung server's stall.
-            retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1,
-                        supported_errors=(redis.ConnectionError,)),
-        )
+        self._shown_url = redact(url)
         self._prefix = f"kv:{keyspace}:"
         self._acct = f"kv:{{{keyspace}}}:acct"
         self._client: Any = None
@@ -416,67 +386,14 @@ class RedisTier(Tier):
     # -- reading and deleting -----------------------------------------------------------
 
     def _read(self, r: Any, reads: list[Read]) -> None:
-        """Land each frame: one round trip per node and try, each frame in its own MULTI."""
-        first = self._read_hint if len(reads) == 1 else 1  # batches: one miss, not many
-        for attempt in range(_READ_TRIES):
-            todo = [read for read in reads if not read.done]
-            if not todo:
-                break
-            try:
-                for pool, group in self._pools(r, todo).items():
-                    self._fetch(pool, group, first)
-            except (ResponseError, redis.ConnectionError) as exc:
-                moved = str(exc).startswith(("MOVED", "ASK"))
-                # A lost master (refused connection): its replica serves its slots once the cluster
-                # has failed over, so ask again on a fresh map and a finished failover is latency.
-                # Not a refusal on its merits (auth, no connections left, still loading).
-                lost = isinstance(exc, redis.ConnectionError) and not isinstance(exc, _NOT_A_LOST_NODE)
-                if not self._cluster or not (moved or lost):
-                    raise
-                with contextlib.suppress(RedisError, RedisClusterException):
-                    r.nodes_manager.initialize()  # a slot moved, or a master failed over
-                if lost and attempt == _READ_TRIES - 1:
-                    raise
+        """Land each frame (``kvstore.wire.redis.read_frames``), then count what went wrong and
+        remember how many chunks a frame had, for the next lone get."""
+        read_frames(r, reads, self._read_hint if len(reads) == 1 else 1, self._cluster)  # batches: one miss
         for read in reads:
             if read.bad:
                 self._count(errors=1)  # a chunk gone behind the tier's back (eviction, FLUSH)
             elif read.done and read.manifest is not None:
                 self._read_hint = max(1, frame_of(read.manifest)[0])
-        # A read not done by now saw a new version on every try: a miss this time.
-
-    def _pools(self, r: Any, reads: list[Read]) -> dict[Any, list[Read]]:
-        if not self._cluster:
-            return {r.connection_pool: reads}
-        pools: dict[Any, list[Read]] = {}
-        for read in reads:
-            node = r.get_redis_connection(r.get_node_from_key(read.mkey))
-            pools.setdefault(node.connection_pool, []).append(read)
-        return pools
-
-    @staticmethod
-    def _fetch(pool: Any, reads: list[Read], first: int) -> None:
-        """Send MULTI, GET manifest, GET chunks, EXEC per frame; land the replies."""
-        spans = [range(read.got, frame_of(read.manifest)[0] if read.manifest else first)
-                 for read in reads]
-        commands: list[tuple[str, ...]] = []
-        for read, span in zip(reads, spans):
-            commands += [("MULTI",), ("GET", read.mkey),
-                         *(("GET", f"{read.mkey}:{i}") for i in span), ("EXEC",)]
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(conn.pack_commands(commands))
-            wire = Wire(conn._sock)  # noqa: SLF001 - see Wire
-            for read, span in zip(reads, spans):
-                for _ in range(len(span) + 3):  # +OK, +QUEUED per GET, the EXEC array header
-                    wire.line()
-                read.land(wire, span)
-            if wire.buf:
-                raise InvalidResponse("bytes after the last reply")
-        except BaseException:
-            conn.disconnect()  # replies may be half read: this connection is done
-            raise
-        finally:
-            pool.release(conn)
 
     def _delete_cas(self, r: Any, mkey: str) -> bool:
         """Cluster: drop the frame on its slot, then give its bytes back to the accounting."""
@@ -489,7 +406,7 @@ class RedisTier(Tier):
     # -- plumbing -----------------------------------------------------------------------
 
     def _mkey(self, key: BlockHash) -> str:
-        return f"{self._prefix}{{{to_hex(key)}}}"
+        return frame_key(self.keyspace, key)
 
     def connect(self) -> Any:
         """The redis-py client of this tier (connected on first use; the SDK's redis medium reads with it).

@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 from redis.exceptions import NoScriptError
 
+from kvstore.wire.redis import frame_of
+
 __all__ = ["Script", "LUA_FRAME_OF", "PUBLISH", "DELETE", "RESERVE", "frame_of"]
 
 
@@ -123,11 +125,3 @@ redis.call('HINCRBY', KEYS[1], 'used', d)
 redis.call('HINCRBY', KEYS[1], 'entries', ARGV[2])
 return 1
 """)
-
-
-def frame_of(manifest: bytes | None) -> tuple[int, int]:
-    """(nchunks, length) of a manifest; (0, 0) for none."""
-    if manifest is None:
-        return 0, 0
-    _, n, length = manifest.split(b":")
-    return int(n), int(length)

@@ -1,5 +1,10 @@
-"""Zero-copy I/O for the Redis tier: values sent from the caller's memory, replies landed
-straight in the destination buffer.
+"""The Redis layout of kvstore frames, and zero-copy I/O to it: values sent from the caller's
+memory, replies landed straight in the destination buffer.
+
+Every kvstore node sharing a Redis keyspace writes frames the same way (``tiers.redis``:
+a manifest ``<keyspace>:{<hex key>}`` naming the frame's chunks, the chunks beside it), and
+the SDK's ``redis`` medium reads them directly; both read with ``read_frames`` here, so
+the layout is defined once and neither side imports the other.
 
 Why: redis-py with hiredis copies every value twice on the way out (``bytes(view)``, then
 into one packed buffer) and, on the way in, hands a reply over through three copies (its
@@ -15,20 +20,75 @@ whenever a read fails half way.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.connection import (Connection, Encoder, PythonRespSerializer, SSLConnection,
                               UnixDomainSocketConnection)
-from redis.exceptions import InvalidResponse, ResponseError
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import InvalidResponse, RedisClusterException, RedisError, ResponseError
+from redis.retry import Retry
 
 from kvstore.errors import InvalidInput
+from kvstore.keys import BlockHash, to_hex
 from kvstore.tier import Buffer
-from tiers.redis_lua import frame_of
 
-__all__ = ["ZeroCopy", "CONNECTIONS", "Wire", "Read", "writable"]
+__all__ = ["ZeroCopy", "CONNECTIONS", "Wire", "Read", "writable", "frame_of", "frame_key", "connect_options",
+           "read_frames", "redact", "KEYSPACE", "READ_TRIES"]
+
+KEYSPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")  # no ':', '{' or glob characters
+READ_TRIES = 4  # transactions per read before a frame rewritten under us counts as a miss
+_NOT_A_LOST_NODE = (redis.AuthenticationError, redis.exceptions.AuthorizationError,
+                    redis.exceptions.MaxConnectionsError, redis.BusyLoadingError)
+"""Connection errors that say the node is there: a fresh slot map would not help."""
+
+
+def frame_of(manifest: bytes | None) -> tuple[int, int]:
+    """(nchunks, length) of a manifest; (0, 0) for none."""
+    if manifest is None:
+        return 0, 0
+    _, n, length = manifest.split(b":")
+    return int(n), int(length)
+
+
+def frame_key(keyspace: str, key: BlockHash) -> str:
+    """The manifest's key of ``key``'s frame in ``keyspace`` (its chunks are ``<that>:<i>``)."""
+    return f"kv:{keyspace}:{{{to_hex(key)}}}"
+
+
+def connect_options(url: str, socket_timeout_s: float, connect_timeout_s: float) -> tuple[bool, str, dict[str, Any]]:
+    """``(cluster, url, options)`` for redis-py's ``from_url`` of a ``redis://``, ``rediss://``,
+    ``unix://`` or ``redis+cluster://`` URL: zero-copy connections, the timeouts, one quick retry.
+
+    Raises:
+        InvalidInput: another scheme.
+    """
+    scheme, sep, rest = str(url).partition("://")
+    if not sep or scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+        raise InvalidInput(f"not a redis:// or redis+cluster:// URL: {redact(str(url))!r}")
+    options = dict(
+        socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
+        connection_class=CONNECTIONS[scheme.partition("+")[0]],
+        # One quick retry lets a pooled connection that died with a restarted server
+        # reconnect; none on timeouts, which would double a hung server's stall.
+        retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1, supported_errors=(redis.ConnectionError,)),
+    )
+    return scheme.endswith("+cluster"), f"{scheme.partition('+')[0]}://{rest}", options
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)])
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 class ZeroCopy:
@@ -182,3 +242,69 @@ class Read:
         if self.out is not None:
             return self.filled
         return self.frame if self.frame is not None else bytearray()
+
+
+def read_frames(r: Any, reads: list[Read], first: int, cluster: bool) -> None:
+    """Land each frame: one round trip per node and try, each frame in its own MULTI.
+
+    Args:
+        r: a redis-py client (``Redis``, or ``RedisCluster`` when ``cluster``).
+        first: chunks to ask for when a frame's manifest is not known yet.
+
+    A read not done after ``READ_TRIES`` saw a new version on every try: a miss this time.
+
+    Raises:
+        redis-py errors (the caller translates them).
+    """
+    for attempt in range(READ_TRIES):
+        todo = [read for read in reads if not read.done]
+        if not todo:
+            break
+        try:
+            for pool, group in _pools(r, todo, cluster).items():
+                _fetch(pool, group, first)
+        except (ResponseError, redis.ConnectionError) as exc:
+            moved = str(exc).startswith(("MOVED", "ASK"))
+            # A lost master (refused connection): its replica serves its slots once the cluster
+            # has failed over, so ask again on a fresh map and a finished failover is latency.
+            # Not a refusal on its merits (auth, no connections left, still loading).
+            lost = isinstance(exc, redis.ConnectionError) and not isinstance(exc, _NOT_A_LOST_NODE)
+            if not cluster or not (moved or lost):
+                raise
+            with contextlib.suppress(RedisError, RedisClusterException):
+                r.nodes_manager.initialize()  # a slot moved, or a master failed over
+            if lost and attempt == READ_TRIES - 1:
+                raise
+
+
+def _pools(r: Any, reads: list[Read], cluster: bool) -> dict[Any, list[Read]]:
+    if not cluster:
+        return {r.connection_pool: reads}
+    pools: dict[Any, list[Read]] = {}
+    for read in reads:
+        node = r.get_redis_connection(r.get_node_from_key(read.mkey))
+        pools.setdefault(node.connection_pool, []).append(read)
+    return pools
+
+
+def _fetch(pool: Any, reads: list[Read], first: int) -> None:
+    """Send MULTI, GET manifest, GET chunks, EXEC per frame; land the replies."""
+    spans = [range(read.got, frame_of(read.manifest)[0] if read.manifest else first) for read in reads]
+    commands: list[tuple[str, ...]] = []
+    for read, span in zip(reads, spans):
+        commands += [("MULTI",), ("GET", read.mkey), *(("GET", f"{read.mkey}:{i}") for i in span), ("EXEC",)]
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command(conn.pack_commands(commands))
+        wire = Wire(conn._sock)  # noqa: SLF001 - redis-py's socket: see this module's docstring
+        for read, span in zip(reads, spans):
+            for _ in range(len(span) + 3):  # +OK, +QUEUED per GET, the EXEC array header
+                wire.line()
+            read.land(wire, span)
+        if wire.buf:
+            raise InvalidResponse("bytes after the last reply")
+    except BaseException:
+        conn.disconnect()  # replies may be half read: this connection is done
+        raise
+    finally:
+        pool.release(conn)
