@@ -8,8 +8,9 @@ path reuses memory instead. Two kinds, by who holds a buffer:
   the length of a call (the codec's work area, the store's frame buffer, a
   tier's staging). No lock; never outlives the call that asked.
 - ``BufferPool``: buffers handed out and given back later, maybe by another
-  thread (a server's request bodies, the SDK's results), bounded by
-  ``keep_bytes`` of idle memory.
+  thread, bounded by ``keep_bytes`` of idle memory: a server's request bodies,
+  and the SDK's results (``client_sdk._common.TensorPool`` lends its buffers as
+  tensors and takes each back when the last tensor viewing it is gone).
 """
 
 from __future__ import annotations
@@ -59,33 +60,50 @@ class Scratch(Generic[B]):
         self._local.buf = None
 
 
-class BufferPool:
-    """Byte buffers lent out and given back, with at most ``keep_bytes`` of idle ones kept.
+class BufferPool(Generic[B]):
+    """Buffers lent out and given back, with at most ``keep_bytes`` of idle ones kept.
 
     ``acquire`` hands out the smallest idle buffer that fits (a fresh one if none does);
-    ``release`` takes one back and, over ``keep_bytes``, drops the largest idle ones first.
+    ``release`` takes one back and, over ``keep_bytes``, drops idle ones until it is not.
+    A buffer's size is ``len(buffer)``: bytes for a ``bytearray`` or a 1-D uint8 array.
 
     Args:
         keep_bytes: the most idle bytes kept for reuse.
+        alloc: makes a buffer of at least n bytes (default ``bytearray``, at least a page).
+        max_slack: a buffer fits a request of n bytes only up to ``2 * n + max_slack`` bytes
+            (None: any buffer at least n fits), so a small result does not pin a big buffer.
+        drop_smallest: over ``keep_bytes``, drop the smallest idle buffers first (they fault
+            least when made again); by default the largest go first (they hold the most memory).
     """
 
-    def __init__(self, keep_bytes: int = 512 << 20) -> None:
+    def __init__(self, keep_bytes: int = 512 << 20, *, alloc: Callable[[int], B] | None = None,
+                 max_slack: int | None = None, drop_smallest: bool = False) -> None:
         self.keep_bytes = keep_bytes
-        self._free: list[bytearray] = []
+        self._alloc = alloc if alloc is not None else _page_bytearray
+        self._max_slack = max_slack
+        self._drop_smallest = drop_smallest
+        self._free: list[B] = []
         self._lock = threading.Lock()
 
-    def acquire(self, nbytes: int) -> bytearray:
+    def acquire(self, nbytes: int) -> B:
+        top = None if self._max_slack is None else 2 * nbytes + self._max_slack
         with self._lock:
-            fits = [b for b in self._free if len(b) >= nbytes]
-            if fits:
-                best = min(fits, key=len)
-                self._free.remove(best)
-                return best
-        return bytearray(max(nbytes, 4096))
+            best = -1
+            for i, b in enumerate(self._free):  # by index: list.remove would compare arrays element-wise
+                n = len(b)
+                if nbytes <= n and (top is None or n <= top) and (best < 0 or n < len(self._free[best])):
+                    best = i
+            if best >= 0:
+                return self._free.pop(best)
+        return self._alloc(nbytes)
 
-    def release(self, buf: bytearray) -> None:
+    def release(self, buf: B) -> None:
         with self._lock:
             self._free.append(buf)
             self._free.sort(key=len)
             while self._free and sum(map(len, self._free)) > self.keep_bytes:
-                self._free.pop()  # drop the largest first
+                self._free.pop(0 if self._drop_smallest else -1)
+
+
+def _page_bytearray(nbytes: int) -> bytearray:
+    return bytearray(max(nbytes, 4096))

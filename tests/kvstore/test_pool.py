@@ -172,3 +172,25 @@ def test_buffer_pool_lends_the_smallest_fit_and_keeps_at_most_keep_bytes():
     pool.release(small)
     pool.release(bytearray(2 << 20))  # 5 MiB idle: the largest go first
     assert sum(len(b) for b in [pool.acquire(1), pool.acquire(1)]) <= 3 << 20
+
+
+def test_a_bounded_pool_lends_no_buffer_over_twice_the_request_and_keeps_the_big_ones():
+    import numpy as np
+
+    from kvstore.memory.buffers import BufferPool
+
+    made: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        made.append(n)
+        return np.empty(n, np.uint8)
+
+    pool = BufferPool(3 << 20, alloc=alloc, max_slack=0, drop_smallest=True)
+    big = pool.acquire(2 << 20)
+    pool.release(big)
+    assert pool.acquire(1 << 19) is not big  # 2 MiB for 512 KiB is past twice: a fresh one
+    assert pool.acquire(1 << 20) is big  # 2 MiB for 1 MiB fits
+    pool.release(big)
+    pool.release(np.empty(1 << 20, np.uint8))
+    pool.release(np.empty(1 << 19, np.uint8))  # 3.5 MiB idle: the smallest goes
+    assert sorted(len(pool.acquire(1 << 20)) for _ in range(2)) == [1 << 20, 2 << 20]
