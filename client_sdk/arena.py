@@ -163,8 +163,9 @@ class AccessLog:
                 self._since = time.monotonic()
 
     def due(self) -> bool:
-        return self._since is not None and (self._reads >= self.max_keys
-                                            or time.monotonic() - self._since >= self.max_age_s)
+        # One read of _since: the reporter thread's drain() may set it to None in between.
+        since = self._since
+        return since is not None and (self._reads >= self.max_keys or time.monotonic() - since >= self.max_age_s)
 
     MAX_REPORT_KEYS = MAX_TOUCH_KEYS
     """The most keys one report carries (the server's limit); more wait for the next report."""
