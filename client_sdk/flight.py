@@ -5,25 +5,6 @@ A server started with ``KVSTORE_FLIGHT_PORT`` runs an Arrow Flight server
 client connects to the same host as the REST url. The wire contract
 (schemas, tickets, error details) is ``kvstore.wire.flight``, which the server
 imports too; this module is ``FlightMedium``, the client.
-
-Wire contract (every ticket and command is a JSON object):
-
-- ``do_get`` ticket ``{"keys": [hex, ...], "codec": null | "raw" | "int8"}``, at
-  most ``MAX_TICKET_KEYS`` keys: record batches of ``FRAMES_SCHEMA``, one row a
-  key in ticket order, ``frame`` null for a key absent from the namespace.
-- ``do_get`` ticket ``{"op": "layers", "spec": KVSpec.to_dict(), "tokens": [int]}``:
-  the KV of the longest stored prefix, one record batch of ``LAYER_SCHEMA`` a
-  layer (``[2, H, n, D]`` bytes); the schema metadata holds ``tokens`` (n),
-  ``shape`` and ``dtype``.
-- ``do_get`` ticket ``{"op": "probe", "bytes": n}``: n bytes of filler (at most
-  ``MAX_PROBE_BYTES``) as ``FRAMES_SCHEMA`` batches, for the planner's estimates.
-- ``do_put`` with command ``{"op": "frames"}`` and batches of ``FRAMES_SCHEMA``:
-  the PutResult metadata is ``{"stored": n}``.
-
-Calls carry ``authorization: Bearer <token>`` and ``x-kv-namespace``, as REST
-requests do. A refused call is a Flight error whose ``extra_info`` is the REST
-error body plus its status (``error_detail``), so the SDK raises the same typed
-error either way.
 """
 
 from __future__ import annotations
@@ -101,16 +82,6 @@ class FlightMedium(Medium):
                                 status=404)
         return cls(url, offer["port"], token, namespace, **kwargs)
 
-    @classmethod
-    def for_client(cls, client: Any, offer: Mapping[str, Any], **kwargs: Any) -> "FlightMedium":
-        """The medium beside a ``KVClient``: its host, token, namespace and timeout, and the
-        port of ``offer`` (``/v1/info``'s ``media.flight``).
-
-        Raises:
-            RouteNotFound: ``offer`` names no port.
-        """
-        kwargs.setdefault("timeout_s", client.timeout_s)
-        return cls.from_info(client.url, {"media": {"flight": offer}}, client.token, client.namespace, **kwargs)
 
     def _netloc(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
