@@ -6,8 +6,10 @@
     kv2, n2 = client.get_kv(spec, tokens)
 
 Both pick shared memory when the server runs on this host and HTTP otherwise
-(``colocated=False`` forces HTTP). Errors are ``kvstore.errors`` classes, the
-service ones (``Unauthorized``, ``Forbidden``, ``QuotaExceeded``, ``PayloadTooLarge``,
+(``colocated=False`` forces HTTP). ``put_kv(..., wait=False)`` returns a
+``PutHandle`` (``AsyncPutHandle``) once the KV is copied aside; ``flush()`` waits
+for those puts, and a failed one is raised once more as ``PutFailed``.
+Errors are ``kvstore.errors`` classes, the service ones (``Unauthorized``, ``Forbidden``, ``QuotaExceeded``, ``PayloadTooLarge``,
 ``MalformedRequest``, ``ConnectionFailed``...) re-exported here.
 It imports ``kvstore.spec``, ``keys``, ``codec``, ``errors`` and ``memory.shm`` (the
 arena reader for the co-located path), never the tiers or the store.
@@ -15,12 +17,16 @@ arena reader for the co-located path), never the tiers or the store.
 
 from client_sdk.aio import AsyncKVClient
 from client_sdk.client import KVClient
-from kvstore.errors import (BodyTimeout, ConnectionFailed, Forbidden, MalformedRequest, PayloadTooLarge,
-                            QuotaExceeded, RequestTimeout, RouteNotFound, ServiceError, Unauthorized)
+from client_sdk.pending import AsyncPutHandle, PutHandle
+from kvstore.errors import (BodyTimeout, ConnectionFailed, Forbidden, MalformedRequest, PayloadTooLarge, PutFailed,
+                            QuotaExceeded, RequestTimeout, RouteNotFound, ServerBusy, ServiceError,
+                            Unauthorized)
 
 __all__ = [
     "KVClient",
     "AsyncKVClient",
+    "PutHandle",
+    "AsyncPutHandle",
     "ServiceError",
     "Unauthorized",
     "Forbidden",
@@ -31,4 +37,6 @@ __all__ = [
     "ConnectionFailed",
     "RequestTimeout",
     "BodyTimeout",
+    "ServerBusy",
+    "PutFailed",
 ]

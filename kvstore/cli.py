@@ -154,6 +154,9 @@ def _serve_parser(sub: Any) -> None:
     for name in ("memory", "device", "shm", "cxl", "nvme", "redis"):
         flag(f"--{name}-bytes", default=None, help=f"{name} tier capacity, e.g. 1GiB (KVSTORE_{name.upper()}_BYTES)")
     flag("--max-body-bytes", default=None, help="request body limit; more gets 413 (KVSTORE_MAX_BODY_BYTES)")
+    flag("--max-inflight-bytes", default=None,
+         help="memory all request bodies in flight may hold; past it 503 (KVSTORE_MAX_INFLIGHT_BYTES; "
+              "default a quarter of RAM, 1-16 GiB)")
     flag("--no-colocated", action="store_true", help="do not offer the shared-memory path (KVSTORE_COLOCATED=0)")
     flag("--flight-port", type=int, default=None,
          help="also serve Arrow Flight on this port, 0 for a free one (KVSTORE_FLIGHT_PORT; default: none)")
@@ -376,7 +379,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         settings = ServerSettings.from_env(
             host=args.host, port=args.port, tokens_file=args.tokens_file, admin_token=args.admin_token,
-            tier_codecs=args.tier_codecs, max_body_bytes=args.max_body_bytes, log_level=args.log_level,
+            tier_codecs=args.tier_codecs, max_body_bytes=args.max_body_bytes,
+            max_inflight_bytes=args.max_inflight_bytes, log_level=args.log_level,
             colocated=False if args.no_colocated else None, flight_port=args.flight_port,
             lmcache_port=args.lmcache_port)
     except KVStoreError as exc:

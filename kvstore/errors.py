@@ -22,10 +22,13 @@ SDK maps the status back to the same class (``kvstore.wire.errors``).
     │   └── TierIOError (OSError)            the backing reported an I/O error
     ├── StoreClosed (RuntimeError)           the store was used after close()
     ├── NotDurable                           a put asked to be durable sits (partly) on volatile tiers
+    ├── PutFailed                            a put_kv(wait=False) failed (its error is the cause);
+    │                                        the client's next put_kv or flush() says so
     └── ServiceError                         the server answered with an error (status kept)
         ├── Unauthorized (PermissionError)   no bearer token, or an unknown one (401)
         ├── Forbidden (PermissionError)      another tenant's namespace, or /admin (403)
         ├── BodyTimeout (TimeoutError)       a request body stalled (408)
+        ├── ServerBusy                       bodies in flight hold the server's memory cap (503)
         ├── QuotaExceeded                    the tenant's byte quota (507)
         ├── RouteNotFound                    no such route or method (404/405)
         ├── ConnectionFailed (ConnectionError)  the SDK could not reach the server
@@ -61,10 +64,10 @@ __all__ = [
 ]
 
 SERVICE_ERRORS = [
-    "ServiceError", "Unauthorized", "Forbidden", "MalformedRequest", "BodyTimeout", "PayloadTooLarge",
-    "QuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout",
+    "ServiceError", "Unauthorized", "Forbidden", "MalformedRequest", "BodyTimeout", "ServerBusy", "PayloadTooLarge",
+    "QuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout", "PutFailed",
 ]
-"""The errors of the service layer (the server's answers, the SDK's transport); they are in
+"""The errors of the service layer (the server's answers, the SDK's transport and its queued puts); they are in
 ``__all__`` too, after the engine's, but ``kvstore`` itself re-exports the engine's alone."""
 __all__ += SERVICE_ERRORS
 
@@ -159,6 +162,23 @@ class StoreClosed(KVStoreError, RuntimeError):
     """The store (or a tier) was used after ``close()``."""
 
 
+class PutFailed(KVStoreError):
+    """A ``put_kv(..., wait=False)`` failed; the SDK raises this once, on the client's next
+    ``put_kv`` or ``flush()``, for a caller that never looks at the put's handle.
+
+    The put's own error (``TierFull``, ``QuotaExceeded``, ``NotDurable``...) is ``__cause__``.
+    ``tokens`` and ``namespace`` name that put; ``failed`` counts the failures this one error
+    reports (the first is the cause; later ones are reported with it, not raised again).
+    """
+
+    def __init__(self, message: str, *, tokens: int | None = None, namespace: str | None = None,
+                 failed: int = 1) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.namespace = namespace
+        self.failed = failed
+
+
 # -- errors of the service layer (raised by the server's routes and the SDK's transports) ----------------------------------------------------------
 
 
@@ -188,6 +208,14 @@ class PayloadTooLarge(InvalidInput):
 
 class BodyTimeout(ServiceError, TimeoutError):
     """The request body stalled or trickled past the server's ``body_timeout_s`` (408)."""
+
+
+class ServerBusy(ServiceError):
+    """Request bodies in flight hold the server's memory cap (``max_inflight_bytes``) (503).
+
+    Nothing was stored; the answer's ``Retry-After`` says when to try again."""
+
+    retry_after_s: float = 1.0
 
 
 class QuotaExceeded(ServiceError):

@@ -1,10 +1,12 @@
 """``create_app(store, settings)``: the FastAPI app over one store.
 
-Three pure-ASGI middlewares wrap the routes: the outer one times every request
-for ``/metrics`` (by route template, so the series stay few); the next refuses
-a body over ``max_body_bytes`` with 413 from its Content-Length, before reading
-it; the inner one sends the hot data routes (``HOT_ROUTES``) straight to their
-handlers. Routes count streamed bodies as they read them.
+Pure-ASGI middlewares wrap the routes, outermost first: one times every request
+for ``/metrics`` (by route template, so the series stay few); one refuses a body
+over ``max_body_bytes`` with 413 from its Content-Length, before reading it; one
+charges body bytes to the in-flight memory cap (``server.inflight``); one ends a
+stalled or trickling body with 408; the innermost sends the hot data routes
+(``HOT_ROUTES``) straight to their handlers. Routes count streamed bodies as
+they read them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvstore.store import KVStore
 from server import admin, blocks, connectors, dashboard, data, layers, ops, planning
 from server.config import ServerSettings
 from server.errors import install_error_handlers, store_error, unexpected_error
+from server.inflight import InflightCap
 from server.service import Service
 
 __all__ = ["create_app"]
@@ -103,7 +106,7 @@ class _BodyTimeout:
     """408 for a request body that stalls or trickles.
 
     Each part must arrive within ``idle_s`` of the last, and a body of declared length must
-    be complete within ``idle_s`` plus its length at ``MIN_BODY_RATE``. Without this a client
+    be complete within ``idle_s`` plus its length at ``min_rate`` bytes a second. Without this a client
     that sends headers and then a byte now and then holds a connection, a handler and a pooled
     buffer for as long as it likes.
 
@@ -114,11 +117,8 @@ class _BodyTimeout:
     through: a response may wait on it for a disconnect.
     """
 
-    MIN_BODY_RATE = 1 << 20
-    """Bytes a second a body of declared length must average (1 GiB: 30 s + 17 min)."""
-
-    def __init__(self, app: Any, idle_s: float) -> None:
-        self.app, self.idle_s = app, idle_s
+    def __init__(self, app: Any, idle_s: float, min_rate: int) -> None:
+        self.app, self.idle_s, self.min_rate = app, idle_s, min_rate
         self._uploads: dict[int, _Upload] = {}
         self._sweep: asyncio.TimerHandle | None = None
 
@@ -129,7 +129,7 @@ class _BodyTimeout:
         now = loop.time()
         declared = next((int(v) for k, v in scope["headers"] if k == b"content-length" and v.isdigit()), None)
         up = _Upload(asyncio.current_task(), now,  # type: ignore[arg-type]
-                     math.inf if declared is None else now + self.idle_s + declared / self.MIN_BODY_RATE)
+                     math.inf if declared is None else now + self.idle_s + declared / self.min_rate)
         self._uploads[id(up)] = up
         if self._sweep is None:
             self._sweep = loop.call_later(self.idle_s / 4, self._check, loop)
@@ -145,7 +145,7 @@ class _BodyTimeout:
                     raise
                 up.task.uncancel()
                 raise BodyTimeout(f"the request body stalled: no part of it for {self.idle_s:g} s, or slower "
-                                  f"than {self.MIN_BODY_RATE >> 20} MiB/s (KVSTORE_BODY_TIMEOUT_S)") from None
+                                  f"than {self.min_rate} bytes/s (KVSTORE_BODY_TIMEOUT_S, KVSTORE_BODY_MIN_RATE)") from None
             finally:
                 up.waiting = False
             up.last = loop.time()
@@ -254,7 +254,8 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     if len(hot) != len(HOT_ROUTES):
         raise RuntimeError(f"hot routes missing from the app: {sorted(set(HOT_ROUTES) - set(hot))}")
     app.add_middleware(_Direct, routes=hot)
-    app.add_middleware(_BodyTimeout, idle_s=settings.body_timeout_s)
+    app.add_middleware(_BodyTimeout, idle_s=settings.body_timeout_s, min_rate=settings.body_min_rate)
+    app.add_middleware(InflightCap, budget=svc.inflight, wait_s=settings.inflight_wait_s)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_Observe, svc=svc)  # added last: outermost
     return app

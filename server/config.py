@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from kvstore.codec import Codec
 from kvstore.config import parse_size
+from server.inflight import default_inflight_bytes
 from kvstore.errors import InvalidInput
 from kvstore.keys import validate_namespace
 
@@ -115,6 +116,13 @@ class ServerSettings:
     max_body_bytes: int = 1 << 30
     """Largest request body, bytes; more gets 413. 1 GiB holds a 3,200-token put of a
     70B-class model (80 layers, 8 KV heads, head dim 128, fp16: 320 KiB a token)."""
+    max_inflight_bytes: int = 0
+    """Most memory all request bodies in flight hold together (KVSTORE_MAX_INFLIGHT_BYTES); a body
+    part past it waits ``inflight_wait_s`` for room, then gets 503 with Retry-After. A quarter
+    is kept for bodies of at most a sixteenth of it, so large uploads cannot starve ordinary
+    calls. 0: a quarter of the machine's memory, between 1 and 16 GiB (``server.inflight``)."""
+    inflight_wait_s: float = 2.0
+    """How long a body part waits for room under ``max_inflight_bytes`` before 503."""
     colocated: bool = True
     """Offer shm handles to clients on this host (they must be able to open the arena)."""
     staging_bytes: int = 256 << 20
@@ -131,8 +139,11 @@ class ServerSettings:
     """How long shutdown waits for in-flight requests."""
     body_timeout_s: float = 30.0
     """Longest wait for the next part of a request body (KVSTORE_BODY_TIMEOUT_S); a body of
-    declared length must also average 1 MiB/s past it. A client that stalls or trickles longer
-    (a slow-loris upload) gets 408 and its connection closed. 0: no limit."""
+    declared length must also average ``body_min_rate`` past it. A client that stalls or trickles
+    longer (a slow-loris upload) gets 408 and its connection closed. 0: no limit."""
+    body_min_rate: int = 1 << 20
+    """Bytes a second a body of declared length must average after ``body_timeout_s``
+    (KVSTORE_BODY_MIN_RATE; default 1 MiB: a 1 GiB body may take 30 s + 17 min)."""
     history_interval_s: float = 5.0
     """Seconds between samples of the read counters for ``/admin/history`` (the dashboard's
     hit ratio over time); 720 samples are kept, an hour at the default."""
@@ -175,6 +186,15 @@ class ServerSettings:
         if isinstance(hi, bool) or not isinstance(hi, (int, float)) or not 0 < hi < float("inf"):
             raise InvalidInput(f"history_interval_s must be a number of seconds > 0, got {hi!r}")
         object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes))
+        object.__setattr__(self, "body_min_rate", _size("body_min_rate", self.body_min_rate))
+        cap = self.max_inflight_bytes
+        cap = default_inflight_bytes() if cap in (0, "0") else _size("max_inflight_bytes", cap)
+        if cap < 1 << 20:
+            raise InvalidInput(f"max_inflight_bytes must be 0 (the default) or at least 1 MiB, got {cap}")
+        object.__setattr__(self, "max_inflight_bytes", cap)
+        wait = self.inflight_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
+            raise InvalidInput(f"inflight_wait_s must be a number of seconds >= 0, got {wait!r}")
         object.__setattr__(self, "staging_bytes", parse_size(self.staging_bytes))
         if self.admin_token is not None and len(self.admin_token) < _MIN_TOKEN_CHARS:
             raise InvalidInput(f"admin_token must be at least {_MIN_TOKEN_CHARS} characters")
@@ -226,6 +246,13 @@ class ServerSettings:
         return cls(**values)
 
 
+def _size(name: str, value: Any) -> int:
+    try:
+        return parse_size(value)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{name}: {exc}") from None
+
+
 def _parse(name: str, raw: str) -> Any:
     if name in ("port", "flight_port", "lmcache_port"):
         if not raw.strip().isdigit():
@@ -235,7 +262,7 @@ def _parse(name: str, raw: str) -> Any:
         if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise InvalidInput(f"1/0, true/false or yes/no, got {raw!r}")
         return raw.strip().lower() in ("1", "true", "yes")
-    if name in ("graceful_timeout_s", "body_timeout_s", "history_interval_s"):
+    if name in ("graceful_timeout_s", "body_timeout_s", "history_interval_s", "inflight_wait_s"):
         return float(raw)
     if name == "torch_threads":
         if not raw.strip().isdigit():

@@ -33,6 +33,7 @@ from server.audit import AuditLog
 from server.auth import Authenticator, Principal
 from server.config import ServerSettings
 from server.history import History
+from server.inflight import InflightBudget, lazy_buffer
 from server.errors import field_error
 from server.connector_board import ConnectorBoard
 from server.metrics import Metrics
@@ -97,7 +98,11 @@ class Service:
         self.host_id = host_id()
         self.pool = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 8),
                                        thread_name_prefix="kvstore-io")
-        self.buffers = BufferPool()
+        self.inflight = InflightBudget(settings.max_inflight_bytes)
+        """Bytes of request bodies being received, under ``max_inflight_bytes`` (``server.inflight``)."""
+        # Fresh buffers commit memory as bytes land in them; idle ones kept are part of the
+        # server's baseline, so at most a quarter of the in-flight cap.
+        self.buffers = BufferPool(min(512 << 20, settings.max_inflight_bytes // 4), alloc=lazy_buffer)
         self.quotas = Quotas(store)
         data_dir = _data_dir(store)
         self.audit = AuditLog(settings.audit_log or (os.path.join(data_dir, "audit.jsonl") if data_dir else None))
@@ -162,6 +167,9 @@ class Service:
     async def read_body(self, request: Request) -> tuple[bytearray, int]:
         """The whole body in a pooled buffer: (buffer, length). Release it with ``buffers.release``.
 
+        A fresh buffer of the declared length commits memory only as bytes are written into
+        it, and every part received is charged to ``inflight`` (``server.inflight``).
+
         Raises:
             PayloadTooLarge: over ``max_body_bytes``.
         """
@@ -178,7 +186,7 @@ class Service:
                 if end > limit:
                     raise PayloadTooLarge(f"body is over the {limit}-byte limit")
                 if end > len(buf):  # no or a wrong Content-Length: grow
-                    bigger = bytearray(max(end, 2 * len(buf)))
+                    bigger = lazy_buffer(max(end, 2 * len(buf)))
                     bigger[:n] = memoryview(buf)[:n]
                     buf = bigger
                 buf[n:end] = chunk

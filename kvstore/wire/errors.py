@@ -30,7 +30,7 @@ STATUS: dict[str, int] = {
     "ServiceError": 500,
     "InvalidInput": 422, "InvalidSpec": 422, "InvalidKV": 422, "InvalidTokens": 422, "InvalidKey": 422,
     "FrameError": 422, "CorruptFrame": 422, "UnsupportedFrame": 422,
-    "MalformedRequest": 400, "BodyTimeout": 408,
+    "MalformedRequest": 400, "BodyTimeout": 408, "ServerBusy": 503,
     "PayloadTooLarge": 413,
     "Unauthorized": 401,
     "Forbidden": 403,
