@@ -326,9 +326,10 @@ def encode_into(
     if codec is Codec.RAW:
         scales_len, payload_off = 0, scales_off
         payload_len = raw_len = numel * kv.element_size()
-        if numel:
-            _view(mv, kv.dtype, payload_off, numel).view(shape).copy_(kv)
+        body_sum = _encode_raw(mv, kv, header_len, payload_off, payload_len)
         layout, sid = _LAYOUT_NONE, 0
+        return _seal(mv, codec, dname, shape, len(meta), flags, layout, sid, scales_len, payload_len, raw_len,
+                     body_sum=body_sum)
     else:
         n_k, n_v = _scale_counts(_int8_shape(shape))
         sdt = DTYPES[scale_dtype]
@@ -349,11 +350,14 @@ def encode_into(
 
 
 def _seal(mv: memoryview, codec: Codec, dname: str, shape: tuple[int, ...], meta_len: int, flags: int,
-          layout: int, sid: int, scales_len: int, payload_len: int, raw_len: int) -> int:
-    """Checksum the body already in ``mv`` and write the header in front of it; the frame's length."""
+          layout: int, sid: int, scales_len: int, payload_len: int, raw_len: int, *,
+          body_sum: int | None = None) -> int:
+    """Checksum the body already in ``mv`` (unless its ``body_sum`` is known) and write the header
+    in front of it; the frame's length."""
     header_len = _header_len(len(shape))
     frame_len = header_len + _pad(meta_len) + _pad(scales_len) + payload_len
-    body_sum = xxhash.xxh3_64_intdigest(mv[header_len:frame_len])
+    if body_sum is None:
+        body_sum = xxhash.xxh3_64_intdigest(mv[header_len:frame_len])
     fixed = _FIXED.pack(
         MAGIC, VERSION, _CODEC_ID[codec], _DTYPE_ID[dname], flags, layout, sid, len(shape), 0,
         meta_len, scales_len, payload_len, raw_len, body_sum,
@@ -680,6 +684,33 @@ def int_view(t: torch.Tensor) -> np.ndarray:
 
 
 _FUSED_CHUNK_BYTES = 1 << 20  # hashed and copied while it sits in L2
+
+
+def _encode_raw(mv: memoryview, kv: torch.Tensor, header_len: int, payload_off: int, payload_len: int) -> int:
+    """Copy ``kv`` into the payload and hash the body, one cache-sized run of its outer rows at a time.
+
+    The mirror of ``_decode_raw``: copying all of it and then hashing the frame reads
+    a large payload from memory twice; this hashes each run while it is still cached.
+    ``kv`` may be a strided view (one block of a token-major KV). The body checksum.
+    """
+    digest = xxhash.xxh3_64()
+    digest.update(mv[header_len:payload_off])  # the meta and its padding
+    if not payload_len:
+        return digest.intdigest()
+    src = int_view(kv)  # numpy has no bfloat16: copy the bits
+    dst = np.frombuffer(mv, dtype=src.dtype, count=src.size, offset=payload_off).reshape(src.shape)
+    rows = src.shape[0] if src.ndim > 1 else 1
+    row_bytes = payload_len // rows
+    if rows == 1 or payload_len <= 2 * _FUSED_CHUNK_BYTES:
+        np.copyto(dst, src)
+        digest.update(mv[payload_off:payload_off + payload_len])
+        return digest.intdigest()
+    step = max(1, _FUSED_CHUNK_BYTES // max(1, row_bytes))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        np.copyto(dst[r0:r1], src[r0:r1])
+        digest.update(mv[payload_off + r0 * row_bytes:payload_off + r1 * row_bytes])
+    return digest.intdigest()
 
 
 def _decode_raw(mv: memoryview, header: FrameHeader, out: torch.Tensor) -> torch.Tensor:
