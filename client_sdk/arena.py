@@ -25,7 +25,7 @@ from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidKV, KVStoreError, ServiceError
 from kvstore.keys import block_hashes
-from kvstore.memory.shm import SHM_DIR, ShmReader, SlotHandle
+from kvstore.memory.shm import SHM_DIR, ShmReader, ShmSlotWriter, SlotHandle
 from kvstore.spec import KVSpec
 from kvstore.wire.rest import MAX_TOUCH_KEYS
 
@@ -194,9 +194,14 @@ class Arena:
         KVStoreError: either segment cannot be opened (not co-located after all).
     """
 
-    def __init__(self, segment: str, staging_segment: str, shm_dir: str = SHM_DIR) -> None:
+    def __init__(self, segment: str, staging_segment: str, shm_dir: str = SHM_DIR, *,
+                 reserved_puts: bool = False) -> None:
         self.segment = segment
         self.reader = ShmReader(segment, shm_dir)
+        self.reserved_puts = reserved_puts
+        """The server reserves top-tier slots for puts (``/v1/kv/reserve``): write frames there."""
+        self._shm_dir = shm_dir
+        self._writer: ShmSlotWriter | None = None
         self.staging_segment = staging_segment
         try:
             fd = os.open(os.path.join(shm_dir, staging_segment), os.O_RDWR)
@@ -307,6 +312,23 @@ class Arena:
         del dst  # drop the export, so the mapping can close
         return len(src)
 
+    def write_reserved(self, blocks: Sequence[dict], spec: KVSpec, kv: torch.Tensor) -> list[int]:
+        """Encode each reserved block of ``kv`` as a raw frame straight into its slot; the body
+        checksums, in order, for the commit. The copy and the hash run in one pass per
+        cache-sized run (``codec.encode_into``), so the bytes are read once."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = ShmSlotWriter(self.segment, self._shm_dir)
+            writer = self._writer
+        bt, checksums = spec.block_tokens, []
+        for b in blocks:
+            depth = b["depth"]
+            with writer.slot(b["offset"], b["length"]) as view:
+                n = codec_mod.encode_into(kv[:, :, :, depth * bt:(depth + 1) * bt], view, codec_mod.Codec.RAW,
+                                          meta=bytes.fromhex(b["meta"]))
+                checksums.append(codec_mod.read_header(view[:n]).body_checksum)
+        return checksums
+
     def read_block(self, h: dict, checksum: int | None, namespace: str, i: int, sink: BlockSink,
                    stats: ClientStats) -> bool:
         """Hand the frame in slot handle ``h`` to ``sink``; False when the slot changed since the
@@ -350,6 +372,9 @@ class Arena:
         return True
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self.verified.clear()
         self.handles.clear()  # drops the payload views, so the mapping can close
         self.reader.close()

@@ -209,6 +209,20 @@ def drop_lease(lease: str) -> Call[Any]:
     return json_call("DELETE", f"/v1/staging/lease/{lease}")
 
 
+def reserve_put(spec: KVSpec, toks: Any, pid: int) -> Call[dict]:
+    """Top-tier slots for a put's new blocks (``/v1/kv/reserve``): the KV body without its KV."""
+    return kv_call(f"/v1/kv/reserve?pid={pid}", spec, toks, None, with_kv=False)
+
+
+def commit_put(reservation: str, checksums: list[int]) -> Call[int]:
+    return json_call("POST", "/v1/kv/commit", {"reservation": reservation, "checksums": checksums},
+                     parse=lambda answer: int(answer["stored_tokens"]))
+
+
+def abort_put(reservation: str) -> Call[Any]:
+    return json_call("DELETE", f"/v1/kv/reserve/{reservation}")
+
+
 # -- the admin surface's calls ----------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ thread may still be reading one; they close with the client).
 from __future__ import annotations
 
 import contextlib
+import os
 import json
 import logging
 from typing import Any, Awaitable, Callable, Generator, Sequence, TypeVar
@@ -129,7 +130,8 @@ class Colocation:
             reason = "the server runs on another host"
         else:
             try:
-                self.arena = Arena(offer["segment"], offer["staging_segment"])
+                self.arena = Arena(offer["segment"], offer["staging_segment"],
+                                   reserved_puts=bool(offer.get("reserved_puts")))
                 self.decided = "shm"
                 return "shm"
             except KVStoreError as exc:
@@ -290,7 +292,12 @@ def _stored_tokens(body: bytes) -> int:
 
 def put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
              stats: c.ClientStats) -> Flow[int | None]:
-    """A co-located put of ``kv`` (not empty) through a staging lease; None: go over HTTP instead."""
+    """A co-located put of ``kv`` (not empty): into slots the server reserved where it offers
+    them, else through a staging lease; None: go over HTTP instead."""
+    if arena.reserved_puts and spec.full_blocks(len(toks)):
+        got = yield from reserved_put_flow(colo, arena, spec, toks, kv, stats)
+        if got is not None or colo.current() is not arena:  # stored, or the server restarted: HTTP
+            return got
     nbytes = spec.bytes_per_token * int(kv.shape[3])
 
     def write(lease: dict) -> Copy:
@@ -300,7 +307,42 @@ def put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.
         return Call("POST", f"/v1/kv/put-staged/{lease['lease']}", c.kv_parts(spec, toks, kv, with_kv=False),
                     KV_MEDIA, _stored_tokens)
 
-    return staged_flow(colo, arena, nbytes, write, commit, stats)
+    return (yield from staged_flow(colo, arena, nbytes, write, commit, stats))
+
+
+def reserved_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
+                      stats: c.ClientStats) -> Flow[int | None]:
+    """A put whose frames this client writes straight into top-tier slots the server reserved
+    (``kvstore.reserved``): reserve, encode each new block into its slot (copy and hash in one
+    pass), commit the checksums. None when the server reserved nothing (no room, or it takes
+    no reserved puts): the caller puts another way.
+
+    A failure while writing aborts the reservation; the server also reclaims it when this
+    process exits, or after its time runs out.
+    """
+    res = yield calls.reserve_put(spec, toks, os.getpid())
+    if res.get("reservation") is None:
+        if "no room" not in str(res.get("why", "")):
+            arena.reserved_puts = False  # the server takes none: stop asking
+        return None
+    if colo.changed(arena, res.get("segment"), "segment"):
+        with contextlib.suppress(KVStoreError):
+            yield calls.abort_put(res["reservation"])
+        return None
+    blocks = res["blocks"]
+    if not blocks:  # every block is stored already
+        stored = int(res["n_tokens"])
+    else:
+        try:
+            checksums = yield Copy(sum(b["length"] for b in blocks), arena.write_reserved, blocks, spec, kv)
+        except BaseException:
+            with contextlib.suppress(KVStoreError):
+                yield calls.abort_put(res["reservation"])
+            raise
+        stored = yield calls.commit_put(res["reservation"], checksums)
+    stats.shm_puts += 1
+    stats.last_medium = "shm"
+    return stored
 
 
 def put_blocks_flow(colo: Colocation, arena: Arena | None, keys: list[BlockHash], offsets: list[int],

@@ -48,6 +48,7 @@ from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, Tier
 from kvstore.mover import Mover
 from kvstore.frames import Frames, PrefixBlock
 from kvstore.recovery import recover
+from kvstore.reserved import Reservation, ReservedPuts
 from kvstore.shared import SharedTier, WritePolicy, find_shared
 from kvstore.keys import BlockHash, block_hashes, block_meta, check_key, iter_block_hashes, normalize_tokens
 from kvstore.spec import KVSpec
@@ -185,6 +186,7 @@ class KVStore:
         core.shared = self._shared
         self._mover = Mover(core, self._shared, on_move=self._moved)
         self._frames = Frames(core, self._shared, self._room_for)
+        self._reserved = ReservedPuts(core, self._room_for, shared=self._shared is not None)
         self.recovered = recover(core)
         if background:
             self._mover.start()
@@ -331,6 +333,30 @@ class KVStore:
         if good * bt < out.shape[3]:
             out = out[:, :, :, : good * bt] if given else out[:, :, :, : good * bt].clone()
         return out, good * bt
+
+    # -- two-phase puts (``kvstore.reserved``) -------------------------------------------------
+
+    @property
+    def reservations(self) -> ReservedPuts:
+        """Reserved puts: a co-located writer fills top-tier slots itself, then commits."""
+        return self._reserved
+
+    def reserve_put(self, spec: KVSpec, tokens: Any, namespace: str, *, owner: str,
+                    pid: int | None = None) -> Reservation | None:
+        """Top-tier slots for the blocks of ``tokens`` not stored yet; None when there is no room
+        for all of them. ``ReservedPuts.reserve`` has the rest."""
+        self._check_open()
+        spec = _check_spec(spec)
+        return self._reserved.reserve(spec, normalize_tokens(tokens), namespace, owner, pid)
+
+    def commit_put(self, reservation: str, owner: str, checksums: list[int]) -> tuple[int, int]:
+        """Publish a reservation's frames: (tokens covered, KV bytes written). ``ReservedPuts.commit``
+        has the rest."""
+        self._check_open()
+        return self._reserved.commit(reservation, owner, checksums)
+
+    def abort_put(self, reservation: str, owner: str) -> None:
+        self._reserved.abort(reservation, owner)
 
     def lookup(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
         """Tokens of the longest stored prefix of ``tokens``, from the index alone.
@@ -647,6 +673,7 @@ class KVStore:
         if self._core.closed:
             return
         self._mover.stop()  # no move may start against tiers that are closing
+        self._reserved.close()
         self._core.closed = True
         self._core.clear()
         for tier in self._core.tiers:

@@ -174,7 +174,8 @@ class _BodyTimeout:
         self._sweep = loop.call_later(self.idle_s / 4, self._check, loop) if self._uploads else None
 
 
-HOT_ROUTES = (("POST", "/v1/lookup"), ("POST", "/v1/kv/get"), ("POST", "/v1/kv/put"), ("POST", "/v1/kv/handles"))
+HOT_ROUTES = (("POST", "/v1/lookup"), ("POST", "/v1/kv/get"), ("POST", "/v1/kv/put"), ("POST", "/v1/kv/handles"),
+              ("POST", "/v1/kv/reserve"), ("POST", "/v1/kv/commit"))
 """Routes ``_Direct`` dispatches itself: exact paths, handlers that take only the request."""
 
 

@@ -125,6 +125,10 @@ class ServerSettings:
     """How long a body part waits for room under ``max_inflight_bytes`` before 503."""
     colocated: bool = True
     """Offer shm handles to clients on this host (they must be able to open the arena)."""
+    reserved_puts: bool = True
+    """Let co-located clients write a put's frames straight into top-tier slots and commit their
+    checksums (``kvstore.reserved``; KVSTORE_RESERVED_PUTS). The server checks each frame's header
+    at commit and its body at the first read. 0: co-located puts go through staging."""
     staging_bytes: int = 256 << 20
     """Shared-memory staging area that co-located puts write into, bytes."""
     tier_codecs: str = ""
@@ -258,7 +262,7 @@ def _parse(name: str, raw: str) -> Any:
         if not raw.strip().isdigit():
             raise InvalidInput(f"a port number, got {raw!r}")
         return int(raw)
-    if name == "colocated":
+    if name in ("colocated", "reserved_puts"):
         if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise InvalidInput(f"1/0, true/false or yes/no, got {raw!r}")
         return raw.strip().lower() in ("1", "true", "yes")

@@ -73,7 +73,8 @@ async def info(request: Request, p: Principal = Depends(principal)) -> dict:
     colocated = None
     if svc.staging is not None and svc.shm is not None:
         colocated = {"host_id": svc.host_id, "segment": svc.shm.segment, "tier": svc.shm.name,
-                     "staging_segment": svc.staging.segment}
+                     "staging_segment": svc.staging.segment,
+                     "reserved_puts": _reservations_off(svc) is None}
     return {"service": "kvstore", "version": __version__, "host_id": svc.host_id, "colocated": colocated,
             "tiers": [t.name for t in svc.store.tiers], "auth": svc.auth.enabled, "tenant": p.name,
             "namespaces": None if p.namespaces is None else sorted(p.namespaces),
@@ -344,3 +345,74 @@ async def kv_put_staged(lease_id: str, request: Request) -> JSONResponse:
     svc.metrics.colocated.labels("put").inc()
     svc.metrics.transfer.labels("in", "shm").inc(nbytes)
     return JSONResponse({"stored_tokens": stored, "medium": "shm"})
+
+
+# -- co-located: reserved puts (``kvstore.reserved``) ------------------------------------------
+
+
+@router.post("/v1/kv/reserve")
+async def kv_reserve(request: Request) -> JSONResponse:
+    """Top-tier slots for a put's new blocks, which the client fills itself and then commits.
+
+    Body: a KV body without the KV bytes (it ends at the KV offset). Query: ``pid``, the
+    writing process (a reservation whose process exits is reclaimed at once). Answer:
+    ``{"reservation", "segment", "n_tokens", "blocks": [{"depth", "offset", "length", "meta"}]}``,
+    offsets into the shm tier's data region; ``reservation`` null (with ``why``) when the top
+    tier has no room for them all or this store takes no reserved puts: put another way.
+    """
+    svc, p, ns = _caller(request, colocated=True)
+    raw = await request.body()
+    head = parse_kv_head(raw)
+    if len(raw) != head.kv_at:
+        raise MalformedRequest(f"body: {len(raw)} bytes; a reservation's body ends at the KV offset {head.kv_at}")
+    pid = request.query_params.get("pid")
+    if pid is not None and not pid.isdigit():
+        raise field_error(InvalidInput(f"must be a process id, got {pid!r}"), "pid")
+    spec = parse_spec(head.spec)
+    tokens = np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
+    why = _reservations_off(svc)
+    if why is not None:
+        return JSONResponse({"reservation": None, "why": why})
+    res = await svc.run(_reserve, svc, p, ns, spec, tokens, None if pid is None else int(pid))
+    if res is None:
+        return JSONResponse({"reservation": None, "why": f"tier {svc.shm.name!r} has no room for them all"})
+    return JSONResponse({**res.to_dict(), "segment": svc.shm.segment})
+
+
+def _reservations_off(svc: Service) -> str | None:
+    if not svc.settings.reserved_puts:
+        return "reserved puts are off on this server (KVSTORE_RESERVED_PUTS=0)"
+    return svc.store.reservations.unavailable()
+
+
+def _reserve(svc: Service, p: Principal, ns: str, spec, tokens, pid: int | None):
+    if p.quota_bytes is not None:
+        have = svc.store.lookup(spec, tokens, ns) // spec.block_tokens
+        new_blocks = spec.full_blocks(len(tokens)) - have
+        svc.quotas.check(p, ns, new_blocks * (spec.block_nbytes + 4096))  # 4 KiB: header and metadata
+    return svc.store.reserve_put(spec, tokens, ns, owner=p.name, pid=pid)
+
+
+@router.post("/v1/kv/commit")
+async def kv_commit(request: Request) -> JSONResponse:
+    """Publish a reservation the caller filled: ``{"reservation", "checksums": [one per block]}``.
+
+    Each frame's header is checked against the reservation and its claimed body checksum;
+    a mismatch returns every slot and stores nothing (422).
+    """
+    svc, p, _ = _caller(request, colocated=True)
+    data = await json_body(request)
+    rid = require(data, "reservation", str)
+    checksums = require(data, "checksums", list)
+    stored, nbytes = await svc.run(svc.store.commit_put, rid, p.name, checksums)
+    svc.metrics.colocated.labels("put").inc()
+    svc.metrics.transfer.labels("in", "shm").inc(nbytes)
+    return JSONResponse({"stored_tokens": stored, "medium": "shm"})
+
+
+@router.delete("/v1/kv/reserve/{rid}")
+async def kv_abort(rid: str, request: Request) -> dict:
+    """Give a reservation's slots back unfilled."""
+    svc, p, _ = _caller(request, colocated=True)
+    await svc.run(svc.store.abort_put, rid, p.name)
+    return {"aborted": rid}

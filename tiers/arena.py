@@ -174,6 +174,39 @@ class ArenaTier(Tier):
         self._commit(key, slot, size, n)
         return n
 
+    # -- two-phase puts: a writer in another process fills a reserved slot -------------------
+
+    def reserve(self, key: BlockHash, size: int) -> Slot:
+        """Room for a frame of at most ``size`` bytes for ``key``, held busy (never moved or reused)
+        and invisible until ``commit_reserved`` or ``abort_reserved``. Every reservation must end
+        in one of the two, or its range stays taken.
+
+        Raises:
+            TierFull: no room; nothing changed.
+        """
+        check_key(key)
+        with self._lock:
+            return self._reserve(key, size)
+
+    def reserved_view(self, slot: Slot) -> memoryview | None:
+        """The reserved slot's bytes, in tiers that keep them in this process's memory (None elsewhere)."""
+        return None
+
+    def commit_reserved(self, key: BlockHash, slot: Slot, size: int, n: int) -> None:
+        """Publish a reserved slot, filled with an ``n``-byte frame, as ``key``'s frame.
+
+        Raises:
+            InvalidInput: ``n`` is not within the reservation. StoreClosed: the tier closed meanwhile.
+        """
+        if not 0 < n <= size:
+            self._abort(slot, size)
+            raise InvalidInput(f"a {n}-byte frame for a {size}-byte reservation")
+        self._commit(key, slot, size, n)
+
+    def abort_reserved(self, slot: Slot, size: int) -> None:
+        """Give a reserved slot back unpublished."""
+        self._abort(slot, size)
+
     def _abort(self, slot: Slot, size: int) -> None:
         with self._lock:
             self._reserved -= size
@@ -345,6 +378,7 @@ class ArenaTier(Tier):
             details = {
                 "arena_bytes": str(self.arena_bytes),
                 "arena_free_bytes": str(self._alloc.free_bytes),
+                "reserved_bytes": str(self._reserved),
                 "largest_free_bytes": str(self._alloc.largest_free()),
                 "compactions": str(self._compactions),
                 "retired": str(len(self._retired)),

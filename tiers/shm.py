@@ -60,25 +60,13 @@ from kvstore.memory.shm import (
     ShmReader,
     SlotHandle,
     lock_row,
+    start_ticks,
 )
 from tiers.arena import ArenaTier, Slot
 
 __all__ = ["ShmTier", "ShmReader", "SlotHandle", "cleanup_stale", "SHM_DIR"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, or None if it is gone.
-
-    pid alone is not an identity: pids are reused, start times are not.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, counted after "(comm)"
 
 
 def cleanup_stale(prefix: str = "kvstore", shm_dir: str = SHM_DIR) -> list[str]:
@@ -105,7 +93,7 @@ def cleanup_stale(prefix: str = "kvstore", shm_dir: str = SHM_DIR) -> list[str]:
         except OSError:
             continue
         owner_ticks = HEADER.unpack(raw)[3] if len(raw) == HEADER.size and raw[:8] == MAGIC else None
-        ticks = _start_ticks(pid)
+        ticks = start_ticks(pid)
         if ticks is None or (owner_ticks is not None and ticks != owner_ticks):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -168,7 +156,7 @@ class ShmTier(ArenaTier):
         self._table = memoryview(self._map)[TABLE_AT:TABLE_AT + self.max_entries * ROW]
         self._data = np.frombuffer(self._map, np.uint8, self.arena_bytes, data_at)
         self._view = memoryview(self._data)
-        self._map[:HEADER.size] = HEADER.pack(MAGIC, 1, os.getpid(), _start_ticks(os.getpid()) or 0,
+        self._map[:HEADER.size] = HEADER.pack(MAGIC, 1, os.getpid(), start_ticks(os.getpid()) or 0,
                                                 self.max_entries, data_at, self.arena_bytes)
         self.pinned = _pin_with_cuda(self._data.ctypes.data, self.arena_bytes)
 
@@ -200,6 +188,9 @@ class ShmTier(ArenaTier):
                 return None
             gen = self._words[slot.index * ROW_WORDS + GEN]
             return SlotHandle(self.segment, slot.index, slot.offset, slot.length, gen)
+
+    def reserved_view(self, slot: Slot) -> memoryview:
+        return self._view[slot.offset:slot.offset + slot.length]
 
     # -- ArenaTier hooks ---------------------------------------------------------------
 

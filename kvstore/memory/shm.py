@@ -40,7 +40,7 @@ from kvstore.tier import Buffer
 
 __all__ = [
     "ShmReader", "SlotHandle", "SHM_DIR", "lock_row", "MAGIC", "HEADER", "TABLE_AT", "ROW", "ROW_WORDS",
-    "GEN", "OFF", "LEN", "KEY",
+    "GEN", "OFF", "LEN", "KEY", "start_ticks", "ShmSlotWriter",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -51,6 +51,19 @@ ROW = 64
 ROW_WORDS = ROW // 8
 GEN, OFF, LEN, KEY = 0, 1, 2, 3  # word indexes in a row; the key fills words 3..6
 FLOCK = struct.Struct("hhxxxxqqi4x")  # struct flock on x86-64 Linux: type, whence, start, len, pid
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone.
+
+    pid alone is not an identity: pids are reused, start times are not.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, counted after "(comm)"
 
 
 
@@ -248,3 +261,47 @@ class ShmReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ShmSlotWriter:
+    """A writable mapping of a ``ShmTier``'s data region, for slots the server reserved for this writer.
+
+    A co-located client writes a put's frames straight into the slots the server
+    handed it (``POST /v1/kv/reserve``) and then commits them: the bytes cross no
+    socket and no staging copy. Only a reserved slot may be written; the server
+    keeps a reserved range out of compaction and reuse until it is committed or
+    aborted. The segment is ``0600``: only processes of the server's user get here.
+
+    Raises:
+        TierUnavailable: no such segment, or it is not a kvstore arena.
+    """
+
+    def __init__(self, segment: str, shm_dir: str = SHM_DIR) -> None:
+        if not isinstance(segment, str) or "/" in segment or segment in ("", ".", ".."):
+            raise InvalidInput(f"segment must be a plain name, got {segment!r}")
+        self.segment = segment
+        try:
+            fd = os.open(os.path.join(shm_dir, segment), os.O_RDWR)
+        except OSError as exc:
+            raise TierUnavailable(f"shm segment {segment!r} cannot be opened for writing: {exc}", tier="shm") from exc
+        try:
+            self._map = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
+            magic, _, _, _, _, data_at, data_bytes = HEADER.unpack(self._map[:HEADER.size])
+            if magic != MAGIC or data_at + data_bytes > len(self._map):
+                raise TierUnavailable(f"{segment!r} is not a kvstore arena", tier="shm")
+        except (OSError, ValueError, struct.error) as exc:
+            raise TierUnavailable(f"shm segment {segment!r} cannot be mapped: {exc}", tier="shm") from exc
+        finally:
+            os.close(fd)
+        self._view = memoryview(self._map)[data_at:data_at + data_bytes]
+
+    def slot(self, offset: int, length: int) -> memoryview:
+        """The reserved range's bytes (a view: keep it no longer than the write)."""
+        if not 0 <= offset <= offset + length <= len(self._view):
+            raise InvalidInput(f"slot [{offset}, {offset + length}) is outside the arena's {len(self._view)} bytes")
+        return self._view[offset:offset + length]
+
+    def close(self) -> None:
+        self._view.release()
+        with contextlib.suppress(BufferError):  # a view still held: the GC unmaps later
+            self._map.close()

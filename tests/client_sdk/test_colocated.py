@@ -29,7 +29,8 @@ def test_the_shm_path_is_used_on_the_same_host(server, spec):
         text = c.metrics()
     assert _metric(text, "kvstore_colocated_ops_total", op="get") == 1
     assert _metric(text, "kvstore_colocated_ops_total", op="put") == 1
-    assert _metric(text, "kvstore_transfer_bytes_total", direction="in", medium="shm") == kv.numel() * 2
+    # the full blocks' bytes: a reserved put writes those alone into the arena
+    assert _metric(text, "kvstore_transfer_bytes_total", direction="in", medium="shm") == kv[:, :, :, :96].numel() * 2
     stats = server.store.stats()
     assert stats.counters.get_calls == 1 and stats.counters.tokens_hit == 96  # counted like get_kv
     assert server.store.entry(block_hashes(spec, tokens)[0]).hits == 1
@@ -94,7 +95,8 @@ def test_a_block_deleted_under_the_reader_shortens_the_prefix(server, spec, monk
     assert n == 16 and torch.equal(got, kv[:, :, :, :16])
 
 
-def test_an_expired_staging_lease_is_renewed(server, spec):
+def test_an_expired_staging_lease_is_renewed(serve_app, spec):
+    server = serve_app(reserved_puts=False)  # puts go through staging
     with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, list(range(32)), make_kv(spec, 32))
         (lease,) = c.colocation.arena.leases
@@ -107,7 +109,7 @@ def test_an_expired_staging_lease_is_renewed(server, spec):
 
 
 def test_a_full_staging_area_falls_back_to_http(serve_app):
-    srv = serve_app(staging_bytes="1MiB")
+    srv = serve_app(staging_bytes="1MiB", reserved_puts=False)
     spec = make_spec(num_layers=32, head_dim=128)  # 512 KiB a block
     with KVClient(srv.url, plan=False) as c:
         kv = make_kv(spec, 48)
@@ -151,12 +153,13 @@ def test_segments_are_unlinked_at_shutdown(serve_app):
     assert not any(os.path.exists(p) for p in paths)
 
 
-def test_concurrent_puts_from_one_client_never_share_a_staging_range(server):
+def test_concurrent_puts_from_one_client_never_share_a_staging_range(serve_app):
     import asyncio
     import threading
 
     from client_sdk import AsyncKVClient
 
+    server = serve_app(reserved_puts=False)  # puts go through staging
     spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB a block
     seqs = [list(range(i * 1000, i * 1000 + 64)) for i in range(8)]
     kvs = [make_kv(spec, 64, seed=i) for i in range(8)]

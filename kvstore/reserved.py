@@ -1,0 +1,313 @@
+"""Two-phase puts: a co-located writer fills slots of the top tier itself, then commits them.
+
+A put through the service copies a KV twice before it is stored (into a body or
+staging buffer, then into the tier) and hashes it once more. Here the server only
+reserves: for each new block of the sequence, a slot of the top (shm) tier, sized
+for its raw frame, kept out of compaction and reuse and invisible to readers. The
+client encodes each block straight into its slot (copy and hash in one pass) and
+commits with the body checksums it computed; the server checks each frame's header
+(its own checksum, shape, dtype and metadata, a few hundred bytes) against the
+reservation and the claimed checksum, and publishes. It does not hash the bodies
+again: it trusts a writer it handed a slot to (the arena is ``0600``: such a
+writer runs as the server's user), and the first read of each frame verifies it
+in full all the same (``Frames.read_with``), so a body that does not match its
+checksum is a miss, never wrong KV.
+
+A reservation belongs to its owner (the tenant) and its process. It ends in a
+commit or an abort; one whose process is gone, or that outlives ``ttl_s``, is
+aborted by a reaper thread within ``reap_every_s``, so a writer killed between
+reserve and commit, or during its copy, leaks nothing and leaves nothing
+visible. A writer still alive past ``ttl_s`` loses its slots, and its commit is
+refused; a late write into a reaped slot lands in memory that may already hold
+another frame, whose first read then finds it damaged (unless that frame was read
+and vouched for before; ``docs/design.md`` says what this trust gives up).
+
+Reservations are offered only where a put would write raw frames into an shm
+top tier and no tier is shared between nodes (a shared tier's write-through
+needs the bytes on this side); elsewhere ``reserve`` says why and the client
+puts another way.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvstore import codec as codec_mod
+from kvstore.codec import Codec
+from kvstore.core import EngineCore, is_current
+from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput, TierFull
+from kvstore.index import IndexEntry
+from kvstore.keys import BlockHash, block_hashes, block_meta
+from kvstore.memory.shm import start_ticks
+from kvstore.spec import KVSpec
+
+__all__ = ["ReservedPuts", "Reservation", "ReservedBlock"]
+
+log = logging.getLogger("kvstore.reserved")
+
+
+@dataclass(slots=True)
+class ReservedBlock:
+    depth: int
+    key: BlockHash
+    slot: Any
+    """The tier's handle for the reserved range (``tiers.arena.Slot``)."""
+    size: int
+    meta: bytes
+
+
+@dataclass(slots=True)
+class Reservation:
+    id: str
+    owner: str
+    namespace: str
+    spec: KVSpec
+    blocks: list[ReservedBlock]
+    n_tokens: int
+    """Tokens the put covers once committed (blocks already stored count)."""
+    pid: int | None
+    ticks: int | None
+    expires_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reservation": self.id, "n_tokens": self.n_tokens,
+                "blocks": [{"depth": b.depth, "offset": b.slot.offset, "length": b.size, "meta": b.meta.hex()}
+                           for b in self.blocks]}
+
+
+class ReservedPuts:
+    """The reservations of one store.
+
+    Args:
+        core: the engine core (index, tiers, counters, clock).
+        room_for: the store's admission rule: the index of the tier a new frame of n bytes
+            goes to, with room made there.
+        shared: whether a tier is shared between nodes (then nothing is reserved).
+        ttl_s: the longest a reservation lives uncommitted, by the engine's clock (``core.clock``).
+        reap_every_s: how often the reaper looks for dead writers and expired reservations.
+    """
+
+    def __init__(self, core: EngineCore, room_for: Callable[[int], int], *, shared: bool,
+                 ttl_s: float = 30.0, reap_every_s: float = 0.5) -> None:
+        self._core, self._room_for, self._shared = core, room_for, shared
+        self.ttl_s, self.reap_every_s = ttl_s, reap_every_s
+        self._open: dict[str, Reservation] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._reaper: threading.Thread | None = None
+        self._closed = False
+        self.reaped = 0
+        """Reservations aborted because their writer died or they expired."""
+
+    # -- why not --------------------------------------------------------------------------------
+
+    def unavailable(self) -> str | None:
+        """Why this store cannot take reserved puts, or None."""
+        top = self._core.tiers[0]
+        if self._shared:
+            return "a tier is shared between nodes: its write-through needs the bytes here"
+        if not callable(getattr(top, "reserve", None)) or getattr(top, "kind", None) != "shm":
+            return f"the top tier {top.name!r} is not an shm arena"
+        if self._core.codec_of(top.name) is not Codec.RAW:
+            return f"the top tier {top.name!r} stores {self._core.codec_of(top.name).value} frames, not raw"
+        return None
+
+    # -- reserve ----------------------------------------------------------------------------------
+
+    def reserve(self, spec: KVSpec, tokens: Any, namespace: str, owner: str, pid: int | None) -> Reservation | None:
+        """Slots for every block of ``tokens`` not stored yet, or None when the top tier has no room
+        for all of them (nothing is held then: the caller puts another way). A reservation with
+        no blocks (all stored) has the id "" and needs no commit.
+
+        Raises:
+            InvalidInput: the store cannot take reserved puts (``unavailable``), or a bad pid.
+        """
+        why = self.unavailable()
+        if why is not None:
+            raise InvalidInput(f"reserved puts are off here: {why}")
+        ticks = None
+        if pid is not None:
+            ticks = start_ticks(pid)
+            if ticks is None:
+                raise InvalidInput(f"pid: no process {pid} on this host")
+        top = self._core.tiers[0]
+        keys = block_hashes(spec, tokens, namespace)
+        spec_fp, bt = spec.fingerprint(), spec.block_tokens
+        shape = spec.kv_shape(bt)
+        blocks: list[ReservedBlock] = []
+        deduped = 0
+        try:
+            for depth, key in enumerate(keys):
+                if is_current(self._core.entry(key), namespace, spec_fp):
+                    deduped += 1
+                    continue
+                meta = block_meta(namespace, spec_fp, depth)
+                size = codec_mod.frame_size(shape, spec.dtype, Codec.RAW, meta_len=len(meta))
+                if self._room_for(size) != 0:  # admission puts it lower: not for this path
+                    raise TierFull(f"placement puts new blocks below {top.name!r}", tier=top.name)
+                blocks.append(ReservedBlock(depth, key, top.reserve(key, size), size, meta))
+        except TierFull:
+            for b in blocks:
+                top.abort_reserved(b.slot, b.size)
+            return None
+        self._core.count(put_calls=1, blocks_deduped=deduped)
+        res = Reservation(secrets.token_urlsafe(12) if blocks else "", owner, namespace, spec, blocks,
+                          len(keys) * bt, pid, ticks, self._core.clock() + self.ttl_s)
+        if not blocks:  # all stored already: nothing to write or commit
+            return res
+        with self._lock:
+            self._open[res.id] = res
+            self._start_reaper()
+        return res
+
+    # -- commit -----------------------------------------------------------------------------------
+
+    def commit(self, rid: str, owner: str, checksums: list[int]) -> tuple[int, int]:
+        """Publish the reservation's frames, written by its owner with these body checksums.
+
+        A block written meanwhile by another put (the same prefix from another writer) keeps
+        that writer's frame; this one's slot goes back.
+
+        Returns:
+            Tokens covered, as ``put_kv`` returns them, and the KV bytes the writer put in the slots.
+
+        Raises:
+            Forbidden: no such reservation of ``owner`` (never made, ended, or reaped).
+            InvalidInput: ``checksums`` does not have one int per reserved block.
+            CorruptFrame: a frame's header is damaged, or does not match the reservation or its
+                claimed checksum; every slot of the reservation goes back, nothing is stored.
+        """
+        res = self._take(rid, owner)
+        top = self._core.tiers[0]
+        try:
+            if len(checksums) != len(res.blocks) or not all(
+                    isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 64 for c in checksums):
+                raise InvalidInput(f"checksums: {len(res.blocks)} unsigned 64-bit ints expected, "
+                                   f"one per reserved block")
+            headers = [self._check(top, b, c, res.spec) for b, c in zip(res.blocks, checksums)]
+        except BaseException:
+            for b in res.blocks:
+                top.abort_reserved(b.slot, b.size)
+            raise
+        now, heat_now = self._core.clock(), self._core.placement.clock()
+        spec_fp = res.spec.fingerprint()
+        for i, (b, header) in enumerate(zip(res.blocks, headers)):
+            try:
+                with self._core.claim(b.key):
+                    if is_current(self._core.entry(b.key), res.namespace, spec_fp):
+                        top.abort_reserved(b.slot, b.size)
+                        self._core.count(blocks_deduped=1)
+                        continue
+                    top.commit_reserved(b.key, b.slot, b.size, header.frame_len)
+                    self._core.publish(IndexEntry(
+                        key=b.key, tier=top.name, size=header.frame_len, codec=header.codec,
+                        checksum=header.body_checksum, raw_bytes=header.raw_nbytes, namespace=res.namespace,
+                        spec_fp=spec_fp, depth=b.depth, created_s=now, last_access_s=now), now=heat_now)
+                    self._core.count(blocks_written=1)
+            except BaseException:
+                for rest in res.blocks[i + 1:]:
+                    top.abort_reserved(rest.slot, rest.size)
+                raise
+        return res.n_tokens, sum(h.raw_nbytes for h in headers)
+
+    def _check(self, top: Any, b: ReservedBlock, checksum: int, spec: KVSpec) -> codec_mod.FrameHeader:
+        view = top.reserved_view(b.slot)
+        try:
+            header = codec_mod.read_header(view)
+        except FrameError as exc:
+            raise CorruptFrame(f"block {b.depth}: the frame written into its slot is damaged: {exc}") from None
+        want = spec.kv_shape(spec.block_tokens)
+        if header.codec is not Codec.RAW or header.dtype != spec.dtype or header.shape != tuple(want) \
+                or header.frame_len != b.size or header.meta_len != len(b.meta):
+            raise CorruptFrame(f"block {b.depth}: the frame in its slot is not the raw {spec.dtype} "
+                               f"{list(want)} frame reserved ({b.size} bytes)")
+        if bytes(view[header.meta_offset:header.meta_offset + header.meta_len]) != b.meta:
+            raise CorruptFrame(f"block {b.depth}: the frame's metadata is not the reserved block's")
+        if header.body_checksum != checksum:
+            raise CorruptFrame(f"block {b.depth}: the frame says body checksum {header.body_checksum:#x}, "
+                               f"the commit {checksum:#x}")
+        return header
+
+    # -- abort, reap ------------------------------------------------------------------------------
+
+    def abort(self, rid: str, owner: str) -> None:
+        """Give the reservation's slots back unpublished.
+
+        Raises:
+            Forbidden: no such reservation of ``owner``.
+        """
+        res = self._take(rid, owner)
+        top = self._core.tiers[0]
+        for b in res.blocks:
+            top.abort_reserved(b.slot, b.size)
+
+    def _take(self, rid: str, owner: str) -> Reservation:
+        with self._lock:
+            res = self._open.get(rid)
+            if res is None or res.owner != owner:
+                raise Forbidden(f"reservation {rid!r}: not held (never made, already ended, or expired "
+                                f"and reclaimed after {self.ttl_s:g} s or its writer's exit)")
+            del self._open[rid]
+            return res
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def reap(self) -> int:
+        """Abort reservations whose writer is gone or whose time is up; how many."""
+        now = self._core.clock()
+        with self._lock:
+            gone = [r for r in self._open.values()
+                    if now >= r.expires_s or (r.pid is not None and start_ticks(r.pid) != r.ticks)]
+            for r in gone:
+                del self._open[r.id]
+        top = self._core.tiers[0]
+        for r in gone:
+            for b in r.blocks:
+                top.abort_reserved(b.slot, b.size)
+            log.info("kvstore: reservation %s of %s reclaimed (%d slots): its writer %s", r.id, r.owner,
+                     len(r.blocks), "exited" if now < r.expires_s else f"did not commit within {self.ttl_s:g} s")
+        self.reaped += len(gone)
+        return len(gone)
+
+    def _start_reaper(self) -> None:
+        """Under the lock: a reaper runs while any reservation is open."""
+        if self._reaper is None and not self._closed:
+            self._reaper = threading.Thread(target=self._reap_loop, name="kvstore-reservations", daemon=True)
+            self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._open:
+                    self._reaper = None
+                    return
+                self._wake.wait(self.reap_every_s)
+                if self._closed:
+                    self._reaper = None
+                    return
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - a failed sweep must not end the reaper
+                log.exception("kvstore: reaping reservations failed")
+
+    def close(self) -> None:
+        """Abort every open reservation and stop the reaper (before the tiers close)."""
+        with self._lock:
+            self._closed = True
+            gone = list(self._open.values())
+            self._open.clear()
+            self._wake.notify_all()
+        top = self._core.tiers[0]
+        for r in gone:
+            for b in r.blocks:
+                try:
+                    top.abort_reserved(b.slot, b.size)
+                except Exception:  # noqa: BLE001 - closing: the arena goes anyway
+                    pass
+
