@@ -9,8 +9,9 @@ Both pick shared memory when the server runs on this host and HTTP otherwise
 (``colocated=False`` forces HTTP). ``put_kv(..., wait=False)`` returns a
 ``PutHandle`` (``AsyncPutHandle``) once the KV is copied aside; ``flush()`` waits
 for those puts, and a failed one is raised once more as ``PutFailed``.
-Errors are ``kvstore.errors`` classes, the service ones (``Unauthorized``, ``Forbidden``, ``QuotaExceeded``, ``PayloadTooLarge``,
-``MalformedRequest``, ``ConnectionFailed``...) re-exported here.
+Errors are ``kvstore.errors`` classes, the service ones (``Unauthorized``,
+``Forbidden``, ``QuotaExceeded``, ``PayloadTooLarge``, ``MalformedRequest``,
+``ConnectionFailed``, ``PutFailed``...) re-exported here.
 It imports ``kvstore.spec``, ``keys``, ``codec``, ``errors`` and ``memory.shm`` (the
 arena reader for the co-located path), never the tiers or the store.
 """

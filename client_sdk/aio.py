@@ -6,8 +6,10 @@ an ``AsyncHttpTransport`` under the same retry policy, and the same co-located
 flows (``client_sdk.colocated``) driven with awaited requests, copies over 1 MiB
 in a worker thread. The planner picks shm or HTTP per transfer, or answers
 "recompute" (``client_sdk.aio_planning``); with ``plan=False``, shm when
-co-located, else HTTP. ``tests/client_sdk/test_surface.py`` checks that both
-clients have the same public methods with the same arguments.
+co-located, else HTTP. Puts that do not wait queue in ``client_sdk.pending``
+(a task sends them; the copy of one over 1 MiB is made off the loop).
+``tests/client_sdk/test_surface.py`` checks that both clients have the same
+public methods with the same arguments.
 
 Layer streams (``get_kv_layers``) read with the blocking client's sockets in a
 worker thread: a layer is megabytes, a thread hop microseconds.
@@ -30,6 +32,7 @@ from client_sdk.calls import put_layout
 from client_sdk.client import KVClient
 from client_sdk.colocated import Colocation
 from client_sdk.layers import LayerStream
+from client_sdk.pending import MAX_PENDING_BYTES, AsyncPutHandle, AsyncPutQueue
 from client_sdk.surface import AdminClient, DataCalls
 from client_sdk.transport import AsyncHttpTransport, RetryPolicy
 from kvstore.errors import KVStoreError
@@ -57,7 +60,8 @@ class AsyncKVClient(DataCalls):
                  backoff_s: float = 0.05, colocated: bool | None = None,
                  buffer_pool_bytes: int = 512 << 20, plan: bool = True, inproc: Any = None,
                  redis_url: str | None = None, wrap_media: Callable[[AsyncMedium], AsyncMedium] | None = None,
-                 slo_s: float | None = None, max_connections: int = 8) -> None:
+                 slo_s: float | None = None, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 max_connections: int = 8) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.namespace = validate_namespace(namespace)
@@ -88,6 +92,7 @@ class AsyncKVClient(DataCalls):
         """The access (and decision) report in flight, if any."""
         self._report_wanted = False
         self._closing = False
+        self.puts = AsyncPutQueue(self._put, self.pool, self.namespace, max_pending_bytes)
         self._blocking: KVClient | None = None
         self._blocking_args = dict(token=token, namespace=namespace, timeout_s=timeout_s,
                                    connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
@@ -95,11 +100,18 @@ class AsyncKVClient(DataCalls):
 
     # -- data API ------------------------------------------------------------------------------
 
-    async def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False) -> int:
-        """As ``KVClient.put_kv``."""
+    async def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False,
+                     wait: bool = True) -> int | AsyncPutHandle:
+        """As ``KVClient.put_kv``; with ``wait=False``, an ``AsyncPutHandle`` (``await handle``)."""
+        self.puts.raise_failed()
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
         kv = c.validate_put(spec, toks, kv)
+        if not wait:
+            return await self.puts.submit(spec, toks, kv, durable)
+        return await self._put(spec, toks, kv, durable)
+
+    async def _put(self, spec: KVSpec, toks: Any, kv: torch.Tensor, durable: bool) -> int:
         if self.plan:
             stored = await (await self._planned()).put_kv(spec, toks, kv, self.slo_s)
         else:
@@ -217,6 +229,10 @@ class AsyncKVClient(DataCalls):
                 log.debug("decision report dropped: %s", exc)
                 break
 
+    async def flush(self, timeout_s: float | None = None) -> bool:
+        """As ``KVClient.flush``."""
+        return await self.puts.flush(timeout_s)
+
     async def wait_reports(self, timeout_s: float | None = None) -> bool:
         """Wait until no access report is queued or in flight; False if ``timeout_s`` passed first."""
         task = self._reporting
@@ -226,6 +242,8 @@ class AsyncKVClient(DataCalls):
         return bool(done)
 
     async def aclose(self) -> None:
+        """As ``KVClient.close``: the queued puts first."""
+        await self.puts.aclose()
         self._closing = True
         if self._reporting is not None:  # finished, failed or cancelled: closing the rest matters more
             await asyncio.gather(self._reporting, return_exceptions=True)

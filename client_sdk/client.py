@@ -5,9 +5,10 @@ A thin shell. The requests and their answers are ``client_sdk.calls`` (shared wi
 the sockets and the one retry policy are ``client_sdk.transport.HttpTransport``;
 the co-located path is ``client_sdk.rest_media.ShmPath`` driving
 ``client_sdk.colocated``'s flows; the planner (``client_sdk.planning``) picks a
-medium per transfer. What is left here is wiring, and the reporter thread that
-sends reads served without a request (for placement's heat) and the planner's
-decisions.
+medium per transfer; puts that do not wait (``put_kv(..., wait=False)``,
+``flush``) queue in ``client_sdk.pending``. What is left here is wiring, and the
+reporter thread that sends reads served without a request (for placement's heat)
+and the planner's decisions.
 
 The medium is picked once, on first use: when the server advertises an shm
 arena, its host id equals ours and we can open its segments, KV moves through
@@ -36,6 +37,7 @@ from client_sdk._common import BlockSink, BlockWriter
 from client_sdk.colocated import Colocation, drive
 from client_sdk.layers import LayerStream, get_kv_layers
 from client_sdk.media import Medium
+from client_sdk.pending import MAX_PENDING_BYTES, PutHandle, PutQueue
 from client_sdk.planning import ClientPlanner
 from client_sdk.rest_media import HttpMedium, InprocMedium, ShmMedium, ShmPath, side_media
 from client_sdk.surface import AdminClient, DataCalls
@@ -72,10 +74,13 @@ class KVClient(DataCalls):
         wrap_media: applied to every medium as it is built (tests and benchmarks inject slow links
             with ``client_sdk.media.Throttled``).
         slo_s: default latency bound of a transfer for the planner (None: the policy's).
+        max_pending_bytes: the most bytes that copies of ``put_kv(..., wait=False)`` hold while
+            queued; past it such a put waits for earlier ones to finish (one larger put goes alone).
 
     Attributes:
         admin: the operator's calls (``client_sdk.surface.AdminClient``; the admin token).
         http: the HTTP transport. shm: the co-located path. stats: what this client did.
+        puts: the queued puts (``client_sdk.pending.PutQueue``; ``pending_bytes``).
     """
 
     def __init__(self, url: str, token: str | None = None, namespace: str = "default", *,
@@ -83,7 +88,7 @@ class KVClient(DataCalls):
                  backoff_s: float = 0.05, colocated: bool | None = None,
                  buffer_pool_bytes: int = 512 << 20, plan: bool = True, inproc: Any = None,
                  redis_url: str | None = None, wrap_media: Callable[[Medium], Medium] | None = None,
-                 slo_s: float | None = None) -> None:
+                 slo_s: float | None = None, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.namespace = validate_namespace(namespace)
@@ -110,26 +115,43 @@ class KVClient(DataCalls):
         self._wrap_media = wrap_media
         self._planner: ClientPlanner | None = None
         self._planner_lock = threading.Lock()
+        self.puts = PutQueue(self._put, self.pool, self.namespace, max_pending_bytes)
 
     # -- the data API (EmbeddedStore's, without namespace) --------------------------------
 
-    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False) -> int:
+    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False,
+               wait: bool = True) -> int | PutHandle:
         """Store the KV of every full block of ``tokens``; returns tokens covered.
 
         Args:
             durable: return only if every stored block sat on a durable tier when checked
                 (one more lookup after the put); on a server whose tiers are all durable, the
                 put then survives a crash of the server. ``docs/reliability.md`` has the rest.
+            wait: False returns a ``PutHandle`` as soon as the KV is copied aside (``kv`` may
+                then be overwritten); the put runs in the client's put thread, after the ones
+                queued before it, and its blocks are visible once the handle is done. Its errors
+                come on the handle, and once on this client's next ``put_kv`` or ``flush``
+                (``client_sdk.pending`` has the rules).
 
         Raises:
-            InvalidSpec, InvalidTokens, InvalidKV: bad input (checked here first).
+            InvalidSpec, InvalidTokens, InvalidKV: bad input (checked here first, either way).
+            PutFailed: an earlier ``put_kv(wait=False)`` failed and no call had said so yet; this
+                put was not made.
             TierFull, QuotaExceeded, TierUnavailable, Unauthorized, Forbidden: from the server.
             NotDurable: ``durable`` was asked and some stored block sits on a volatile tier.
             ConnectionFailed: the server could not be reached after the retries.
+            StoreClosed: ``wait=False`` on a closed client.
         """
+        self.puts.raise_failed()
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
         kv = c.validate_put(spec, toks, kv)
+        if not wait:
+            return self.puts.submit(spec, toks, kv, durable)
+        return self._put(spec, toks, kv, durable)
+
+    def _put(self, spec: KVSpec, toks: Any, kv: torch.Tensor, durable: bool) -> int:
+        """The put itself, of checked input: here for a waiting put, in the put thread otherwise."""
         if self.plan:
             stored = self._planned().put_kv(spec, toks, kv, self.slo_s)
         else:
@@ -251,11 +273,25 @@ class KVClient(DataCalls):
 
     # -- reports and lifecycle ---------------------------------------------------------------------
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every ``put_kv(wait=False)`` queued before this call has finished.
+
+        Returns:
+            True; False if ``timeout_s`` passed first (the puts go on).
+
+        Raises:
+            PutFailed: a queued put failed and no call had said so yet (once per failure).
+        """
+        return self.puts.flush(timeout_s)
+
     def wait_reports(self, timeout_s: float | None = None) -> bool:
         """Wait until no access report is queued or in flight; False if ``timeout_s`` passed first."""
         return self._reporter.wait(timeout_s)
 
     def close(self) -> None:
+        """Wait for the queued puts (their failures not yet raised are logged, not raised), then
+        let go of the connections, leases and threads."""
+        self.puts.close()
         self._reporter.close()
         if self._planner is not None:
             self._planner.close()  # Flight channels, Redis pools

@@ -48,7 +48,7 @@ def test_async_data_calls_are_awaitable_and_sync_ones_are_not():
     """The same method body serves both: a blocking transport answers, an async one hands back a
     coroutine. Checked on the calls that do I/O of their own."""
     for name in ("put_kv", "get_kv", "get_kv_layers", "blocks_exist", "get_blocks_into", "put_blocks_with",
-                 "wait_reports", "media"):
+                 "wait_reports", "media", "flush"):
         assert inspect.iscoroutinefunction(getattr(AsyncKVClient, name)), name
         assert not inspect.iscoroutinefunction(getattr(KVClient, name)), name
 
