@@ -11,7 +11,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from bench.rows import LIMIT_OF, PEER_OF
+from bench.report import latency_table
+from bench.rows import LATENCY_ROWS, LIMIT_OF, PEER_OF
 
 __all__ = ["tables", "render", "replace_section"]
 
@@ -68,6 +69,7 @@ def tables(result: dict) -> str:
     lines += ["", "### Throughput by path and size", ""]
     for s in result["sizes"]:
         lines += _size_table(s)
+    lines += latency_table(result["sizes"], LATENCY_ROWS, LIMIT_OF)
     t = result["ttft"]
     media = list(t["rows"][0]["media"]) if t["rows"] else []
     lines += ["### TTFT with prefix reuse", "",

@@ -4,11 +4,19 @@
 row                   one operation                                    its limit
 ====================  ===============================================  ==========
 colocated put         ``KVClient.put_kv`` over shared memory            memcpy
+colocated put,        the same with ``wait=False``: until it returns    memcpy
+nowait                its handle (the KV copied aside); the put lands
+                      in the client's put thread, ``flush``ed outside
+                      the clock
 colocated get         ``KVClient.get_kv`` over shared memory (a fresh   memcpy
                       tensor; ``out=``: into a reused one). A client
                       serves a repeated get from the slot handles it
                       remembers; ``asking``: a client that remembers
                       none, so each get asks the server and verifies
+handoff               a co-located put (agent A, this process), then    memcpy
+                      a first get of that sequence by agent B, another
+                      process with its own client (``bench.handoff``):
+                      from before A's put to after B's get returns
 http put / get        the same over HTTP (``colocated=False``)          tcp
 flight put / get      ``FlightMedium.put_kv`` / ``get_kv``               tcp
 redis tier put / get  ``RedisTier.put`` / ``get_into`` of one frame     tcp
@@ -18,9 +26,9 @@ nvme tier put / get   ``NVMeTier.put`` / ``get_into`` of one frame,     file
 
 SDK rows move fp16 KV ``[L, 2, 8, T, 128]`` against ``kvstore serve`` in a
 child process; every put writes fresh token ids and deletes them after the
-clock, every get reads one stored sequence. Tier rows run the tier in this
-process on random frame bytes (tiers never look inside a frame), as the
-server's own tiers do.
+clock, every get reads one stored sequence (the hand-off's get reads what its
+put just wrote). Tier rows run the tier in this process on random frame bytes
+(tiers never look inside a frame), as the server's own tiers do.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.handoff import AgentB, digest
 from bench.sampling import Row, timed
 
 __all__ = ["spec_for", "Paths", "remember_no_handles"]
@@ -109,6 +118,9 @@ class Paths:
             stack.callback(self.nvme_tier.close)
             self.shm_asking.get_kv(self.spec, self.fixed)  # picks shm and maps the arena
             remember_no_handles(self.shm_asking)
+            self.agent_b = AgentB(url, self.spec, self.tokens, namespace="bench-all", warm_base=self.fixed[0])
+            stack.callback(self.agent_b.close)
+            self.kv_digest = digest(self.kv)
             self._stack = stack.pop_all()
         self._counter = 0
 
@@ -116,12 +128,40 @@ class Paths:
         self._counter += 1
         return [self._counter * 65_536 + i for i in range(self.tokens)]
 
-    def _put(self, put: Any) -> Any:
+    def _put(self, put: Any, settle: Any = None) -> Any:
+        """A put row; ``settle()`` runs after the clock, before the delete (a nowait put lands)."""
         def once() -> float:
             toks = self._fresh()
             took = timed(lambda: put(self.spec, toks, self.kv))()
+            if settle is not None:
+                settle()
             self.http.delete(self.spec, toks)
             return took
+        return once
+
+    def _nowait(self, spec: Any, toks: list[int], kv: torch.Tensor) -> None:
+        self.shm.put_kv(spec, toks, kv, wait=False)
+
+    def _settle(self) -> None:
+        # Each sample's put lands before the next starts: queued puts would otherwise pile up
+        # and a later return would wait for room (max_pending_bytes), or the server's copy
+        # would run under another row's clock.
+        if not self.shm.flush(timeout_s=60):
+            raise AssertionError("a put_kv(wait=False) did not land within 60 s")
+
+    def _handoff(self, check: bool = False) -> Any:
+        """The hand-off row (``bench.handoff``); ``check``: B's copy must match A's bytes too."""
+        def once() -> float:
+            toks = self._fresh()
+            start = time.perf_counter()
+            self.shm.put_kv(self.spec, toks, self.kv)
+            end, hashed = self.agent_b.get(toks[0], check=check)
+            self.http.delete(self.spec, toks)
+            if end <= start:
+                raise AssertionError(f"handoff: agent B's get ended {start - end:.6f} s before A's put began")
+            if check and hashed != self.kv_digest:
+                raise AssertionError("handoff: agent B read KV that differs from what agent A put")
+            return end - start
         return once
 
     def _get(self, get: Any, out: torch.Tensor | None) -> Any:
@@ -138,6 +178,8 @@ class Paths:
         n, key = self.nbytes, bytes([7]) * 32
         rows = {
             "colocated put": Row(n, self._put(self.shm.put_kv)),
+            "colocated put, nowait": Row(n, self._put(self._nowait, self._settle)),
+            "handoff": Row(n, self._handoff()),
             "colocated get": Row(n, self._get(self.shm.get_kv, None)),
             "colocated get out=": Row(n, self._get(self.shm.get_kv, self.out)),
             "colocated get, asking": Row(n, self._get(self.shm_asking.get_kv, self.out)),
@@ -181,6 +223,7 @@ class Paths:
                           ("flight", self.flight.get_kv if self.flight else None)):
             if get is not None and not torch.equal(get(self.spec, self.fixed)[0], self.kv):
                 raise AssertionError(f"{name}: the KV read back differs from the KV stored")
+        self._handoff(check=True)()
         if not self.shm.stats.shm_gets or not self.shm_asking.stats.shm_gets or self.http.stats.shm_gets:
             raise AssertionError("a client used the wrong medium")
         if self.shm_asking.stats.shm_cached_gets:

@@ -4,11 +4,11 @@ Both the run (``bench.all``) and its page (``bench.page``) read them, so they li
 from either.
 """
 
-__all__ = ["LIMIT_OF", "PEER_OF"]
+__all__ = ["LIMIT_OF", "PEER_OF", "LATENCY_ROWS"]
 
 LIMIT_OF = {
     "colocated put": "limit memcpy", "colocated get": "limit memcpy", "colocated get out=": "limit memcpy",
-    "colocated get, asking": "limit memcpy",
+    "colocated get, asking": "limit memcpy", "colocated put, nowait": "limit memcpy", "handoff": "limit memcpy",
     "http put": "limit tcp put", "http get": "limit tcp get", "http get out=": "limit tcp get",
     "flight put": "limit tcp put", "flight get": "limit tcp get", "flight get out=": "limit tcp get",
     "redis tier put": "limit tcp put", "redis tier get": "limit tcp get",
@@ -28,3 +28,7 @@ PEER_OF = {
 """Each kvstore row and the peers it is a ratio to (where they ran). LMCache's gets copy into
 one output tensor reused across gets (``bench/lmcache_driver.py``), so their like is ``get out=``;
 the fresh-tensor rows are held to them too, and to the pickle service, which makes a new tensor."""
+
+LATENCY_ROWS = ("handoff",)
+"""Rows whose tail matters as much as their median (an agent waits on each one): the tables
+show their p50 and p99 time, and each as a multiple of their limit's p50 time."""

@@ -4,14 +4,17 @@ A row is one operation on ``nbytes`` that times itself (``() -> seconds``), so
 set-up and clean-up around it (fresh token ids before a put, a delete after
 it) stay outside the clock. Small operations run several times a sample
 (``inner``), so each sample moves about 8 MiB and the clock's noise stays small.
+Every timed operation's seconds are kept too (``Row.times``), for latency
+percentiles: a sample's mean hides the slow operation a p99 is about.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["Row", "interleave", "summary", "timed"]
@@ -26,6 +29,8 @@ class Row:
 
     nbytes: int
     op: Callable[[], float]
+    times: list[float] = field(default_factory=list)
+    """Seconds of each operation ``sample`` timed, in order (not the untimed calls around them)."""
 
     @property
     def inner(self) -> int:
@@ -35,7 +40,9 @@ class Row:
         """Seconds a byte, over ``inner`` operations."""
         total = 0.0
         for _ in range(self.inner):
-            total += self.op()
+            took = self.op()
+            self.times.append(took)
+            total += took
         return total / (self.inner * self.nbytes)
 
 
@@ -76,7 +83,18 @@ def interleave(rows: dict[str, Row], repeats: int, *, warmup: int = 2,
     return samples
 
 
-def summary(per_byte: list[float]) -> dict[str, float]:
-    """GB/s (1e9 B/s): median and min-max over samples of seconds a byte."""
+def summary(per_byte: list[float], op_s: list[float] | None = None) -> dict[str, float]:
+    """GB/s (1e9 B/s): median and min-max over samples of seconds a byte.
+
+    Args:
+        op_s: the seconds of every timed operation (``Row.times``); adds their p50 and p99
+            (nearest rank: with fewer than 100 operations, p99 is the slowest), in ms, and
+            how many there were (``ops``).
+    """
     rates = [1e-9 / s for s in per_byte]
-    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
+    out = {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
+    if op_s:
+        ranked = sorted(op_s)
+        out.update(p50_ms=1e3 * statistics.median(ranked), ops=len(ranked),
+                   p99_ms=1e3 * ranked[math.ceil(0.99 * len(ranked)) - 1])
+    return out

@@ -18,7 +18,7 @@ from bench.page import END, START, render
 SIZES = ("64KiB", "256KiB")
 ROWS = {  # written out here, so a row the bench stops measuring fails this test
     "limit memcpy", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
-    "colocated put", "colocated get", "colocated get out=", "colocated get, asking",
+    "colocated put", "colocated put, nowait", "handoff", "colocated get", "colocated get out=", "colocated get, asking",
     "http put", "http get", "http get out=", "flight put", "flight get", "flight get out=",
     "redis tier put", "redis tier get", "nvme tier put", "nvme tier get",
     "redis-py put", "redis-py get", "pickle put", "pickle get",
@@ -52,17 +52,18 @@ def test_every_size_has_every_row_and_ratio(run) -> None:
         assert set(s["gbps"]) == ROWS  # no LMCache rows: --no-lmcache
         for g in s["gbps"].values():
             assert 0 < g["min"] <= g["median"] <= g["max"]
+            if "via" not in g:  # a remote row repeats its medium's figures
+                assert g["ops"] >= result["repeats"] and 0 < g["p50_ms"] <= g["p99_ms"]
         expected = {f"{row} / {limit}" for row, limit in LIMIT_OF.items()}
         expected |= {f"{row} / {peer}" for row, peers in PEER_OF.items() for peer in peers if peer in ROWS}
         expected.add("colocated get / limit shm out")
         assert set(s["ratios"]) == expected
         assert all(r > 0 for r in s["ratios"].values())
     targets = {(t["name"], t["size"]): t for t in result["targets"]}
-    for size in SIZES:
-        assert targets["co-located get / memcpy", size]["value"] > 0
-    # LMCache did not run: its targets say so rather than vanish
-    lm = targets["SDK remote put / LMCache lm:// put", "32MiB"]
-    assert lm["value"] is None and lm["met"] is None
+    # every target is at 1 or 32 MiB, and LMCache did not run: they say so rather than vanish
+    for name, size in (("hand-off, A's put then B's first get, p50 / memcpy", "32MiB"),
+                       ("HTTP get / loopback TCP", "1MiB"), ("SDK remote put / LMCache lm:// put", "32MiB")):
+        assert targets[name, size]["value"] is None and targets[name, size]["met"] is None
 
 
 def test_ttft_scale_and_memory_sections(run) -> None:
@@ -99,6 +100,8 @@ def test_charts_and_page(run) -> None:
         assert f"(benchmarks/{name}.png)" in text
         assert (page.parent / "benchmarks" / f"{name}.png").exists()
     assert "### Throughput by path and size" in done.stdout  # the table is printed too
+    for size in SIZES:  # and the hand-off's p50 and p99
+        assert f"| handoff | {size} | {result['repeats'] * (8 << 20) // (int(size[:-3]) << 10)} |" in done.stdout
 
 
 def test_render_refuses_a_page_without_markers(run, tmp_path: Path) -> None:
