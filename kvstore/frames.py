@@ -122,12 +122,13 @@ class Frames:
         """``reader(frame, header, entry)`` over ``key``'s verified frame, lent by its tier for the call.
 
         An arena tier in host memory lends the slot itself, held so it is neither freed nor
-        moved meanwhile, so a frame can be checked and then sent with no copy. Returns None
-        (reader not called) when the block is absent, of another namespace, unreadable or
-        damaged; a damaged frame, or an entry whose frame is gone, is dropped. Counted as a
-        read (heat); ``tally=False`` leaves it out of the per-tier read counts, for reads whose
-        tokens no get counted (another protocol's). ``reader`` must not return None, which
-        means "moved meanwhile: look again" here.
+        moved meanwhile, so a frame can be checked and then sent with no copy. There the body
+        is hashed by the first read after each publish of the slot only (``ArenaTier.vouch``);
+        later reads check the header. Returns None (reader not called) when the block is
+        absent, of another namespace, unreadable or damaged; a damaged frame, or an entry whose
+        frame is gone, is dropped. Counted as a read (heat); ``tally=False`` leaves it out of
+        the per-tier read counts, for reads whose tokens no get counted (another protocol's).
+        ``reader`` must not return None, which means "moved meanwhile: look again" here.
         """
         entry = None
         for _ in range(2):  # a block that moved between the index read and the tier read: once more
@@ -135,19 +136,24 @@ class Frames:
             if entry is None:
                 return None
             damage: list[FrameError] = []
+            tier = self._core.tier(entry.tier)
 
-            def checked(view: memoryview, entry: IndexEntry = entry) -> Any:
+            def checked(view: memoryview, stamp: int = 0, vouched: bool = False, entry: IndexEntry = entry) -> Any:
                 try:
-                    header = codec_mod.verify(view)
+                    # Hashed once per slot publication: see "Verified once" in docs/design.md.
+                    header = codec_mod.read_header(view) if vouched else codec_mod.verify(view)
                 except FrameError as exc:
                     damage.append(exc)
                     return _DAMAGED
+                if stamp and not vouched:
+                    tier.vouch(key, stamp)
                 if header.body_checksum != entry.checksum:  # sound, but rewritten since the index read
                     return None
                 return reader(view, header, entry)
 
             try:
-                got = self._core.tier(entry.tier).read_with(key, checked)
+                # Arena tiers (tiers/arena.py) stamp each slot's publication; other tiers verify every read.
+                got = tier.read_vouched(key, checked)
             except TierError as exc:
                 log.warning("tier %s failed a block read (%s); served as a miss", entry.tier, exc)
                 return None

@@ -186,6 +186,17 @@ class Tier(ABC):
         frame = self.get(key)
         return None if frame is None else reader(memoryview(frame).cast("B"))
 
+    def read_vouched(self, key: BlockHash, reader: Callable[[memoryview, int, bool], T]) -> T | None:
+        """``read_with``, where ``reader(view, stamp, vouched)`` also learns the frame's publication
+        stamp and whether a reader ``vouch``ed for its bytes at that stamp, so the store can skip
+        hashing a frame again (``docs/design.md``, "Verified once"). This default never vouches:
+        only arenas whose slots this process alone writes (``tiers.arena``) keep stamps.
+        """
+        return self.read_with(key, lambda view: reader(view, 0, False))
+
+    def vouch(self, key: BlockHash, stamp: int) -> None:
+        """Note that ``key``'s bytes published at ``stamp`` were checked (a no-op here)."""
+
     def head(self, key: BlockHash, nbytes: int) -> tuple[Buffer, int] | None:
         """The first ``nbytes`` of ``key``'s frame and the frame's full length; None when absent.
 

@@ -106,9 +106,10 @@ class LMCacheChunks:
         """Send the stored chunk of ``key`` (its 36-byte meta in one call, then the payload) with
         ``send``, straight from the tier's memory where it can lend it; False on a miss.
 
-        The whole frame is checked before its first byte goes: a damaged chunk is a miss
-        (and dropped), answered like any miss, so the client's connection stays usable
-        (LMCache does not reconnect one it lost).
+        The whole frame is checked before its first byte goes (its body once per publish of
+        an arena slot: "Verified once" in docs/design.md): a damaged chunk is a miss (and
+        dropped), answered like any miss, so the client's connection stays usable (LMCache
+        does not reconnect one it lost).
         """
         bkey = self.block_key(key)
 

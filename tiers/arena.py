@@ -6,6 +6,12 @@ else lives here once: the key map, the ``SlabAllocator``, capacity accounting,
 compaction, and the rule that memory a reader is copying from is never reused
 under it.
 
+Stamps. Each publish of a slot (a put, a move by compaction) takes a new stamp from a
+tier-wide count, never reused, so a slot whose stamp is unchanged holds the bytes it
+held then. A reader that checked those bytes may ``vouch`` for them at that stamp, and
+``read_vouched`` tells the next reader so: the store then skips hashing a frame again
+(``kvstore/frames.py``). The note lives on the slot and goes with its publication.
+
 Concurrency. One lock guards the maps; bytes move outside it. A put reserves
 its range under the lock, fills it unlocked and publishes under the lock, so an
 int8 encoder running in ``put_with`` does not stall other readers. A get pins
@@ -60,6 +66,10 @@ class Slot:
     offset: int
     length: int
     """Frame bytes; the allocator holds ``length`` rounded up to ``ALIGN``."""
+    stamp: int = 0
+    """The tier-wide count when the slot was last published: a new one at every put and move."""
+    vouched: bool = False
+    """A reader checked the bytes published at ``stamp`` (``vouch``); cleared when it changes."""
 
 
 class ArenaTier(Tier):
@@ -92,6 +102,10 @@ class ArenaTier(Tier):
         self._used = 0
         self._reserved = 0
         self._compactions = 0
+        self._stamps = 0
+        # A tier that lends copies (device) hands out new bytes on every read: those are checked
+        # as new, so it never says a slot was vouched for.
+        self._lends_slots = type(self)._lent is not ArenaTier._lent
         self._counters = TierCounters()
         self._lock = threading.Lock()
         self._closed = False
@@ -231,7 +245,7 @@ class ArenaTier(Tier):
                 self._release(old)
             self._slots[key] = slot
             self._used += n
-            self._publish(key, slot)
+            self._publish_stamped(key, slot)
             self._counters.puts += 1
             self._unbusy(slot.offset)
 
@@ -323,15 +337,32 @@ class ArenaTier(Tier):
                 self._unbusy(slot.offset)
 
     def read_with(self, key: BlockHash, reader: Callable[[memoryview], T]) -> T | None:
+        return self.read_vouched(key, lambda view, _stamp, _vouched: reader(view))
+
+    def read_vouched(self, key: BlockHash, reader: Callable[[memoryview, int, bool], T]) -> T | None:
+        """``read_with``, where ``reader(view, stamp, vouched)`` also learns the lent slot's stamp and
+        whether a reader vouched for its bytes at that stamp (never, in a tier that lends copies).
+
+        Returns:
+            what ``reader`` returns; None when ``key`` is absent.
+        """
         slot = self._pin(key)
         if slot is None:
             return None
         try:
             with self._lent(slot.offset, slot.length) as view:
-                return reader(view)
+                return reader(view, slot.stamp, slot.vouched and self._lends_slots)
         finally:
             with self._lock:
                 self._unbusy(slot.offset)
+
+    def vouch(self, key: BlockHash, stamp: int) -> None:
+        """Note that ``key``'s bytes published at ``stamp`` were checked; later ``read_vouched``
+        calls say so until the slot is published again. A no-op when it was, or ``key`` went."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None and slot.stamp == stamp:
+                slot.vouched = True
 
     def head(self, key: BlockHash, nbytes: int) -> tuple[Buffer, int] | None:
         # Copy the prefix only: the default would copy the whole frame to read its header.
@@ -420,6 +451,12 @@ class ArenaTier(Tier):
         self._alloc.free(slot.offset)
         self._free_rows.append(slot.index)
 
+    def _publish_stamped(self, key: bytes, slot: Slot) -> None:
+        """``_publish`` under a new stamp: whatever was vouched for before is not these bytes. Lock held."""
+        self._stamps += 1
+        slot.stamp, slot.vouched = self._stamps, False
+        self._publish(key, slot)
+
     def _unbusy(self, offset: int) -> None:
         left = self._busy[offset] - 1
         if left:
@@ -451,7 +488,7 @@ class ArenaTier(Tier):
         moved = {m.src: m.dst for m in moves}
         for key, slot in live:
             slot.offset = moved.get(slot.offset, slot.offset)
-            self._publish(key, slot)
+            self._publish_stamped(key, slot)
         self._compactions += 1
 
     def _check_open(self) -> None:
