@@ -25,8 +25,9 @@ import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
+from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.errors import InvalidInput, TierError
 from kvstore.index import Index, IndexEntry
@@ -254,6 +255,33 @@ class EngineCore:
         if n is None:
             self.drop(entry, corrupt=False)
         return n
+
+    def decode_into(self, entry: IndexEntry, out: Any) -> bool | None:
+        """Decode ``entry``'s frame straight out of a tier that lends it (``Tier.lends_frames``) into
+        ``out``: no copy into a buffer first, and no body hash for a frame this tier's slot vouches
+        for (``docs/design.md``, "Verified once"). True; None (and the entry dropped) when it is
+        gone or its tier failed.
+
+        Raises:
+            FrameError, InvalidKV: the frame is damaged or not the one indexed (the caller drops it).
+        """
+        tier = self._by_name[entry.tier]
+
+        def decode(view: memoryview, stamp: int, vouched: bool) -> bool:
+            codec_mod.decode(view, out=out, expect_checksum=entry.checksum, verified=vouched)
+            if stamp and not vouched:
+                tier.vouch(entry.key, stamp)
+            return True
+
+        try:
+            got = tier.read_vouched(entry.key, decode)
+        except TierError as exc:
+            self.count(tier_errors=1)
+            log.warning("tier %s failed a get (%s); served as a miss", tier.name, exc)
+            return None
+        if got is None:
+            self.drop(entry, corrupt=False)
+        return got
 
     # -- counting -------------------------------------------------------------------------
 

@@ -302,7 +302,21 @@ class KVStore:
         scratch = _FRAMES.get(max((e.size for _, e in found), default=0))
         good = 0
         for i, (key, entry) in enumerate(found):
+            part = out[:, :, :, i * bt : (i + 1) * bt]
             frame = adopted.pop(key, None)
+            if frame is None and self._core.tier(entry.tier).lends_frames:
+                # Decoded straight out of the slot, hashed on its first read only.
+                try:
+                    done = self._core.decode_into(entry, part)
+                except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
+                    log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(),
+                                entry.tier, exc)
+                    self._core.drop(entry, corrupt=True)
+                    break
+                if done is not None:
+                    good += 1
+                    continue
+                # gone from that tier meanwhile (moved?): the copy path below looks once more
             if frame is not None:
                 n = len(memoryview(frame).cast("B"))
                 scratch[:n] = memoryview(frame).cast("B")
@@ -318,7 +332,7 @@ class KVStore:
                     break
             try:
                 # expect_checksum: a sound frame that is not the one indexed (a tier mix-up) is refused
-                codec_mod.decode(scratch[:n], out=out[:, :, :, i * bt : (i + 1) * bt], expect_checksum=entry.checksum)
+                codec_mod.decode(scratch[:n], out=part, expect_checksum=entry.checksum)
             except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
                 log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(), entry.tier, exc)
                 self._core.drop(entry, corrupt=True)

@@ -186,6 +186,12 @@ class Tier(ABC):
         frame = self.get(key)
         return None if frame is None else reader(memoryview(frame).cast("B"))
 
+    @property
+    def lends_frames(self) -> bool:
+        """Whether ``read_with`` lends the stored bytes themselves (no copy), so a reader may decode
+        straight out of the tier; otherwise it is handed a fresh copy per read."""
+        return False
+
     def read_vouched(self, key: BlockHash, reader: Callable[[memoryview, int, bool], T]) -> T | None:
         """``read_with``, where ``reader(view, stamp, vouched)`` also learns the frame's publication
         stamp and whether a reader ``vouch``ed for its bytes at that stamp, so the store can skip

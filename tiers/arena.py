@@ -356,6 +356,10 @@ class ArenaTier(Tier):
             with self._lock:
                 self._unbusy(slot.offset)
 
+    @property
+    def lends_frames(self) -> bool:
+        return self._lends_slots
+
     def vouch(self, key: BlockHash, stamp: int) -> None:
         """Note that ``key``'s bytes published at ``stamp`` were checked; later ``read_vouched``
         calls say so until the slot is published again. A no-op when it was, or ``key`` went."""
