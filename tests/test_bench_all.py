@@ -62,7 +62,7 @@ def test_every_size_has_every_row_and_ratio(run) -> None:
     targets = {(t["name"], t["size"]): t for t in result["targets"]}
     # every target is at 1 or 32 MiB, and LMCache did not run: they say so rather than vanish
     for name, size in (("hand-off, A's put then B's first get, p50 / memcpy", "32MiB"),
-                       ("HTTP get / loopback TCP", "1MiB"), ("SDK remote put / LMCache lm:// put", "32MiB")):
+                       ("HTTP get / loopback TCP", "1MiB"), ("Redis tier put / LMCache redis put", "32MiB")):
         assert targets[name, size]["value"] is None and targets[name, size]["met"] is None
 
 
@@ -95,7 +95,7 @@ def test_charts_and_page(run) -> None:
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nMethod.\n\n") and text.endswith("\n\nAfter.\n")
     assert "old results" not in text and "### Targets" in text and "| pickle get |" in text
-    assert "| SDK remote put / LMCache lm:// put (remote put / lmcache lm:// put) | 32MiB | not run |" in text
+    assert "| Redis tier put / LMCache redis put (redis tier put / lmcache redis put) | 32MiB | not run |" in text
     for name in ("throughput", "ttft", "scale"):
         assert f"(benchmarks/{name}.png)" in text
         assert (page.parent / "benchmarks" / f"{name}.png").exists()
