@@ -249,9 +249,7 @@ class EngineCore:
             self.drop(entry, corrupt=True)
             return None
         except TierError as exc:
-            self.count(tier_errors=1)
-            log.warning("tier %s failed a get (%s); served as a miss", tier.name, exc)
-            return None
+            return self._failed_read(tier, exc)
         if n is None:
             self.drop(entry, corrupt=False)
         return n
@@ -276,12 +274,14 @@ class EngineCore:
         try:
             got = tier.read_vouched(entry.key, decode)
         except TierError as exc:
-            self.count(tier_errors=1)
-            log.warning("tier %s failed a get (%s); served as a miss", tier.name, exc)
-            return None
+            return self._failed_read(tier, exc)
         if got is None:
             self.drop(entry, corrupt=False)
         return got
+
+    def _failed_read(self, tier: Tier, exc: TierError) -> None:
+        self.count(tier_errors=1)
+        log.warning("tier %s failed a get (%s); served as a miss", tier.name, exc)
 
     # -- counting -------------------------------------------------------------------------
 

@@ -67,6 +67,32 @@ def start_ticks(pid: int) -> int | None:
 
 
 
+def _open_arena(segment: str, shm_dir: str, *, writable: bool) -> tuple[int, mmap.mmap, int, int, int]:
+    """Open and map a ``ShmTier``'s segment by name: (fd, mapping, rows, data_at, data_bytes).
+
+    Raises:
+        InvalidInput: not a plain name. TierUnavailable: no such segment, or not a kvstore arena.
+    """
+    if not isinstance(segment, str) or "/" in segment or segment in ("", ".", ".."):
+        raise InvalidInput(f"segment must be a plain name, got {segment!r}")
+    try:
+        fd = os.open(os.path.join(shm_dir, segment), os.O_RDWR if writable else os.O_RDONLY)
+    except OSError as exc:
+        raise TierUnavailable(f"shm segment {segment!r} cannot be opened: {exc}", tier="shm") from exc
+    try:
+        if writable:
+            mapping = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
+        else:
+            mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        magic, _, _, _, rows, data_at, data_bytes = HEADER.unpack(mapping[:HEADER.size])
+        if magic != MAGIC or data_at + data_bytes > len(mapping):
+            raise TierUnavailable(f"{segment!r} is not a kvstore arena", tier="shm")
+    except (OSError, ValueError, struct.error) as exc:
+        os.close(fd)
+        raise TierUnavailable(f"shm segment {segment!r} cannot be mapped: {exc}", tier="shm") from exc
+    return fd, mapping, rows, data_at, data_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class SlotHandle:
     """What a reader in another process needs to copy one frame out."""
@@ -122,21 +148,8 @@ class ShmReader:
     """
 
     def __init__(self, segment: str, shm_dir: str = SHM_DIR) -> None:
-        if not isinstance(segment, str) or "/" in segment or segment in ("", ".", ".."):
-            raise InvalidInput(f"segment must be a plain name, got {segment!r}")
         self.segment = segment
-        try:
-            self._fd = os.open(os.path.join(shm_dir, segment), os.O_RDONLY)
-        except OSError as exc:
-            raise TierUnavailable(f"shm segment {segment!r} cannot be opened: {exc}", tier="shm") from exc
-        try:
-            self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
-            magic, _, _, _, rows, data_at, data_bytes = HEADER.unpack(self._map[:HEADER.size])
-            if magic != MAGIC or data_at + data_bytes > len(self._map):
-                raise TierUnavailable(f"{segment!r} is not a kvstore arena", tier="shm")
-        except (OSError, ValueError, struct.error) as exc:
-            os.close(self._fd)
-            raise TierUnavailable(f"shm segment {segment!r} cannot be mapped: {exc}", tier="shm") from exc
+        self._fd, self._map, rows, data_at, data_bytes = _open_arena(segment, shm_dir, writable=False)
         self._rows = np.frombuffer(self._map, np.uint64, rows * ROW_WORDS, TABLE_AT).reshape(rows, ROW_WORDS)
         self._words = memoryview(self._map)[TABLE_AT:TABLE_AT + rows * ROW].cast("Q")
         self._view = memoryview(self._map)[data_at:data_at + data_bytes]
@@ -277,22 +290,9 @@ class ShmSlotWriter:
     """
 
     def __init__(self, segment: str, shm_dir: str = SHM_DIR) -> None:
-        if not isinstance(segment, str) or "/" in segment or segment in ("", ".", ".."):
-            raise InvalidInput(f"segment must be a plain name, got {segment!r}")
         self.segment = segment
-        try:
-            fd = os.open(os.path.join(shm_dir, segment), os.O_RDWR)
-        except OSError as exc:
-            raise TierUnavailable(f"shm segment {segment!r} cannot be opened for writing: {exc}", tier="shm") from exc
-        try:
-            self._map = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
-            magic, _, _, _, _, data_at, data_bytes = HEADER.unpack(self._map[:HEADER.size])
-            if magic != MAGIC or data_at + data_bytes > len(self._map):
-                raise TierUnavailable(f"{segment!r} is not a kvstore arena", tier="shm")
-        except (OSError, ValueError, struct.error) as exc:
-            raise TierUnavailable(f"shm segment {segment!r} cannot be mapped: {exc}", tier="shm") from exc
-        finally:
-            os.close(fd)
+        fd, self._map, _, data_at, data_bytes = _open_arena(segment, shm_dir, writable=True)
+        os.close(fd)  # the mapping stays; no locks are taken through it
         self._view = memoryview(self._map)[data_at:data_at + data_bytes]
 
     def slot(self, offset: int, length: int) -> memoryview:
