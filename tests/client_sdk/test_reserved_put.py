@@ -188,3 +188,25 @@ def test_no_room_in_the_top_tier_falls_back_to_staging(serve_app, spec):
         assert n == 4096 and torch.equal(got, kv)
     assert srv.store.reservations.open_count() == 0
     assert json.loads(json.dumps(_details(srv)))["reserved_bytes"] == "0"
+
+
+def test_the_async_client_puts_through_reserved_slots_too(server):
+    import asyncio
+
+    from client_sdk import AsyncKVClient
+
+    spec = make_spec(num_layers=8, head_dim=64)  # 64 KiB a block: the copies go off the loop
+    seqs = [list(range(20_000 + i * 1000, 20_000 + i * 1000 + 64)) for i in range(6)]
+    kvs = [make_kv(spec, 64, seed=i) for i in range(6)]
+
+    async def main() -> None:
+        async with AsyncKVClient(server.url, namespace="async", plan=False) as a:
+            assert await asyncio.gather(*(a.put_kv(spec, s, k) for s, k in zip(seqs, kvs))) == [64] * 6
+            assert a.stats.last_medium == "shm" and a.stats.shm_puts == 6
+            for s, k in zip(seqs, kvs):
+                got, n = await a.get_kv(spec, s)
+                assert n == 64 and torch.equal(got, k)
+
+    asyncio.run(main())
+    assert server.svc.staging.stats()["leases"] == 0  # every put went into reserved slots
+    assert server.store.reservations.open_count() == 0 and _details(server)["reserved_bytes"] == "0"
