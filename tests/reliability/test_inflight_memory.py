@@ -151,4 +151,6 @@ def test_flooding_uploads_stay_under_the_cap_and_ordinary_clients_are_served(liv
     with KVClient(server.url, namespace=NS, colocated=False, plan=False) as client:
         got, n = client.get_kv(SPEC, tokens)  # still up, data whole
         assert n == len(tokens) and got.equal(kv)
-        assert client.lookup(SPEC, list(range(90_000, 90_064))) == 0
+        toks = list(range(10_000 + 64 * (i - 1), 10_000 + 64 * i))  # the last ordinary put, whole
+        got, n = client.get_kv(SPEC, toks)
+        assert n == len(toks) and got.equal(expected_kv(0, toks))
