@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -24,13 +23,12 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 
 from kvstore.errors import BodyTimeout, PayloadTooLarge
-from kvstore.wire.errors import error_body
 from kvstore._version import __version__
 from kvstore.errors import KVStoreError
 from kvstore.store import KVStore
 from server import admin, blocks, connectors, dashboard, data, layers, ops, planning
 from server.config import ServerSettings
-from server.errors import install_error_handlers, store_error, unexpected_error
+from server.errors import install_error_handlers, send_error, store_error, unexpected_error
 from server.inflight import InflightCap
 from server.service import Service
 
@@ -81,14 +79,8 @@ class _BodyLimit:
         if scope["type"] == "http":
             for name, value in scope["headers"]:
                 if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                    exc = PayloadTooLarge(f"body of {int(value)} bytes is over the {self.limit}-byte limit")
-                    body = json.dumps(error_body(exc)).encode()
-                    await send({"type": "http.response.start", "status": 413,
-                                "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(body)).encode()),
-                                            (b"connection", b"close")]})
-                    await send({"type": "http.response.body", "body": body})
-                    return
+                    return await send_error(send, PayloadTooLarge(
+                        f"body of {int(value)} bytes is over the {self.limit}-byte limit"))
         await self.app(scope, receive, send)
 
 

@@ -7,6 +7,7 @@ whose body says only that (the traceback goes to the log).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -19,7 +20,8 @@ from kvstore.errors import RouteNotFound, Unauthorized
 from kvstore.wire.errors import error_body, status_for
 from kvstore.errors import InvalidInput, KVStoreError
 
-__all__ = ["install_error_handlers", "field_error", "error_response", "store_error", "unexpected_error"]
+__all__ = ["install_error_handlers", "field_error", "error_response", "store_error", "unexpected_error",
+           "send_error"]
 
 log = logging.getLogger("kvstore.server")
 
@@ -28,6 +30,16 @@ def error_response(exc: BaseException, *, field: str | None = None, status: int 
     status = status or status_for(exc)
     headers = {"WWW-Authenticate": 'Bearer realm="kvstore"'} if isinstance(exc, Unauthorized) else None
     return JSONResponse(error_body(exc, field=field), status_code=status, headers=headers)
+
+
+async def send_error(send: Any, exc: BaseException) -> None:
+    """Answer ``exc`` from an ASGI middleware, before any route runs, and close the connection
+    (the body is left unread)."""
+    body = json.dumps(error_body(exc)).encode()
+    await send({"type": "http.response.start", "status": status_for(exc),
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def field_error(exc: InvalidInput, field: str) -> InvalidInput:

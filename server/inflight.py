@@ -26,14 +26,13 @@ The budget lives on the event loop's thread only: no lock, and a waiter is an
 from __future__ import annotations
 
 import asyncio
-import json
 import mmap
 import os
 from collections import deque
 from typing import Any
 
 from kvstore.errors import PayloadTooLarge, ServerBusy
-from kvstore.wire.errors import error_body
+from server.errors import send_error
 
 __all__ = ["InflightBudget", "InflightCap", "lazy_buffer", "default_inflight_bytes"]
 
@@ -146,9 +145,9 @@ class InflightCap:
         declared = next((int(v) for k, v in scope["headers"] if k == b"content-length" and v.isdigit()), None)
         small = declared is not None and declared <= budget.small_max
         if declared is not None and not small and declared > budget.large_limit:
-            return await _refuse(send, PayloadTooLarge(
+            return await send_error(send, PayloadTooLarge(
                 f"body of {declared} bytes is over the {budget.large_limit} bytes that bodies in flight may "
-                f"hold (three quarters of KVSTORE_MAX_INFLIGHT_BYTES={budget.cap})"), 413)
+                f"hold (three quarters of KVSTORE_MAX_INFLIGHT_BYTES={budget.cap})"))
         held = 0
         refused = False
 
@@ -174,10 +173,3 @@ class InflightCap:
         finally:
             budget.give(held)
 
-
-async def _refuse(send: Any, exc: Exception, status: int) -> None:
-    body = json.dumps(error_body(exc)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
