@@ -10,7 +10,7 @@ Both pick shared memory when the server runs on this host and HTTP otherwise
 ``PutHandle`` (``AsyncPutHandle``) once the KV is copied aside; ``flush()`` waits
 for those puts, and a failed one is raised once more as ``PutFailed``.
 Errors are ``kvstore.errors`` classes, the service ones (``Unauthorized``,
-``Forbidden``, ``QuotaExceeded``, ``PayloadTooLarge``, ``MalformedRequest``,
+``Forbidden``, ``QuotaExceeded``, ``RetainQuotaExceeded``, ``PayloadTooLarge``, ``MalformedRequest``,
 ``ConnectionFailed``, ``PutFailed``...) re-exported here.
 It imports ``kvstore.spec``, ``keys``, ``codec``, ``errors`` and ``memory.shm`` (the
 arena reader for the co-located path), never the tiers or the store.
@@ -20,8 +20,8 @@ from client_sdk.aio import AsyncKVClient
 from client_sdk.client import KVClient
 from client_sdk.pending import AsyncPutHandle, PutHandle
 from kvstore.errors import (BodyTimeout, ConnectionFailed, Forbidden, MalformedRequest, PayloadTooLarge, PutFailed,
-                            QuotaExceeded, RequestTimeout, RouteNotFound, ServerBusy, ServiceError,
-                            Unauthorized)
+                            QuotaExceeded, RequestTimeout, RetainQuotaExceeded, RouteNotFound, ServerBusy,
+                            ServiceError, Unauthorized)
 
 __all__ = [
     "KVClient",
@@ -34,6 +34,7 @@ __all__ = [
     "MalformedRequest",
     "PayloadTooLarge",
     "QuotaExceeded",
+    "RetainQuotaExceeded",
     "RouteNotFound",
     "ConnectionFailed",
     "RequestTimeout",

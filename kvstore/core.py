@@ -16,6 +16,11 @@ Who calls what:
 - reading: ``entry``, ``entries_of``, ``current_prefix`` (the one prefix walk),
   ``read_into``;
 - counting: ``count`` and ``touch``.
+
+Every change to the index is also an event in ``events`` (``kvstore.events``), emitted
+right after the change and under the key's claim, so one key's events come in the order
+its changes happened, and a snapshot taken after reading the log's sequence number is
+exact (the module's note says why).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, Callable, Protocol, Sequence
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.errors import InvalidInput, TierError
+from kvstore.events import CLEARED, DEFAULT_CAPACITY, MOVED, REMOVED, STORED, EventLog
 from kvstore.index import Index, IndexEntry
 from kvstore.keys import BlockHash
 from kvstore.placement import PlacementManager
@@ -98,8 +104,10 @@ class EngineCore:
     """
 
     def __init__(self, tiers: Sequence[Tier], codecs: dict[str, Codec], placement: PlacementManager,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, *, event_capacity: int = DEFAULT_CAPACITY) -> None:
         self.clock: Callable[[], float] = time.time if clock is None else clock
+        self.events = EventLog(event_capacity, clock=self.clock)
+        """Every change to the index, numbered (``kvstore.events``)."""
         """The engine's wall clock: the facade, frames, the shared tier and recovery read it too."""
         self._tiers = list(tiers)
         self._by_name = {t.name: t for t in self._tiers}
@@ -178,25 +186,46 @@ class EngineCore:
 
     # -- the index: changes -----------------------------------------------------------------
 
-    def publish(self, entry: IndexEntry, *, access: bool = True, now: float | None = None) -> None:
-        """Index a frame just written (under its key's claim) and tell placement.
+    def publish(self, entry: IndexEntry, *, access: bool = True, now: float | None = None, reason: str = "put",
+                parent: BlockHash | None = None, tokens: Callable[[], bytes] | None = None) -> None:
+        """Index a frame just written (under its key's claim), tell placement, emit ``stored``.
 
         Args:
             access: count it as an access for heat (a put); False for a block found at start.
             now: placement's clock reading for the put (one per chain: its blocks tie).
+            reason: what stored it, for the event (put, frame, reserved, adopted, recovered).
+            parent: the chain's previous block, when the caller knows it.
+            tokens: the block's token ids as <u4 bytes, asked for only when the event log keeps them.
         """
         self._index.add(entry)
         self.placement.admitted(entry.key, entry.tier, entry.size, access=access, depth=entry.depth, now=now)
+        self._stored(entry, reason, parent, tokens)
 
-    def switch(self, entry: IndexEntry) -> None:
-        """Point the index at a moved frame (under the key's claim); placement hears of the move
-        from the mover."""
+    def _stored(self, entry: IndexEntry, reason: str, parent: BlockHash | None,
+                tokens: Callable[[], bytes] | None) -> None:
+        self.events.emit(STORED, key=entry.key, namespace=entry.namespace, tier=entry.tier, size=entry.size,
+                         depth=entry.depth, spec_fp=entry.spec_fp, parent=parent, reason=reason,
+                         tokens=tokens() if tokens is not None and self.events.keep_tokens else None)
+
+    def switch(self, entry: IndexEntry, *, src: str, reason: str = "moved") -> None:
+        """Point the index at a moved frame (under the key's claim) and emit ``moved``; placement
+        hears of the move from the mover."""
         self._index.add(entry)
+        self.events.emit(MOVED, key=entry.key, namespace=entry.namespace, tier=entry.tier, src=src,
+                         size=entry.size, depth=entry.depth, spec_fp=entry.spec_fp, reason=reason)
 
-    def unpublish(self, key: BlockHash, expected: IndexEntry | None = None) -> IndexEntry | None:
-        """Remove ``key``'s entry (only if it is still ``expected``, when given); the entry removed.
-        Under the key's claim."""
-        return self._index.remove(key, expected=expected)
+    def unpublish(self, key: BlockHash, expected: IndexEntry | None = None, *,
+                  reason: str = "replaced") -> IndexEntry | None:
+        """Remove ``key``'s entry (only if it is still ``expected``, when given) and emit ``removed``;
+        the entry removed. Under the key's claim."""
+        entry = self._index.remove(key, expected=expected)
+        if entry is not None:
+            self._removed(entry, reason)
+        return entry
+
+    def _removed(self, entry: IndexEntry, reason: str) -> None:
+        self.events.emit(REMOVED, key=entry.key, namespace=entry.namespace, tier=entry.tier, size=entry.size,
+                         depth=entry.depth, spec_fp=entry.spec_fp, reason=reason)
 
     def drop(self, entry: IndexEntry, *, corrupt: bool) -> None:
         """Unpublish a block found gone (``stale_blocks``) or damaged (``corrupt_blocks``: its frame
@@ -204,6 +233,7 @@ class EngineCore:
         with self._index.claim(entry.key):
             if self._index.remove(entry.key, expected=entry) is None:
                 return
+            self._removed(entry, "corrupt" if corrupt else "stale")
             self.placement.removed(entry.key)
             if self.shared is not None and entry.tier == self.shared.name:
                 self.shared.forget(entry.key)
@@ -217,6 +247,7 @@ class EngineCore:
             entry = self._index.remove(key)
             if entry is None:
                 return 0
+            self._removed(entry, "deleted")
             self.placement.removed(key)
             self.delete_frame(entry)
             if self.shared is not None:
@@ -235,8 +266,20 @@ class EngineCore:
             log.warning("tier %s failed to delete %s: %s", entry.tier, entry.key.hex(), exc)
 
     def clear(self) -> None:
-        """Forget every entry (the store is closing)."""
+        """Forget every entry (the store is closing) and emit ``cleared``."""
         self._index.clear()
+        self.events.emit(CLEARED, reason="closed")
+
+    def events_snapshot(self, namespaces: frozenset[str] | None = None) -> tuple[int, list[IndexEntry]]:
+        """The block set (of ``namespaces``; None: all) and the event number it is valid at.
+
+        The number is read before the copy: every change numbered at or below it is in the
+        copy, and replaying the events after it gives the index (``kvstore.events``)."""
+        seq = self.events.snapshot_seq()
+        entries = self._index.snapshot()
+        if namespaces is not None:
+            entries = [e for e in entries if e.namespace in namespaces]
+        return seq, entries
 
     # -- frames ---------------------------------------------------------------------------
 

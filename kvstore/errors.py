@@ -30,6 +30,7 @@ SDK maps the status back to the same class (``kvstore.wire.errors``).
         ├── BodyTimeout (TimeoutError)       a request body stalled (408)
         ├── ServerBusy                       bodies in flight hold the server's memory cap (503)
         ├── QuotaExceeded                    the tenant's byte quota (507)
+        │   └── RetainQuotaExceeded          its retained-bytes quota, on retain (507)
         ├── RouteNotFound                    no such route or method (404/405)
         ├── ConnectionFailed (ConnectionError)  the SDK could not reach the server
         └── RequestTimeout (TimeoutError)    no answer within the client's timeout
@@ -65,7 +66,7 @@ __all__ = [
 
 SERVICE_ERRORS = [
     "ServiceError", "Unauthorized", "Forbidden", "MalformedRequest", "BodyTimeout", "ServerBusy", "PayloadTooLarge",
-    "QuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout", "PutFailed",
+    "QuotaExceeded", "RetainQuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout", "PutFailed",
 ]
 """The errors of the service layer (the server's answers, the SDK's transport and its queued puts); they are in
 ``__all__`` too, after the engine's, but ``kvstore`` itself re-exports the engine's alone."""
@@ -211,15 +212,27 @@ class BodyTimeout(ServiceError, TimeoutError):
 
 
 class ServerBusy(ServiceError):
-    """Request bodies in flight hold the server's memory cap (``max_inflight_bytes``) (503).
-
-    Nothing was stored; the answer's ``Retry-After`` says when to try again."""
+    """The server is at a cap (503): request bodies in flight hold its memory cap
+    (``max_inflight_bytes``; nothing was stored), or it has as many event subscribers as it
+    takes (``max_event_subscribers``). The answer's ``Retry-After`` says when to try again."""
 
     retry_after_s: float = 1.0
 
 
 class QuotaExceeded(ServiceError):
     """The tenant's byte quota would be exceeded (507); nothing was stored."""
+
+
+class RetainQuotaExceeded(QuotaExceeded):
+    """A ``retain`` would take the tenant's retained bytes over its retention quota
+    (``KVSTORE_RETAIN_QUOTA_BYTES``, or the token's ``retain_quota_bytes``) (507); nothing
+    new was retained. ``retained_bytes`` and ``quota_bytes`` say where the tenant stands."""
+
+    def __init__(self, message: str, *, retained_bytes: int = 0, quota_bytes: int = 0,
+                 status: int | None = 507) -> None:
+        super().__init__(message, status=status)
+        self.retained_bytes = retained_bytes
+        self.quota_bytes = quota_bytes
 
 
 class RouteNotFound(ServiceError):

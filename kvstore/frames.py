@@ -305,7 +305,7 @@ class Frames:
                 log.warning("tier %s failed a frame put (%s); trying the next", tier.name, exc)
                 failure = exc
                 continue
-            self._core.publish(entry)
+            self._core.publish(entry, reason="frame")
             if old is not None and old.tier != tier.name:
                 self._core.delete_frame(old)
             if self._shared is not None and self._shared.policy.mode == "write_through" \

@@ -79,7 +79,7 @@ class Mover:
             return False
         if order.dst is None:
             with core.claim(order.key):
-                if self._placement.is_held(order.key) or core.unpublish(order.key, expected=entry) is None:
+                if self._placement.is_held(order.key) or core.unpublish(order.key, expected=entry, reason="evicted") is None:
                     return False
                 core.delete_frame(entry)
                 self._done(order, 0)
@@ -136,7 +136,8 @@ class Mover:
             # Other nodes read the shared tier: leaving it is a copy, never a delete.
             if leaving_shared:
                 shared.remember(order.key, Replica(entry.size, entry.codec, entry.checksum))
-            core.switch(replace(entry, tier=dst.name, size=size, codec=codec, checksum=checksum))
+            core.switch(replace(entry, tier=dst.name, size=size, codec=codec, checksum=checksum), src=src.name,
+                        reason=order.reason)
             if not leaving_shared:
                 self._delete_quietly(src, order.key)
             self._done(order, size)

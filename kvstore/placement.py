@@ -25,9 +25,23 @@ Rules, in the order ``plan`` applies them:
    they save on an oscillating workload.
 4. **Pins and leases.** A pinned or leased entry never moves down or out
    (demotion looks past it); a leased one does not move up either.
+5. **Retention** (a soft pin, ``retain``). A retained entry is honoured ahead of
+   heat: demotion and a put's ``make_room`` look past it as they do past a pin,
+   and a retained entry below the top tier is promoted before any other, in
+   exchange for unretained residents whatever their heat, or, failing those, for
+   retained entries of the *same owner* that expire sooner (lower priority
+   first): one tenant's retention never pushes out another's. Retention ends at
+   its expiry or on ``unretain``; each owner's retained bytes are bounded by the
+   quota its ``retain`` call names. A top tier that only retained entries fill
+   sends new blocks one tier down.
 
 Every applied move is logged with its reason, per entry (for ``explain``) and
 store-wide (bounded).
+
+This module is one unit, longer than most: the five rules decide over one record per
+entry under one lock, and each rule reads the others' state (a retained entry is looked
+past by demotion, preferred by promotion, charged to its owner), so splitting them
+would split that lock.
 """
 
 from __future__ import annotations
@@ -42,10 +56,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from kvstore.errors import InvalidInput
+from kvstore.errors import InvalidInput, RetainQuotaExceeded
 from kvstore.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
-__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager", "default_scorer"]
+__all__ = ["PREFETCH_OWNER", "TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager", "default_scorer"]
+
+PREFETCH_OWNER = "_prefetch"
+"""The owner of the holds prefetches place (``kvstore.prefetch``): no tenant, so no tenant's quota
+pays for them; the first read of a held block ends its hold (the reader came)."""
 
 _SATURATING_READS = 64
 """Reads of one key reported at one instant that still raise its heat: scores saturate well before."""
@@ -149,6 +167,10 @@ class _Resident:
     moves: deque = field(default_factory=deque)
     depth: int = 0
     """Position in its chain: breaks ties between equally hot blocks, deepest first."""
+    retained_until: float = 0.0
+    """Retained (a soft pin) until then; 0: not retained."""
+    retain_priority: int = 0
+    retain_owner: str | None = None
 
 
 def default_scorer(config: PlacementConfig) -> Scorer:
@@ -200,6 +222,8 @@ class PlacementManager:
         self._log: deque[MoveRecord] = deque(maxlen=self.config.store_log)
         self._moved = {"promoted": 0, "demoted": 0, "evicted": 0}
         self._moved_bytes = 0
+        self._owners: dict[str, set[bytes]] = {}
+        """Keys each owner retains (expired ones are pruned as they are met)."""
         self._lock = threading.Lock()
 
     # -- events from the store ------------------------------------------------------
@@ -240,6 +264,8 @@ class PlacementManager:
                     continue
                 for _ in range(min(n, _SATURATING_READS)):  # reads at one instant saturate the score
                     self.scorer.touch(r.heat, now)
+                if r.retain_owner == PREFETCH_OWNER:
+                    self._forget_retention(key, r)
                 if r.tier and self.config.promote:
                     self._candidates[key] = None
 
@@ -249,6 +275,7 @@ class PlacementManager:
             r = self._res.pop(key, None)
             if r is not None:
                 self._leave(key, r)
+                self._forget_retention(key, r)
             self._candidates.pop(key, None)
 
     def moved(self, order: MoveOrder, size: int | None = None) -> None:
@@ -266,6 +293,7 @@ class PlacementManager:
             self._moved[kind] = self._moved.get(kind, 0) + 1
             if order.dst is None:
                 del self._res[order.key]
+                self._forget_retention(order.key, r)
                 return
             r.came = 1 if self._pos[order.dst] < r.tier else -1
             r.tier, r.since_s = self._pos[order.dst], now
@@ -331,6 +359,126 @@ class PlacementManager:
             r = self._res.get(key)
             return r is not None and r.pinned_until > self.clock()
 
+    # -- retention (soft pins) --------------------------------------------------------
+
+    def retain(self, keys: Sequence[bytes], ttl_s: float, *, owner: str, priority: int = 0,
+               quota_bytes: int | None = None) -> tuple[int, int, int]:
+        """Retain ``keys`` for ``owner`` for ``ttl_s`` seconds (a soft pin: rule 5).
+
+        A key this owner retains already is renewed (its expiry and priority replaced); one
+        another owner retains stays that owner's, with the later expiry and the higher
+        priority of the two, and is not charged to this one. Keys placement does not know are
+        skipped.
+
+        Returns:
+            (keys retained, their bytes, bytes ``owner`` retains now).
+
+        Raises:
+            InvalidInput: ``ttl_s`` is not a positive finite number.
+            RetainQuotaExceeded: the owner's retained bytes would pass ``quota_bytes``; nothing
+                changed.
+        """
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < math.inf:
+            raise InvalidInput(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        now = self.clock()
+        until = now + ttl_s
+        with self._lock:
+            held = self._owned_bytes(owner, now)
+            mine = self._owners.get(owner, set())
+            found: list[tuple[bytes, _Resident]] = []
+            extra = 0
+            for key in dict.fromkeys(keys):
+                r = self._res.get(key)
+                if r is None:
+                    continue
+                found.append((key, r))
+                if key not in mine and not self._retained(r, now):
+                    extra += r.size
+            if quota_bytes is not None and held + extra > quota_bytes:
+                raise RetainQuotaExceeded(
+                    f"retaining {extra} more bytes would take {owner!r} to {held + extra} bytes retained, over "
+                    f"its retention quota of {quota_bytes} bytes (KVSTORE_RETAIN_QUOTA_BYTES, or the token's "
+                    f"retain_quota_bytes); release a conversation or retain fewer tokens",
+                    retained_bytes=held, quota_bytes=quota_bytes)
+            nbytes = 0
+            for key, r in found:
+                nbytes += r.size
+                if self._retained(r, now) and r.retain_owner != owner:
+                    r.retained_until = max(r.retained_until, until)
+                    r.retain_priority = max(r.retain_priority, priority)
+                    continue
+                if r.retain_owner is not None and r.retain_owner != owner:  # an expired retention of another
+                    self._owners.get(r.retain_owner, set()).discard(key)
+                r.retained_until, r.retain_priority, r.retain_owner = until, priority, owner
+                self._owners.setdefault(owner, set()).add(key)
+                if r.tier and self.config.promote:
+                    self._candidates[key] = None
+            return len(found), nbytes, held + extra
+
+    def unretain(self, keys: Sequence[bytes], owner: str | None = None) -> int:
+        """End the retention of ``keys`` (only ``owner``'s, when given); how many ended."""
+        now = self.clock()
+        n = 0
+        with self._lock:
+            for key in keys:
+                r = self._res.get(key)
+                if r is None or not self._retained(r, now) or (owner is not None and r.retain_owner != owner):
+                    continue
+                self._forget_retention(key, r)
+                n += 1
+        return n
+
+    def retention(self, key: bytes) -> dict | None:
+        """``key``'s live retention: owner, priority and seconds left; None when not retained."""
+        now = self.clock()
+        with self._lock:
+            r = self._res.get(key)
+            if r is None or not self._retained(r, now):
+                return None
+            return {"owner": r.retain_owner, "priority": r.retain_priority,
+                    "expires_in_s": r.retained_until - now}
+
+    def retained_bytes(self, owner: str | None = None) -> dict[str, int]:
+        """Bytes each owner (or only ``owner``) retains now."""
+        now = self.clock()
+        with self._lock:
+            names = list(self._owners) if owner is None else [owner]
+            held = {name: self._owned_bytes(name, now) for name in names if name in self._owners}
+            return {name: n for name, n in held.items() if n}
+
+    def is_retained(self, key: bytes) -> bool:
+        with self._lock:
+            r = self._res.get(key)
+            return r is not None and self._retained(r, self.clock())
+
+    def _retained(self, r: _Resident, now: float) -> bool:
+        return r.retained_until > now
+
+    def _owned_bytes(self, owner: str, now: float) -> int:
+        """Bytes ``owner`` retains, pruning its expired keys (under the lock)."""
+        keys = self._owners.get(owner)
+        if not keys:
+            return 0
+        total = 0
+        for key in list(keys):
+            r = self._res.get(key)
+            if r is None or not self._retained(r, now) or r.retain_owner != owner:
+                keys.discard(key)
+                continue
+            total += r.size
+        if not keys:
+            del self._owners[owner]
+        return total
+
+    def _forget_retention(self, key: bytes, r: _Resident) -> None:
+        if r.retain_owner is not None:
+            keys = self._owners.get(r.retain_owner)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._owners[r.retain_owner]
+        r.retained_until, r.retain_priority, r.retain_owner = 0.0, 0, None
+
     # -- decisions -------------------------------------------------------------------
 
     def plan(self) -> list[MoveOrder]:
@@ -342,6 +490,12 @@ class PlacementManager:
             projected = list(self._used)
             orders: list[MoveOrder] = []
             ordered: set[bytes] = set()
+            if self.config.promote:
+                for keys in self._owners.values():  # a retained entry below the top keeps asking
+                    for key in keys:
+                        r = self._res.get(key)
+                        if r is not None and r.tier and self._retained(r, now):
+                            self._candidates[key] = None
             if self.config.promote and self._candidates:
                 orders += self._promotions(now, projected, ordered)
             for i, tier in enumerate(self.tiers):
@@ -373,8 +527,8 @@ class PlacementManager:
                 return top.name
             probe = Heat()
             self.scorer.touch(probe, now)
-            coldest = min((r.heat.score for r in self._members[0].values() if not self._held(r, now)),
-                          default=None)
+            coldest = min((r.heat.score for r in self._members[0].values()
+                           if not self._held(r, now) and not self._retained(r, now)), default=None)
             if coldest is None or self._beats(probe.score, coldest):
                 return top.name
             return self.tiers[1].name
@@ -423,8 +577,8 @@ class PlacementManager:
         for _, key, r in self._coldest(i, ordered):
             if freed >= need:
                 break
-            if self._held(r, now):
-                continue  # pinned or leased: look past it
+            if self._held(r, now) or self._retained(r, now):
+                continue  # pinned, leased or retained: look past it
             if respect_residency and self._settling(r, now, up=False):
                 break  # the coldest must stay a while: sending hotter ones down instead would be worse
             orders.append(self._order_down(i, key, r, why, projected, ordered))
@@ -448,17 +602,34 @@ class PlacementManager:
         candidates = []
         for key in self._candidates:
             r = self._res.get(key)
-            if r is not None and r.tier and key not in ordered and not r.leases and not self._settling(r, now, True):
-                candidates.append((r.heat.score, key, r))
+            if r is None or not r.tier or key in ordered or r.leases:
+                continue
+            if self._retained(r, now):  # a soft pin goes first, whatever its heat or residency
+                candidates.append((True, r.retain_priority, r.heat.score, key, r))
+            elif not self._settling(r, now, True):
+                candidates.append((False, 0, r.heat.score, key, r))
         self._candidates.clear()
-        candidates.sort(key=lambda c: c[0], reverse=True)
+        candidates.sort(key=lambda c: c[:3], reverse=True)
         victims = ((s, k, r) for s, k, r in self._coldest(0, ordered)
-                   if not self._held(r, now) and not self._settling(r, now, False))
+                   if not self._held(r, now) and not self._retained(r, now) and not self._settling(r, now, False))
         orders: list[MoveOrder] = []
-        for score, key, r in candidates:
+        retained_failed = False
+        for kept, _, score, key, r in candidates:
+            if kept and retained_failed:
+                continue
             if r.size <= room:
                 room -= r.size
                 reason = f"promoted: {top.name} has room ({projected[0] / top.capacity_bytes:.2f} full)"
+                if kept:
+                    reason = f"promoted: retained by {r.retain_owner!r}; {top.name} has room"
+            elif kept:
+                displaced = self._displace_for_retained(r, r.size - room, now, projected, ordered)
+                if displaced is None:
+                    retained_failed = True  # nothing left to give way; keep it where it is
+                    continue
+                orders += displaced[0]
+                room += displaced[1] - r.size
+                reason = f"promoted: retained by {r.retain_owner!r} (soft pin, ahead of heat)"
             else:
                 displaced = self._displace(score, r.size - room, victims, now, projected, ordered)
                 if displaced is None:
@@ -488,6 +659,36 @@ class PlacementManager:
         orders = [self._order_down(0, key, r, f"{reason} (score {s:.3g} < {score:.3g})", projected, ordered)
                   for s, key, r in picked]
         return orders, freed, picked[-1][0]
+
+    def _displace_for_retained(self, r: _Resident, need: int, now: float, projected: list[int],
+                               ordered: set[bytes]) -> tuple[list[MoveOrder], int] | None:
+        """Demotions that free ``need`` bytes of the top tier for retained ``r``: unretained
+        residents first, coldest first, whatever their heat; then retentions of the same owner
+        that rank below it (lower priority, then sooner expiry). None, and nothing ordered,
+        when those are not enough."""
+        picked: list[tuple[str, bytes, _Resident]] = []
+        freed = 0
+        for _, key, v in self._coldest(0, ordered):
+            if freed >= need:
+                break
+            if self._held(v, now) or self._retained(v, now):
+                continue
+            picked.append(("demoted: made room for a retained entry", key, v))
+            freed += v.size
+        if freed < need:
+            rank = (r.retain_priority, r.retained_until)
+            same = sorted(((v.retain_priority, v.retained_until), key, v) for key, v in self._members[0].items()
+                          if key not in ordered and v.retain_owner == r.retain_owner and self._retained(v, now)
+                          and not self._held(v, now))
+            for vrank, key, v in same:
+                if freed >= need or vrank >= rank:
+                    break
+                picked.append((f"demoted: {r.retain_owner!r}'s sooner-expiring retention yields", key, v))
+                freed += v.size
+        if freed < need:
+            return None
+        orders = [self._order_down(0, key, v, why, projected, ordered) for why, key, v in picked]
+        return orders, freed
 
     def _beats(self, a: float, b: float) -> bool:
         return self.scorer.beats(a, b) if self.config.hysteresis else a > b
@@ -522,6 +723,9 @@ class PlacementManager:
                 "pinned_for_s": None if r.pinned_until in (0.0, math.inf) or r.pinned_until <= now
                 else r.pinned_until - now,
                 "leases": r.leases,
+                "retained": None if not self._retained(r, now) else {
+                    "owner": r.retain_owner, "priority": r.retain_priority,
+                    "expires_in_s": r.retained_until - now},
                 "scorer": self.scorer.name,
                 "heat_memories": list(r.heat.parts),
                 "moves": [m.to_dict(now) for m in r.moves],

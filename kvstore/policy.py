@@ -51,6 +51,10 @@ class Policy:
     """Wire codecs it may pick for gets; add "int8" to trade <1% error for half the bytes on slow links."""
     recompute: bool = True
     """Whether get_kv may answer "recompute" when fetching is predicted slower than prefill."""
+    prefetch: bool = True
+    """Whether the server may prefetch on its own: hold a new put in the top tier for the next
+    agent in a namespace that has shown hand-offs (``kvstore.prefetch``). A candidate that
+    turns this on or off is judged by its transfers' times and rolled back like any policy."""
     explore_after_s: float = 30.0
     """Probe a medium whose estimate is older than this (a bounded probe); give an option without two
     real transfers of a size class in this long two of them (real transfers); set a failed medium
@@ -73,6 +77,8 @@ class Policy:
         object.__setattr__(self, "codecs", _names(self.codecs, CODECS, "codecs"))
         if not isinstance(self.recompute, bool):
             raise InvalidInput(f"policy.recompute must be true or false, got {self.recompute!r}")
+        if not isinstance(self.prefetch, bool):
+            raise InvalidInput(f"policy.prefetch must be true or false, got {self.prefetch!r}")
         if not isinstance(self.note, str) or len(self.note) > 200:
             raise InvalidInput("policy.note must be a string of at most 200 characters")
 

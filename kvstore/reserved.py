@@ -33,8 +33,10 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
@@ -58,6 +60,10 @@ class ReservedBlock:
     """The tier's handle for the reserved range (``tiers.arena.Slot``)."""
     size: int
     meta: bytes
+    parent: BlockHash | None = None
+    """The chain's previous block (for the ``stored`` event)."""
+    tokens: bytes = b""
+    """The block's token ids, <u4 (for the ``stored`` event, when the event log keeps them)."""
 
 
 @dataclass(slots=True)
@@ -72,6 +78,8 @@ class Reservation:
     pid: int | None
     ticks: int | None
     expires_s: float
+    keys: list[BlockHash] = field(default_factory=list)
+    """Every block key of the put, stored already or not (for hand-off learning)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"reservation": self.id, "n_tokens": self.n_tokens,
@@ -149,14 +157,16 @@ class ReservedPuts:
                 size = codec_mod.frame_size(shape, spec.dtype, Codec.RAW, meta_len=len(meta))
                 if self._room_for(size) != 0:  # admission puts it lower: not for this path
                     raise TierFull(f"placement puts new blocks below {top.name!r}", tier=top.name)
-                blocks.append(ReservedBlock(depth, key, top.reserve(key, size), size, meta))
+                blocks.append(ReservedBlock(depth, key, top.reserve(key, size), size, meta,
+                                            keys[depth - 1] if depth else None,
+                                            _block_tokens(tokens, depth, bt)))
         except TierFull:
             for b in blocks:
                 top.abort_reserved(b.slot, b.size)
             return None
         self._core.count(put_calls=1, blocks_deduped=deduped)
         res = Reservation(secrets.token_urlsafe(12) if blocks else "", owner, namespace, spec, blocks,
-                          len(keys) * bt, pid, ticks, self._core.clock() + self.ttl_s)
+                          len(keys) * bt, pid, ticks, self._core.clock() + self.ttl_s, keys)
         if not blocks:  # all stored already: nothing to write or commit
             return res
         with self._lock:
@@ -165,6 +175,11 @@ class ReservedPuts:
         return res
 
     # -- commit -----------------------------------------------------------------------------------
+
+    def get(self, rid: str) -> Reservation | None:
+        """The open reservation ``rid``, or None."""
+        with self._lock:
+            return self._open.get(rid)
 
     def commit(self, rid: str, owner: str, checksums: list[int]) -> tuple[int, int]:
         """Publish the reservation's frames, written by its owner with these body checksums.
@@ -206,7 +221,8 @@ class ReservedPuts:
                     self._core.publish(IndexEntry(
                         key=b.key, tier=top.name, size=header.frame_len, codec=header.codec,
                         checksum=header.body_checksum, raw_bytes=header.raw_nbytes, namespace=res.namespace,
-                        spec_fp=spec_fp, depth=b.depth, created_s=now, last_access_s=now), now=heat_now)
+                        spec_fp=spec_fp, depth=b.depth, created_s=now, last_access_s=now), now=heat_now,
+                        reason="reserved", parent=b.parent, tokens=lambda b=b: b.tokens)
                     self._core.count(blocks_written=1)
             except BaseException:
                 for rest in res.blocks[i + 1:]:
@@ -311,3 +327,7 @@ class ReservedPuts:
                 except Exception:  # noqa: BLE001 - closing: the arena goes anyway
                     pass
 
+
+def _block_tokens(tokens: Any, depth: int, bt: int) -> bytes:
+    """Block ``depth``'s token ids as <u4 bytes (64 bytes for a 16-token block)."""
+    return np.asarray(tokens[depth * bt:(depth + 1) * bt], dtype="<u4").tobytes()

@@ -199,7 +199,7 @@ class SharedTier:
             current = core.entry(key)
             if current is not None:
                 return current, None
-            core.publish(entry)
+            core.publish(entry, reason="adopted")
         self.remember(key, Replica(entry.size, entry.codec, entry.checksum))
         with self._lock:
             self.blocks_adopted += 1

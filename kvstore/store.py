@@ -41,11 +41,13 @@ from kvstore.errors import (
     TierFull,
 )
 from kvstore.core import EngineCore, StoreCounters, is_current
+from kvstore.events import DEFAULT_CAPACITY, EventLog
 from kvstore.index import IndexEntry
 from kvstore.memory.buffers import Scratch
 from kvstore.heat import Scorer
 from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
 from kvstore.mover import Mover
+from kvstore.prefetch import HandoffLearner, Job, Prefetcher
 from kvstore.frames import Frames, PrefixBlock
 from kvstore.recovery import recover
 from kvstore.reserved import Reservation, ReservedPuts
@@ -128,6 +130,8 @@ class KVStore:
             heat and entries together by advancing it, with no sleep. With none given,
             placement keeps its own ``time.monotonic`` (a wall clock can step back; heat
             must not) and entries keep wall time, as before.
+        event_capacity: events kept for subscribers (``kvstore.events``): how far one may fall
+            behind before it must resynchronise from a snapshot.
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class KVStore:
         background: bool = True,
         write_policy: str | WritePolicy = "write_through",
         clock: Callable[[], float] | None = None,
+        event_capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         tiers = list(tiers)
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
@@ -179,7 +184,8 @@ class KVStore:
         self.clock: Callable[[], float] = time.time if clock is None else clock
         """The engine's wall clock: what ``created_s`` and ``last_access_s`` are readings of."""
         # One core owns the index; the mover, the shared tier and recovery get it explicitly.
-        self._core = core = EngineCore(tiers, codecs, self.placement, clock=self.clock)
+        self._core = core = EngineCore(tiers, codecs, self.placement, clock=self.clock,
+                                       event_capacity=event_capacity)
         policy = write_policy if isinstance(write_policy, WritePolicy) else WritePolicy(str(write_policy))
         shared = find_shared(tiers)
         self._shared = SharedTier(core, shared, policy) if shared is not None else None
@@ -187,6 +193,14 @@ class KVStore:
         self._mover = Mover(core, self._shared, on_move=self._moved)
         self._frames = Frames(core, self._shared, self._room_for)
         self._reserved = ReservedPuts(core, self._room_for, shared=self._shared is not None)
+        self._prefetcher = Prefetcher(core, self._mover.execute,
+                                      self._shared.adopt if self._shared is not None else None)
+        self.handoffs = HandoffLearner(clock=self.placement.clock)
+        """Hand-offs learned per namespace from the agents' puts and reads (``kvstore.prefetch``)."""
+        self.policy_for: Callable[[str], tuple[int | None, bool]] = lambda namespace: (None, True)
+        """(policy version, whether learned hand-offs may be prefetched) for a namespace: the server
+        points it at the planner's policies, so a canary that turns prefetch on is judged and
+        rolled back like any policy."""
         self.recovered = recover(core)
         if background:
             self._mover.start()
@@ -197,7 +211,8 @@ class KVStore:
     def tiers(self) -> list[Tier]:
         return self._core.tiers
 
-    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, namespace: str = "default") -> int:
+    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, namespace: str = "default", *,
+               agent: str | None = None) -> int:
         """Store the KV of every full block of ``tokens``.
 
         Args:
@@ -205,6 +220,7 @@ class KVStore:
             tokens: token ids (list of ints or 1-D integer tensor).
             kv: ``[num_layers, 2, num_kv_heads, >= full-block tokens, head_dim]`` in ``spec.dtype``.
             namespace: the tenant's namespace; part of every key.
+            agent: who is writing (the SDK's agent id), for learning hand-offs; None: not learned.
 
         Returns:
             Tokens covered after the call (full blocks only), new or already stored.
@@ -243,7 +259,8 @@ class KVStore:
                         self._core.count(blocks_deduped=1)
                         continue
                     entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt, first=first)
-                    self._core.publish(entry, now=heat_now)
+                    self._core.publish(entry, now=heat_now, parent=keys[i - 1] if i else None,
+                                       tokens=lambda i=i: toks[i * bt:(i + 1) * bt].astype("<u4").tobytes())
                     if self._shared is not None:
                         self._shared.after_put(entry, block, block_meta(namespace, spec_fp, i))
                     if self.placement.lease(key):
@@ -252,16 +269,19 @@ class KVStore:
         finally:
             for key in held:
                 self.placement.release(key)
+        if agent is not None:
+            self._wrote(keys, namespace, spec, agent)
         return n_blocks * bt
 
     def get_kv(self, spec: KVSpec, tokens: Any, namespace: str = "default", *,
-               out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+               out: torch.Tensor | None = None, agent: str | None = None) -> tuple[torch.Tensor, int]:
         """The KV of the longest stored prefix of ``tokens``.
 
         Args:
             out: optional CPU tensor ``[L, 2, H, >= full-block tokens, D]`` in
                 ``spec.dtype`` to decode into; a server or an engine reusing one
                 buffer skips the page faults of a fresh allocation per call.
+            agent: who is reading, for learning hand-offs; None: not learned.
 
         Returns:
             ``(kv, n_tokens)``: ``kv`` is ``[L, 2, H, n_tokens, D]`` in ``spec.dtype``
@@ -340,6 +360,8 @@ class KVStore:
             good += 1
         hits = [key for key, _ in found[:good]]
         self._core.touch(hits)
+        if agent is not None:
+            self.handoffs.read(hits, namespace, agent)
         if self._shared is not None:
             for entry in self._shared.after_hits([e for _, e in found[:good]]):
                 self._shared.replicate(entry)
@@ -363,11 +385,16 @@ class KVStore:
         spec = _check_spec(spec)
         return self._reserved.reserve(spec, normalize_tokens(tokens), namespace, owner, pid)
 
-    def commit_put(self, reservation: str, owner: str, checksums: list[int]) -> tuple[int, int]:
+    def commit_put(self, reservation: str, owner: str, checksums: list[int], *,
+                   agent: str | None = None) -> tuple[int, int]:
         """Publish a reservation's frames: (tokens covered, KV bytes written). ``ReservedPuts.commit``
-        has the rest."""
+        has the rest; ``agent`` is the writer, for learning hand-offs."""
         self._check_open()
-        return self._reserved.commit(reservation, owner, checksums)
+        res = self._reserved.get(reservation) if agent is not None else None
+        done = self._reserved.commit(reservation, owner, checksums)
+        if res is not None:
+            self._wrote(res.keys, res.namespace, res.spec, agent)
+        return done
 
     def abort_put(self, reservation: str, owner: str) -> None:
         self._reserved.abort(reservation, owner)
@@ -535,13 +562,17 @@ class KVStore:
         another namespace is reported exactly like an absent one."""
         return self._frames.current_entry(check_key(key), namespaces)
 
-    def prefix_blocks(self, spec: KVSpec, tokens: Any, namespace: str) -> list[PrefixBlock]:
-        """The blocks of the longest stored prefix of ``tokens`` (``kvstore.frames.Frames.prefix``)."""
+    def prefix_blocks(self, spec: KVSpec, tokens: Any, namespace: str, *,
+                      agent: str | None = None) -> list[PrefixBlock]:
+        """The blocks of the longest stored prefix of ``tokens`` (``kvstore.frames.Frames.prefix``);
+        ``agent``: a reader about to read them (a co-located get), for learning hand-offs."""
         self._check_open()
         spec = _check_spec(spec)
         toks = normalize_tokens(tokens)
         keys = block_hashes(spec, toks, namespace)
         found = self._frames.local_prefix(keys, namespace, spec.fingerprint())
+        if agent is not None and found:
+            self.handoffs.read([b.key for b in found], namespace, agent)
         if len(found) == len(keys):
             self._core.count(lookup_calls=1)
             return found
@@ -566,6 +597,173 @@ class KVStore:
     def tier_named(self, name: str) -> Tier | None:
         """The tier called ``name``, or None."""
         return self._core.tier(name) if self._core.has_tier(name) else None
+
+    # -- events (``kvstore.events``) -------------------------------------------------------
+
+    @property
+    def events(self) -> EventLog:
+        """Every block stored, moved, removed, and every clear, numbered."""
+        return self._core.events
+
+    def events_snapshot(self, namespaces: frozenset[str] | None = None) -> tuple[int, list[IndexEntry]]:
+        """(the event number the copy is valid at, copies of the entries of ``namespaces`` (None: all)).
+        Replaying the events after that number onto the copy gives the index."""
+        return self._core.events_snapshot(namespaces)
+
+    # -- locality: prefetch, hand-off, retention (``kvstore.prefetch``, placement rule 5) ----------
+
+    def prefetch(self, spec: KVSpec, tokens: Any, namespace: str = "default", *,
+                 reason: str = "requested by a caller", trigger: str = "requested",
+                 hold_s: float = 0.0) -> int:
+        """Bring the longest stored prefix of ``tokens`` to the top tier, in the background.
+
+        Blocks only the shared tier holds (another node stored them) are adopted first, so a
+        node reading from the shared tier gets them into its own arena. Returns at once.
+
+        Args:
+            hold_s: also hold the blocks in the top tier this long (a soft retention no
+                tenant pays for, at most a quarter of the tier; their first read ends it).
+
+        Returns:
+            Tokens of the prefix the prefetch will bring (what a get would find now).
+
+        Raises:
+            InvalidSpec, InvalidTokens: bad input.
+        """
+        self._check_open()
+        spec = _check_spec(spec)
+        toks = normalize_tokens(tokens)
+        keys = block_hashes(spec, toks, namespace)
+        spec_fp = spec.fingerprint()
+        n = len(self._core.current_prefix(keys, namespace, spec_fp))
+        if n < len(keys) and self._shared is not None:
+            n += self._shared.count_prefix(keys[n:])
+        if n:
+            self._prefetcher.submit(Job(keys[:n], namespace, spec_fp, trigger, reason, hold_s=hold_s,
+                                        policy_version=self.policy_for(namespace)[0],
+                                        block_tokens=spec.block_tokens))
+        return n * spec.block_tokens
+
+    def prefetch_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued prefetch is done (tests and benches); False on timeout."""
+        return self._prefetcher.idle(timeout_s)
+
+    def prefetch_log(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The latest prefetch decisions, newest last: trigger, reason, source tiers, what moved."""
+        return self._prefetcher.log(limit)
+
+    def retain(self, spec: KVSpec, tokens: Any, namespace: str = "default", *, ttl_s: float,
+               priority: int = 0, owner: str | None = None, quota_bytes: int | None = None) -> dict[str, Any]:
+        """Keep the stored prefix of ``tokens`` in the top tier for ``ttl_s`` seconds: a soft pin,
+        honoured ahead of heat, ended by expiry or ``release`` (placement's rule 5).
+
+        Blocks below the top tier are brought up in the background. Blocks only the shared tier
+        holds are not retained: ``prefetch`` brings them, then retain.
+
+        Args:
+            priority: 0-9; under pressure a lower priority of the same owner yields first.
+            owner: who pays for it (the tenant; default the namespace).
+            quota_bytes: the owner's retained bytes may not pass this (None: no bound).
+
+        Returns:
+            tokens, blocks and bytes retained; expires_in_s; priority; owner; the owner's
+            retained_bytes now and its quota_bytes.
+
+        Raises:
+            InvalidInput: ``ttl_s`` not in (0, 86400] or ``priority`` not an int in 0..9.
+            RetainQuotaExceeded: over ``quota_bytes``; nothing new is retained.
+        """
+        _check_retention(ttl_s, priority)
+        owner = namespace if owner is None else owner
+        keys = self._current_keys(spec, tokens, namespace)
+        n, nbytes, total = self.placement.retain(keys, float(ttl_s), owner=owner, priority=priority,
+                                                 quota_bytes=quota_bytes)
+        spec = _check_spec(spec)
+        top = self._core.tiers[0].name
+        below = [k for k in keys if (e := self._core.entry(k)) is not None and e.tier != top]
+        if below:  # the mover would promote them too, but only at its next round and within its budget
+            self._prefetcher.submit(Job(keys, namespace, spec.fingerprint(), "retain",
+                                        f"retained by {owner!r} for {ttl_s:g} s",
+                                        policy_version=self.policy_for(namespace)[0],
+                                        block_tokens=spec.block_tokens))
+        return {"tokens": n * spec.block_tokens, "blocks": n, "bytes": nbytes, "expires_in_s": float(ttl_s),
+                "priority": priority, "owner": owner, "retained_bytes": total, "quota_bytes": quota_bytes}
+
+    def release(self, spec: KVSpec, tokens: Any, namespace: str = "default", *, owner: str | None = None) -> int:
+        """End the retention of the stored prefix of ``tokens`` (only ``owner``'s, when given);
+        returns how many blocks it ended for."""
+        return self.placement.unretain(self._current_keys(spec, tokens, namespace), owner)
+
+    def handoff(self, spec: KVSpec, tokens: Any, namespace: str = "default", *, to: str = "here",
+                ttl_s: float | None = None, owner: str | None = None,
+                quota_bytes: int | None = None) -> dict[str, Any]:
+        """Place the stored prefix of ``tokens`` where its next reader will read it.
+
+        Args:
+            to: ``"here"``: the reader is on this node: keep the blocks in the top tier for
+                ``ttl_s`` (a retention of ``owner``'s, within ``quota_bytes``). Anything else (a
+                node's name, or ``"shared"``): the reader is on another node: copy every block
+                to the shared tier now, whatever the write policy, so that node finds it (its
+                ``prefetch`` brings it into its own arena).
+            ttl_s: how long to hold for ``"here"`` (default 120 s).
+
+        Returns:
+            tokens and blocks of the prefix; held (blocks retained here); shared (blocks the
+            shared tier holds now).
+
+        Raises:
+            InvalidInput: a bad ``to`` or ``ttl_s``, or another node named with no shared tier.
+            RetainQuotaExceeded: ``"here"`` over the owner's quota.
+        """
+        if not isinstance(to, str) or not to or len(to) > 256:
+            raise InvalidInput(f"to must be 'here', 'shared' or a node name (at most 256 characters), got {to!r}")
+        spec = _check_spec(spec)
+        keys = self._current_keys(spec, tokens, namespace)
+        out = {"tokens": len(keys) * spec.block_tokens, "blocks": len(keys), "held": 0, "shared": 0, "to": to}
+        if to == "here":
+            ttl = 120.0 if ttl_s is None else ttl_s
+            _check_retention(ttl, 0)
+            out["held"] = self.placement.retain(keys, float(ttl), owner=namespace if owner is None else owner,
+                                                quota_bytes=quota_bytes)[0]
+            return out
+        if self._shared is None:
+            raise InvalidInput(f"a hand-off to {to!r} needs a shared tier (KVSTORE_REDIS_URL) that both nodes "
+                               "use; this store has none")
+        shared = 0
+        for key in keys:
+            entry = self._core.entry(key)
+            if entry is None:
+                break
+            if entry.tier == self._shared.name or self._shared.replica(key) is not None \
+                    or self._shared.replicate(entry):
+                shared += 1
+        out["shared"] = shared
+        return out
+
+    def retention_of(self, key: BlockHash) -> dict[str, Any] | None:
+        """``key``'s retention (owner, priority, expires_in_s), or None."""
+        return self.placement.retention(check_key(key))
+
+    def retained_bytes(self) -> dict[str, int]:
+        """Bytes each owner retains now."""
+        return self.placement.retained_bytes()
+
+    def _wrote(self, keys: Sequence[BlockHash], namespace: str, spec: KVSpec, agent: str) -> None:
+        """An agent stored ``keys``: remember it for hand-off learning, and when this namespace has
+        shown hand-offs (and its policy lets it), hold the chain in the top tier for its reader."""
+        self.handoffs.wrote(keys, namespace, agent)
+        learned = self.handoffs.pattern(namespace)
+        if learned is None or not keys:
+            return
+        version, allowed = self.policy_for(namespace)
+        if not allowed:
+            return
+        count, gap = learned
+        hold = min(600.0, max(10.0, 2 * gap))
+        self._prefetcher.submit(Job(list(keys), namespace, spec.fingerprint(), "hand-off",
+                                    f"{namespace!r} showed {count} hand-offs in {self.handoffs.window_s:g} s "
+                                    f"(median gap {gap:.1f} s): held {hold:.0f} s for the next agent",
+                                    hold_s=hold, policy_version=version, block_tokens=spec.block_tokens))
 
     # -- placement ------------------------------------------------------------------
 
@@ -686,6 +884,7 @@ class KVStore:
         """Close every tier. Idempotent; the store refuses calls afterwards."""
         if self._core.closed:
             return
+        self._prefetcher.close()
         self._mover.stop()  # no move may start against tiers that are closing
         self._reserved.close()
         self._core.closed = True
@@ -791,6 +990,17 @@ def _frame_buffer(n: int) -> memoryview:
 
 # One frame buffer per thread, grown (at least doubling) to the largest frame read so far.
 _FRAMES = Scratch(_frame_buffer, len, grow=2.0)
+
+
+MAX_RETAIN_S = 86400.0
+"""The longest retention the engine takes (a day); a server may allow less."""
+
+
+def _check_retention(ttl_s: Any, priority: Any) -> None:
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_RETAIN_S:
+        raise InvalidInput(f"ttl_s must be a number of seconds in (0, {MAX_RETAIN_S:g}], got {ttl_s!r}")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+        raise InvalidInput(f"priority must be an int in 0..9, got {priority!r}")
 
 
 def _check_spec(spec: Any) -> KVSpec:

@@ -77,13 +77,14 @@ LAYERS = {
     "tiers": (("tiers",), ("foundation",)),
     "engine": (("kvstore.index", "kvstore.heat", "kvstore.placement", "kvstore.evict", "kvstore.core",
                 "kvstore.mover", "kvstore.shared", "kvstore.recovery", "kvstore.frames", "kvstore.reserved",
-                "kvstore.store", "kvstore.build"),
+                "kvstore.events", "kvstore.prefetch", "kvstore.store", "kvstore.build"),
                ("foundation", "tiers")),
     "server": (("server",), ("foundation", "engine")),
     "sdk": (("client_sdk",), ("foundation",)),
     "integrations": (("kvstore.integrations",), ("foundation", "sdk")),
     # the composition root: the CLI and the bench start servers and drive the whole stack
-    "root": (("kvstore.cli", "bench"), ("foundation", "tiers", "engine", "server", "sdk", "integrations", "facade")),
+    "root": (("kvstore.cli", "kvstore.cli_client", "bench"),
+             ("foundation", "tiers", "engine", "server", "sdk", "integrations", "facade")),
     # ``kvstore/__init__``: the public names of the foundation and the engine, loaded on first use
     "facade": (("kvstore",), ("foundation", "engine")),
 }

@@ -37,7 +37,7 @@ STATUS: dict[str, int] = {
     "BlockNotFound": 404,
     "RouteNotFound": 404,
     "TierError": 503, "TierUnavailable": 503, "TierIOError": 500, "StoreClosed": 503,
-    "TierFull": 507, "QuotaExceeded": 507,
+    "TierFull": 507, "QuotaExceeded": 507, "RetainQuotaExceeded": 507,
     "ConnectionFailed": 503, "RequestTimeout": 504,
 }
 """One status per error class; a class not listed takes its nearest listed base's."""
@@ -64,6 +64,8 @@ def error_body(exc: BaseException, *, field: str | None = None) -> dict[str, Any
         body["stored_tokens"] = exc.stored_tokens
     if isinstance(exc, _e.TierError) and exc.tier:
         body["tier"] = exc.tier
+    if isinstance(exc, _e.RetainQuotaExceeded):
+        body["retained_bytes"], body["quota_bytes"] = exc.retained_bytes, exc.quota_bytes
     return {"error": body}
 
 
@@ -86,8 +88,11 @@ def error_from(status: int, body: bytes | Mapping[str, Any] | None) -> Exception
     if cls is None:
         cls = {400: MalformedRequest, 401: Unauthorized, 403: Forbidden, 404: RouteNotFound, 405: RouteNotFound,
                413: PayloadTooLarge, 422: InvalidInput, 507: QuotaExceeded}.get(status, ServiceError)
-    if issubclass(cls, ServiceError):
-        exc: Exception = cls(message, status=status)
+    if issubclass(cls, _e.RetainQuotaExceeded):
+        exc: Exception = cls(message, status=status, retained_bytes=_int(info.get("retained_bytes")),
+                             quota_bytes=_int(info.get("quota_bytes")))
+    elif issubclass(cls, ServiceError):
+        exc = cls(message, status=status)
     elif issubclass(cls, TierFull):
         exc = cls(message, tier=info.get("tier"), stored_tokens=info.get("stored_tokens"))
     elif issubclass(cls, _e.TierError):
@@ -97,3 +102,8 @@ def error_from(status: int, body: bytes | Mapping[str, Any] | None) -> Exception
     if info.get("field"):
         exc.field = info["field"]  # type: ignore[attr-defined]
     return exc
+
+
+def _int(value: Any) -> int:
+    """A byte count from an error body; 0 when absent or not a whole number (an older server)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,0 +1,274 @@
+"""Prefetch and hand-off: bring a prefix to the top tier before its reader asks.
+
+Two parts, both owned by the store (``KVStore.prefetch``, ``KVStore.handoff``):
+
+- ``Prefetcher``: a background thread that carries out prefetch jobs. A job walks a
+  chain's keys in order; a block this store's index lacks but the shared tier holds
+  (another node stored it) is adopted first; every block below the top tier is moved up
+  through the mover (``promoted: prefetched ...``, so ``explain`` shows why). A job may
+  also *hold* its blocks there for a while (a soft retention owned by ``PREFETCH_OWNER``,
+  bounded to ``hold_frac`` of the top tier), so that churn does not push them out again
+  before the reader comes; the reader's first access ends the hold. Every job is a decision
+  in ``log()``: what triggered it, why, from which tiers, and what it moved.
+- ``HandoffLearner``: learns, per namespace, that blocks one agent writes are read by
+  another agent soon after (a hand-off), from the puts and reads the server reports with
+  the caller's agent id. Once a namespace has shown ``min_handoffs`` within ``window_s``,
+  ``pattern`` gives the median gap, and the store holds each new put of that namespace in
+  the top tier for about twice that gap (when the planner's policy lets it: the canary can
+  roll it back like any policy).
+
+The queue is bounded: past ``max_jobs`` waiting, the oldest job is dropped and counted.
+A prefetch is a hint; losing one costs a slower read, never data.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from kvstore.core import EngineCore, is_current
+from kvstore.errors import RetainQuotaExceeded, TierError
+from kvstore.keys import BlockHash
+from kvstore.placement import PREFETCH_OWNER, MoveOrder
+
+__all__ = ["Prefetcher", "HandoffLearner", "PREFETCH_OWNER", "Job"]
+
+log = logging.getLogger("kvstore.prefetch")
+
+
+@dataclass(slots=True)
+class Job:
+    """One prefetch: bring ``keys`` (a chain, in order) to the top tier."""
+
+    keys: list[BlockHash]
+    namespace: str
+    spec_fp: str
+    trigger: str
+    """requested (a caller asked), hand-off (learned), retain (a retention below the top)."""
+    reason: str
+    hold_s: float = 0.0
+    policy_version: int | None = None
+    block_tokens: int = 0
+    queued_s: float = field(default_factory=time.monotonic)
+
+
+class Prefetcher:
+    """Carries out prefetch jobs in one background thread.
+
+    Args:
+        core: the store's engine core.
+        execute: the mover's ``execute`` (a move under the key's claim).
+        adopt: the shared tier's ``adopt`` (key, namespace, spec_fp) -> (entry, frame) | None, or None.
+        hold_frac: at most this share of the top tier is held for prefetches at once.
+        max_jobs: jobs waiting at most; past it the oldest is dropped.
+    """
+
+    def __init__(self, core: EngineCore, execute: Callable[[MoveOrder], bool],
+                 adopt: Callable[[BlockHash, str, str], Any] | None, *, hold_frac: float = 0.25,
+                 max_jobs: int = 1024, log_size: int = 1000) -> None:
+        self._core = core
+        self._execute = execute
+        self._adopt = adopt
+        self._hold_bytes = int(core.tiers[0].capacity_bytes * hold_frac)
+        self._jobs: deque[Job] = deque()
+        self._max_jobs = max_jobs
+        self._cond = threading.Condition()
+        self._log: deque[dict[str, Any]] = deque(maxlen=log_size)
+        self._seq = 0
+        self._busy = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.counters = Counter()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; returns at once."""
+        with self._cond:
+            if self._stop:
+                return
+            if len(self._jobs) >= self._max_jobs:
+                self._jobs.popleft()
+                self.counters["dropped"] += 1
+            self._jobs.append(job)
+            self.counters["queued"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kvstore-prefetch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no job is queued or running (tests and benches); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._jobs.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10.0)
+
+    def log(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The latest prefetch decisions, newest last."""
+        with self._cond:
+            return list(self._log)[-limit:]
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._jobs or self._stop)
+                if self._stop:
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            try:
+                self.run(job)
+            except Exception:  # a prefetch is a hint: a bug here must not stop the next one
+                log.exception("prefetch failed")
+            if self._core.closed:
+                return
+
+    def run(self, job: Job) -> dict[str, Any]:
+        """Carry out ``job`` now (in the caller's thread); returns its decision record."""
+        core = self._core
+        top = core.tiers[0].name
+        started = time.monotonic()
+        have: list[BlockHash] = []
+        sources: Counter = Counter()
+        adopted = 0
+        for key in job.keys:
+            entry = core.entry(key)
+            if not is_current(entry, job.namespace, job.spec_fp):
+                got = self._adopt(key, job.namespace, job.spec_fp) if self._adopt is not None else None
+                if got is None or not is_current(got[0], job.namespace, job.spec_fp):
+                    break
+                entry = got[0]
+                adopted += 1
+            have.append(key)
+            sources[entry.tier] += 1
+        held = 0
+        if job.hold_s > 0 and have:
+            try:
+                held = core.placement.retain(have, job.hold_s, owner=PREFETCH_OWNER,
+                                             quota_bytes=self._hold_bytes)[0]
+            except RetainQuotaExceeded:
+                self.counters["holds_refused"] += 1  # the prefetch still runs, only unheld
+        moved = failed = 0
+        for key in have:
+            entry = core.entry(key)
+            if entry is None or entry.tier == top:
+                continue
+            order = MoveOrder(key, entry.tier, top, entry.size, f"promoted: prefetched ({job.trigger}): {job.reason}")
+            try:
+                ok = self._execute(order)
+            except TierError as exc:
+                log.warning("prefetch of %s failed: %s", key.hex(), exc)
+                ok = False
+            moved += ok
+            failed += not ok
+        self.counters["jobs"] += 1
+        self.counters["blocks_moved"] += moved
+        record = {"time_s": time.time(), "op": "prefetch", "trigger": job.trigger, "namespace": job.namespace,
+                  "blocks": len(have), "tokens": len(have) * job.block_tokens, "from": dict(sources),
+                  "to": top, "adopted": adopted, "moved": moved, "failed": failed,
+                  "held": held, "hold_s": job.hold_s, "reason": job.reason,
+                  "policy_version": job.policy_version, "wait_s": started - job.queued_s,
+                  "took_s": time.monotonic() - started}
+        with self._cond:
+            self._seq += 1
+            record["seq"] = self._seq
+            self._log.append(record)
+        return record
+
+
+@dataclass(slots=True)
+class _Gaps:
+    times: deque = field(default_factory=lambda: deque(maxlen=64))
+    gaps: deque = field(default_factory=lambda: deque(maxlen=64))
+
+
+class HandoffLearner:
+    """Learns hand-offs per namespace: a block written by one agent, read by another soon after.
+
+    Args:
+        window_s: a read this long after the write, or longer, is not a hand-off; and only
+            hand-offs seen within this long count toward a pattern.
+        min_handoffs: hand-offs within ``window_s`` that make a pattern.
+        remember: puts remembered at most (the oldest are forgotten first).
+    """
+
+    def __init__(self, *, window_s: float = 600.0, min_handoffs: int = 2, remember: int = 8192,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.min_handoffs = min_handoffs
+        self._remember = remember
+        self._clock = clock
+        self._puts: OrderedDict[BlockHash, tuple[str, float, str]] = OrderedDict()
+        self._seen: dict[str, _Gaps] = {}
+        self._lock = threading.Lock()
+
+    def wrote(self, keys: Sequence[BlockHash], namespace: str, agent: str) -> None:
+        """``agent`` stored ``keys`` (a chain): its deepest block stands for the chain."""
+        if not keys:
+            return
+        now = self._clock()
+        with self._lock:
+            self._puts[keys[-1]] = (agent, now, namespace)
+            self._puts.move_to_end(keys[-1])
+            while len(self._puts) > self._remember:
+                self._puts.popitem(last=False)
+
+    def read(self, keys: Sequence[BlockHash], namespace: str, agent: str) -> float | None:
+        """``agent`` read the prefix ``keys``; the gap in seconds when this read completes a
+        hand-off (a chain another agent wrote, read within ``window_s``), else None."""
+        if not keys:
+            return None
+        now = self._clock()
+        with self._lock:
+            for key in reversed(keys):  # the deepest chain written that this read covers
+                put = self._puts.get(key)
+                if put is None:
+                    continue
+                writer, at, ns = put
+                if writer == agent or ns != namespace:
+                    return None
+                del self._puts[key]  # one hand-off per put
+                gap = now - at
+                if gap >= self.window_s:
+                    return None
+                seen = self._seen.setdefault(namespace, _Gaps())
+                seen.times.append(now)
+                seen.gaps.append(gap)
+                return gap
+        return None
+
+    def pattern(self, namespace: str) -> tuple[int, float] | None:
+        """(hand-offs within ``window_s``, their median gap) once they make a pattern, else None."""
+        now = self._clock()
+        with self._lock:
+            seen = self._seen.get(namespace)
+            if seen is None:
+                return None
+            recent = [g for t, g in zip(seen.times, seen.gaps) if now - t < self.window_s]
+        if len(recent) < self.min_handoffs:
+            return None
+        return len(recent), statistics.median(recent)
+
+    def describe(self) -> dict[str, Any]:
+        """Per namespace: hand-offs seen within the window and their median gap."""
+        with self._lock:
+            names = list(self._seen)
+        out = {}
+        for ns in names:
+            got = self.pattern(ns)
+            if got is not None:
+                out[ns] = {"handoffs": got[0], "median_gap_s": got[1]}
+        return out

@@ -1,0 +1,165 @@
+"""Retention, prefetch and hand-off in the engine (``kvstore.prefetch``, placement's rule 5),
+against real shm and nvme tiers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvstore.errors import InvalidInput, RetainQuotaExceeded
+from kvstore.store import KVStore
+from tests.conftest import FakeClock, make_kv, make_spec
+from tiers.memory import MemoryTier
+from tiers.nvme import NVMeTier
+from tiers.shm import ShmTier
+
+
+@pytest.fixture
+def spec():
+    return make_spec()
+
+
+def tiers_of(store, spec, toks, ns):
+    return [store.entry(k).tier for k in store._current_keys(spec, toks, ns)]
+
+
+def small_store(spec, tmp_path, *, top_blocks=12, clock=None):
+    frame = spec.block_nbytes + 1024
+    return KVStore([ShmTier(frame * top_blocks), NVMeTier(tmp_path, 64 << 20)], background=False,
+                   **({} if clock is None else {"clock": clock}))
+
+
+def test_prefetch_brings_a_sunk_prefix_to_shm_and_logs_why(spec, tmp_path):
+    with small_store(spec, tmp_path) as store:
+        toks = list(range(64))
+        store.put_kv(spec, toks, make_kv(spec, 64), "a")
+        for key in store._current_keys(spec, toks, "a"):
+            assert store.migrate(key, "nvme")
+        assert set(tiers_of(store, spec, toks, "a")) == {"nvme"}
+        assert store.prefetch(spec, toks + [1, 2, 3], "a") == 64
+        assert store.prefetch_idle()
+        assert set(tiers_of(store, spec, toks, "a")) == {"shm"}
+        record = store.prefetch_log()[-1]
+        assert record["trigger"] == "requested" and record["from"] == {"nvme": 4} and record["moved"] == 4
+        why = store.explain(store._current_keys(spec, toks, "a")[0])["moves"][-1]["reason"]
+        assert why.startswith("promoted: prefetched (requested)")
+        assert store.prefetch(spec, list(range(500, 564)), "a") == 0  # nothing stored: nothing queued
+        assert store.prefetch(spec, toks, "other") == 0  # another namespace sees nothing
+
+
+def test_retention_survives_churn_that_evicts_everything_else(spec, tmp_path):
+    with small_store(spec, tmp_path) as store:
+        convo = list(range(64))
+        store.put_kv(spec, convo, make_kv(spec, 64), "a")
+        out = store.retain(spec, convo, "a", ttl_s=60, priority=2, owner="tenant-a")
+        assert out["blocks"] == 4 and out["owner"] == "tenant-a" and out["retained_bytes"] == out["bytes"]
+        for i in range(30):  # other tenants fill the top tier many times over
+            toks = list(range(10_000 + 64 * i, 10_000 + 64 * (i + 1)))
+            store.put_kv(spec, toks, make_kv(spec, 64, seed=i), "b")
+            store.run_placement()
+        assert tiers_of(store, spec, convo, "a") == ["shm"] * 4
+        info = store.explain(store._current_keys(spec, convo, "a")[0])
+        assert info["retained"]["owner"] == "tenant-a" and info["retained"]["priority"] == 2
+        assert store.release(spec, convo, "a", owner="someone-else") == 0
+        assert store.release(spec, convo, "a", owner="tenant-a") == 4
+        assert store.retention_of(store._current_keys(spec, convo, "a")[0]) is None
+
+
+def test_retention_expires_by_the_clock(spec, tmp_path):
+    clock = FakeClock()
+    with small_store(spec, tmp_path, clock=clock) as store:
+        convo = list(range(32))
+        store.put_kv(spec, convo, make_kv(spec, 32), "a")
+        store.retain(spec, convo, "a", ttl_s=30)
+        assert store.retained_bytes() == {"a": store.retain(spec, convo, "a", ttl_s=30)["bytes"]}
+        clock.advance(31)
+        assert store.retention_of(store._current_keys(spec, convo, "a")[0]) is None
+        assert store.retained_bytes() == {}
+
+
+def test_quota_is_per_owner_and_named(spec, tmp_path):
+    with small_store(spec, tmp_path, top_blocks=40) as store:
+        one, two = list(range(64)), list(range(1000, 1064))
+        store.put_kv(spec, one, make_kv(spec, 64), "a")
+        store.put_kv(spec, two, make_kv(spec, 64), "a")
+        size = store.retain(spec, one, "a", ttl_s=60, quota_bytes=10**9)["bytes"]
+        with pytest.raises(RetainQuotaExceeded, match="KVSTORE_RETAIN_QUOTA_BYTES") as err:
+            store.retain(spec, two, "a", ttl_s=60, quota_bytes=size + 10)
+        assert err.value.quota_bytes == size + 10 and err.value.retained_bytes == size
+        assert all(store.retention_of(k) is None for k in store._current_keys(spec, two, "a"))
+        # renewing what one holds costs nothing more; another owner has its own quota
+        store.retain(spec, one, "a", ttl_s=90, quota_bytes=size)
+        store.retain(spec, two, "a", ttl_s=60, owner="b", quota_bytes=size)
+
+
+@pytest.mark.parametrize("ttl", [0, -1, math.nan, math.inf, 86_401, "10", True])
+def test_bad_ttls_and_priorities_are_refused(spec, tmp_path, ttl):
+    with small_store(spec, tmp_path) as store:
+        store.put_kv(spec, list(range(16)), make_kv(spec, 16), "a")
+        with pytest.raises(InvalidInput, match="ttl_s"):
+            store.retain(spec, list(range(16)), "a", ttl_s=ttl)
+        with pytest.raises(InvalidInput, match="priority"):
+            store.retain(spec, list(range(16)), "a", ttl_s=5, priority=10)
+        assert store.retained_bytes() == {}
+
+
+def test_sooner_expiring_retention_of_the_same_owner_yields(spec, tmp_path):
+    """A top tier full of one owner's retentions: a new retention of that owner, brought up
+    from below, displaces its sooner-expiring one, never another owner's."""
+    frame = spec.block_nbytes + 1024
+    with KVStore([ShmTier(frame * 8), MemoryTier(64 << 20, name="low")], background=False) as store:
+        mine_old, theirs, mine_new = list(range(64)), list(range(1000, 1064)), list(range(2000, 2064))
+        for toks in (mine_old, theirs):
+            store.put_kv(spec, toks, make_kv(spec, 64), "a")
+        store.retain(spec, mine_old, "a", ttl_s=30, owner="t1")
+        store.retain(spec, theirs, "a", ttl_s=10, owner="t2")
+        store.put_kv(spec, mine_new, make_kv(spec, 64), "a")  # lands below: the top is all retained
+        assert set(tiers_of(store, spec, mine_new, "a")) == {"low"}
+        store.retain(spec, mine_new, "a", ttl_s=300, owner="t1")
+        store.prefetch_idle()
+        for _ in range(3):
+            store.run_placement()
+        assert tiers_of(store, spec, mine_new, "a") == ["shm"] * 4
+        assert tiers_of(store, spec, theirs, "a") == ["shm"] * 4  # t2's stays though it expires first
+        assert "low" in tiers_of(store, spec, mine_old, "a")
+
+
+def test_handoff_here_holds_and_to_another_node_needs_a_shared_tier(spec, tmp_path):
+    with small_store(spec, tmp_path) as store:
+        toks = list(range(48))
+        store.put_kv(spec, toks, make_kv(spec, 48), "a")
+        out = store.handoff(spec, toks, "a", to="here", ttl_s=30, owner="t")
+        assert out == {"tokens": 48, "blocks": 3, "held": 3, "shared": 0, "to": "here"}
+        assert store.retention_of(store._current_keys(spec, toks, "a")[0])["owner"] == "t"
+        with pytest.raises(InvalidInput, match="shared tier"):
+            store.handoff(spec, toks, "a", to="node-b")
+        with pytest.raises(InvalidInput, match="to must be"):
+            store.handoff(spec, toks, "a", to="")
+
+
+def test_learned_handoffs_hold_new_puts_unless_the_policy_says_no(spec, tmp_path):
+    with small_store(spec, tmp_path, top_blocks=40) as store:
+        ctx = list(range(32))
+        for i in range(2):  # planner writes, coder reads: twice
+            toks = ctx + list(range(100 * (i + 1), 100 * (i + 1) + 16))
+            store.put_kv(spec, toks, make_kv(spec, len(toks)), "team", agent="planner")
+            store.get_kv(spec, toks, "team", agent="coder")
+        assert store.handoffs.describe()["team"]["handoffs"] == 2
+        store.get_kv(spec, ctx, "team", agent="planner")  # the writer reading is no hand-off
+        assert store.handoffs.describe()["team"]["handoffs"] == 2
+        store.policy_for = lambda ns: (7, False)
+        nxt = ctx + list(range(900, 916))
+        store.put_kv(spec, nxt, make_kv(spec, len(nxt)), "team", agent="planner")
+        assert store.prefetch_idle() and store.prefetch_log() == []
+        store.policy_for = lambda ns: (8, True)
+        nxt = ctx + list(range(950, 966))
+        store.put_kv(spec, nxt, make_kv(spec, len(nxt)), "team", agent="planner")
+        assert store.prefetch_idle()
+        record = store.prefetch_log()[-1]
+        assert record["trigger"] == "hand-off" and record["policy_version"] == 8 and record["held"] == 3
+        assert "2 hand-offs" in record["reason"]
+        key = store._current_keys(spec, nxt, "team")[-1]
+        assert store.retention_of(key)["owner"] == "_prefetch"
+        store.get_kv(spec, nxt, "team", agent="reviewer")  # the reader came: the hold ends
+        assert store.retention_of(key) is None
