@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import secrets
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -23,7 +25,7 @@ from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, Not
 from kvstore.keys import check_key, normalize_tokens
 from kvstore.memory.shm import SHM_DIR
 from kvstore.spec import KVSpec
-from kvstore.wire.rest import H_NAMESPACE, encode_batch_head, encode_kv_head_json, pad64, parse_batch_head
+from kvstore.wire.rest import H_AGENT, H_NAMESPACE, encode_batch_head, encode_kv_head_json, pad64, parse_batch_head
 
 __all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor",
            "check_spec", "fill_from_batch", "batch_parts", "frames_of", "give_frame", "verified_header", "BlockSink",
@@ -57,8 +59,25 @@ class ClientStats:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
 
 
-def headers_for(token: str | None, namespace: str, content_type: str | None = None) -> dict[str, str]:
+def agent_id(agent: str | None) -> str:
+    """The agent id a client sends (``x-kv-agent``): the caller's name for it, or one made up per
+    client, so the server can tell one agent's reads from another's (it learns hand-offs).
+
+    Raises:
+        InvalidInput: a name of more than 128 characters or with unprintable ones.
+    """
+    if agent is None:
+        return f"{os.getpid()}-{secrets.token_hex(4)}"
+    if not isinstance(agent, str) or not 0 < len(agent) <= 128 or not agent.isprintable():
+        raise InvalidInput(f"agent must be a printable name of 1 to 128 characters, got {agent!r}")
+    return agent
+
+
+def headers_for(token: str | None, namespace: str, content_type: str | None = None,
+                agent: str | None = None) -> dict[str, str]:
     headers = {H_NAMESPACE: namespace}
+    if agent:  # who is calling: the server learns hand-offs between agents from it
+        headers[H_AGENT] = agent
     if token:
         headers["Authorization"] = f"Bearer {token}"
     if content_type:

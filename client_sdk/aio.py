@@ -61,10 +61,13 @@ class AsyncKVClient(DataCalls):
                  buffer_pool_bytes: int = 512 << 20, plan: bool = True, inproc: Any = None,
                  redis_url: str | None = None, wrap_media: Callable[[AsyncMedium], AsyncMedium] | None = None,
                  slo_s: float | None = None, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 agent: str | None = None,
                  max_connections: int = 8) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.namespace = validate_namespace(namespace)
+        self.agent = c.agent_id(agent)
+        """Sent with every request (``x-kv-agent``): the server learns hand-offs between agents."""
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retries = retries
@@ -76,7 +79,8 @@ class AsyncKVClient(DataCalls):
         self.stats = c.ClientStats()
         self.http = AsyncHttpTransport(self.url, token, self.namespace, timeout_s=timeout_s,
                                        connect_timeout_s=connect_timeout_s, retry=RetryPolicy(retries, backoff_s),
-                                       stats=self.stats, max_connections=max_connections)
+                                       stats=self.stats, max_connections=max_connections,
+                                       agent=self.agent)
         self._run = self.http.run
         self.admin = AdminClient(self.http.run, self.namespace)
         self.colocation = Colocation(self.url, colocated)
@@ -101,15 +105,19 @@ class AsyncKVClient(DataCalls):
     # -- data API ------------------------------------------------------------------------------
 
     async def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False,
-                     wait: bool = True) -> int | AsyncPutHandle:
+                     wait: bool = True, handoff: str | None = None) -> int | AsyncPutHandle:
         """As ``KVClient.put_kv``; with ``wait=False``, an ``AsyncPutHandle`` (``await handle``)."""
         self.puts.raise_failed()
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
         kv = c.validate_put(spec, toks, kv)
+        calls.check_handoff(handoff, wait)
         if not wait:
             return await self.puts.submit(spec, toks, kv, durable)
-        return await self._put(spec, toks, kv, durable)
+        stored = await self._put(spec, toks, kv, durable)
+        if handoff is not None:
+            await self.handoff(spec, toks, to=handoff)
+        return stored
 
     async def _put(self, spec: KVSpec, toks: Any, kv: torch.Tensor, durable: bool) -> int:
         if self.plan:

@@ -100,6 +100,46 @@ def delete(spec: KVSpec, tokens: Any) -> Call[int]:
                    parse=lambda a: int(a["deleted_blocks"]))
 
 
+def _kv_query(path: str, spec: KVSpec, tokens: Any, parse: Callable[[Any], T] | None = None,
+              **params: Any) -> Call[T]:
+    """A KV body without KV (as a lookup sends: compact for long conversations), the route's own
+    fields in the query."""
+    query = urlencode({k: v for k, v in params.items() if v is not None})
+    return kv_call(f"{path}?{query}" if query else path, c.check_spec(spec), c.tokens_of(tokens), None, parse=parse)
+
+
+def prefetch(spec: KVSpec, tokens: Any) -> Call[int]:
+    return _kv_query("/v1/kv/prefetch", spec, tokens, parse=lambda a: int(a["tokens"]))
+
+
+def retain(spec: KVSpec, tokens: Any, ttl_s: float, priority: int) -> Call[dict]:
+    return _kv_query("/v1/kv/retain", spec, tokens, ttl_s=ttl_s, priority=priority)
+
+
+def release(spec: KVSpec, tokens: Any) -> Call[int]:
+    return _kv_query("/v1/kv/release", spec, tokens, parse=lambda a: int(a["blocks"]))
+
+
+def handoff(spec: KVSpec, tokens: Any, to: str, ttl_s: float | None) -> Call[dict]:
+    return _kv_query("/v1/kv/handoff", spec, tokens, to=to, ttl_s=ttl_s)
+
+
+def check_handoff(handoff: Any, wait: bool) -> None:
+    """``put_kv``'s ``handoff``: None, or where the consumer reads (``"here"``, ``"shared"``, a node).
+
+    Raises:
+        InvalidInput: not a non-empty string, or asked of a put that does not wait (a hand-off
+            names stored blocks; call ``handoff`` once the put's handle is done).
+    """
+    if handoff is None:
+        return
+    if not isinstance(handoff, str) or not handoff:
+        raise InvalidInput(f"handoff must be 'here', 'shared' or a node name, got {handoff!r}")
+    if not wait:
+        raise InvalidInput("handoff needs wait=True: a hand-off places stored blocks; with wait=False call "
+                           "handoff(spec, tokens, to=...) once the put's handle is done")
+
+
 def put_kv_http(spec: KVSpec, toks: Any, kv: Any) -> Call[int]:
     return kv_call("/v1/kv/put", spec, toks, kv, parse=lambda a: int(a["stored_tokens"]))
 

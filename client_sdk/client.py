@@ -59,6 +59,9 @@ class KVClient(DataCalls):
         url: ``http://host:port`` of a ``kvstore serve``.
         token: bearer token (a tenant's, or the admin token for ``client.admin``).
         namespace: the namespace every data call works in.
+        agent: this client's agent name, sent with every request so that the server can learn
+            hand-offs (one agent writes a context, another reads it next); default: one made up
+            per client.
         timeout_s: per-request read timeout (None: wait forever).
         connect_timeout_s: TCP connect timeout.
         retries: extra attempts after a connection error.
@@ -88,10 +91,13 @@ class KVClient(DataCalls):
                  backoff_s: float = 0.05, colocated: bool | None = None,
                  buffer_pool_bytes: int = 512 << 20, plan: bool = True, inproc: Any = None,
                  redis_url: str | None = None, wrap_media: Callable[[Medium], Medium] | None = None,
-                 slo_s: float | None = None, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 slo_s: float | None = None, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 agent: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.namespace = validate_namespace(namespace)
+        self.agent = c.agent_id(agent)
+        """Sent with every request (``x-kv-agent``): the server learns hand-offs between agents."""
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retries = retries
@@ -103,7 +109,7 @@ class KVClient(DataCalls):
         self.stats = c.ClientStats()
         self.http = HttpTransport(self.url, token, self.namespace, timeout_s=timeout_s,
                                   connect_timeout_s=connect_timeout_s, retry=RetryPolicy(retries, backoff_s),
-                                  stats=self.stats)
+                                  stats=self.stats, agent=self.agent)
         self._run = self.http.run
         self.admin = AdminClient(self.http.run, self.namespace)
         self.colocation = Colocation(self.url, colocated)
@@ -120,7 +126,7 @@ class KVClient(DataCalls):
     # -- the data API (EmbeddedStore's, without namespace) --------------------------------
 
     def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False,
-               wait: bool = True) -> int | PutHandle:
+               wait: bool = True, handoff: str | None = None) -> int | PutHandle:
         """Store the KV of every full block of ``tokens``; returns tokens covered.
 
         Args:
@@ -132,9 +138,15 @@ class KVClient(DataCalls):
                 queued before it, and its blocks are visible once the handle is done. Its errors
                 come on the handle, and once on this client's next ``put_kv`` or ``flush``
                 (``client_sdk.pending`` has the rules).
+            handoff: the consumer's node (a name, ``"shared"``) or ``"here"``: once the put has
+                returned, ``handoff(spec, tokens, to=handoff)`` places the blocks for it (the
+                server's hand-off hold for ``"here"``). Needs ``wait=True``: a hand-off names
+                stored blocks, so a caller that does not wait calls ``handoff`` once the handle
+                is done. A failed hand-off raises after the put, whose blocks stay stored.
 
         Raises:
-            InvalidSpec, InvalidTokens, InvalidKV: bad input (checked here first, either way).
+            InvalidSpec, InvalidTokens, InvalidKV: bad input (checked here first, either way);
+                InvalidInput: ``handoff`` with ``wait=False``.
             PutFailed: an earlier ``put_kv(wait=False)`` failed and no call had said so yet; this
                 put was not made.
             TierFull, QuotaExceeded, TierUnavailable, Unauthorized, Forbidden: from the server.
@@ -146,9 +158,13 @@ class KVClient(DataCalls):
         spec = c.check_spec(spec)
         toks = c.tokens_of(tokens)
         kv = c.validate_put(spec, toks, kv)
+        calls.check_handoff(handoff, wait)
         if not wait:
             return self.puts.submit(spec, toks, kv, durable)
-        return self._put(spec, toks, kv, durable)
+        stored = self._put(spec, toks, kv, durable)
+        if handoff is not None:
+            self.handoff(spec, toks, to=handoff)
+        return stored
 
     def _put(self, spec: KVSpec, toks: Any, kv: torch.Tensor, durable: bool) -> int:
         """The put itself, of checked input: here for a waiting put, in the put thread otherwise."""

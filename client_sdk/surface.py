@@ -40,6 +40,55 @@ class DataCalls:
         """Delete the stored blocks of ``tokens``; returns blocks removed."""
         return self._run(calls.delete(spec, tokens))
 
+    def prefetch(self, spec: KVSpec, tokens: Any) -> Any:
+        """Have the server bring the longest stored prefix of ``tokens`` to the fastest tier this
+        client reaches (its shm arena; on a node reading a shared tier, that node's own arena),
+        in the background. Returns at once: the tokens it will bring (0: nothing stored)."""
+        return self._run(calls.prefetch(spec, tokens))
+
+    def retain(self, spec: KVSpec, tokens: Any, ttl_s: float, priority: int = 0) -> Any:
+        """Keep the stored prefix of ``tokens`` in the top tier for ``ttl_s`` seconds (a soft pin
+        for a conversation paused on a tool call), ended early by ``release``.
+
+        Args:
+            ttl_s: seconds, at most the server's ``KVSTORE_RETAIN_MAX_TTL_S`` (default 3600).
+            priority: 0-9; under pressure the tenant's lower-priority, sooner-expiring retentions
+                yield first.
+
+        Returns:
+            ``{"tokens", "blocks", "bytes", "expires_in_s", "priority", "owner", "retained_bytes",
+            "quota_bytes"}``: what was retained, and where the tenant stands against its quota.
+
+        Raises:
+            RetainQuotaExceeded: the tenant's retained bytes would pass its quota (nothing new
+                was retained; ``retained_bytes`` and ``quota_bytes`` say where it stands).
+            InvalidInput: a bad ``ttl_s`` or ``priority`` (422, naming the field).
+        """
+        return self._run(calls.retain(spec, tokens, ttl_s, priority))
+
+    def release(self, spec: KVSpec, tokens: Any) -> Any:
+        """End this tenant's retention of the stored prefix of ``tokens``; returns blocks released."""
+        return self._run(calls.release(spec, tokens))
+
+    def handoff(self, spec: KVSpec, tokens: Any, to: str = "here", ttl_s: float | None = None) -> Any:
+        """Place the stored prefix of ``tokens`` where its next reader will read it.
+
+        Args:
+            to: ``"here"``: the consumer reads from this server: hold the blocks in its top tier
+                for ``ttl_s`` (a retention of this tenant's). A node's name, or ``"shared"``: the
+                consumer is on another node: write the blocks through to the shared tier now
+                (its ``prefetch`` then brings them into its own arena).
+            ttl_s: how long ``"here"`` holds them (default the server's ``KVSTORE_HANDOFF_TTL_S``).
+
+        Returns:
+            ``{"tokens", "blocks", "held", "shared", "to"}``.
+
+        Raises:
+            InvalidInput: another node named and the server has no shared tier (422).
+            RetainQuotaExceeded: ``"here"`` over the tenant's retention quota.
+        """
+        return self._run(calls.handoff(spec, tokens, to, ttl_s))
+
     def get_block(self, key: BlockHash) -> Any:
         """The stored frame of ``key`` in this namespace, or None."""
         return self._run(calls.get_block(key))

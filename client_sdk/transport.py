@@ -116,11 +116,13 @@ class HttpTransport:
     """
 
     def __init__(self, url: str, token: str | None, namespace: str, *, timeout_s: float | None,
-                 connect_timeout_s: float, retry: RetryPolicy, stats: c.ClientStats) -> None:
+                 connect_timeout_s: float, retry: RetryPolicy, stats: c.ClientStats,
+                 agent: str | None = None) -> None:
         self.url = url
         self.endpoint = Endpoint.parse(url)
         self.token = token
         self.namespace = namespace
+        self.agent = agent
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retry = retry
@@ -128,11 +130,11 @@ class HttpTransport:
         self._local = threading.local()
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
-        self._headers = {ct: c.headers_for(token, namespace, ct) for ct in (None, KV_MEDIA)}
+        self._headers = {ct: c.headers_for(token, namespace, ct, agent) for ct in (None, KV_MEDIA)}
 
     def headers(self, content_type: str | None = None) -> dict[str, str]:
         got = self._headers.get(content_type)
-        return got if got is not None else c.headers_for(self.token, self.namespace, content_type)
+        return got if got is not None else c.headers_for(self.token, self.namespace, content_type, self.agent)
 
     def conn(self) -> Connection:
         """This thread's connection (opened on first use)."""
@@ -217,11 +219,13 @@ class AsyncHttpTransport:
     """
 
     def __init__(self, url: str, token: str | None, namespace: str, *, timeout_s: float | None,
-                 connect_timeout_s: float, retry: RetryPolicy, stats: c.ClientStats, max_connections: int) -> None:
+                 connect_timeout_s: float, retry: RetryPolicy, stats: c.ClientStats, max_connections: int,
+                 agent: str | None = None) -> None:
         self.url = url
         self.endpoint = Endpoint.parse(url)
         self.token = token
         self.namespace = namespace
+        self.agent = agent
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retry = retry
@@ -231,7 +235,7 @@ class AsyncHttpTransport:
         self._httpx: Any = None
 
     def headers(self, content_type: str | None = None) -> dict[str, str]:
-        return c.headers_for(self.token, self.namespace, content_type)
+        return c.headers_for(self.token, self.namespace, content_type, self.agent)
 
     async def _with_conn(self, use: Callable[[AsyncConnection], Awaitable[T]]) -> T:
         async with self._slots:

@@ -6,6 +6,8 @@
     kvstore stats   [--url URL] [--token T] [--json]            a running server's stats
     kvstore evict   [--url URL] [--token T] selectors... [--dry-run]
     kvstore pin     [--url URL] [--token T] KEY... [--ttl S] [--unpin]
+    kvstore prefetch|retain|release [--url URL] [--token T] [--namespace NS] --spec SPEC --tokens TOKENS
+                                    (retain: --ttl S [--priority P])
     kvstore demo    [--url URL] [--token T] [--namespace NS]      a scripted put/get with timings
     kvstore demo agents [--out DIR] [--context-tokens N] [--quick]  three agent processes share a context
     kvstore bench codec [--quick] [--no-real] [--repeats N] [--out DIR]
@@ -20,24 +22,22 @@
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
-commands, ``KVSTORE_TOKEN`` for ``demo``). The service and SDK are imported
+commands, ``KVSTORE_TOKEN`` for ``demo`` and the locality commands). ``SPEC`` (``KVSpec.to_dict``)
+and ``TOKENS`` (a list of ids) are JSON, inline or a file's path. The service and SDK are imported
 only by the commands that use them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Callable, Sequence
 
 from kvstore._version import __version__
+from kvstore.cli_client import COMMANDS, client_parsers
 
 __all__ = ["main"]
-
-_DEFAULT_URL = "http://127.0.0.1:8470"
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache store for LLM agents.")
@@ -134,8 +134,21 @@ def _parser() -> argparse.ArgumentParser:
     every.add_argument("--stored", default=None, help="stored levels for the server's RSS (default 0,1GiB,4GiB)")
 
     _serve_parser(sub)
-    _client_parsers(sub)
+    client_parsers(sub)
     return parser
+
+
+# ``kvstore serve`` flags named as their ServerSettings field: (field, type, help).
+_SERVICE_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("max_event_subscribers", int, "open /v1/events streams taken; one more gets 503 (default 1024)"),
+    ("event_queue", int, "events kept for subscribers that fall behind (default 65536)"),
+    ("kv_events_endpoint", str, "publish KV events in vLLM's format on this ZMQ PUB address, e.g. tcp://*:5557"),
+    ("kv_events_topic", str, "the ZMQ topic of those events (default '')"),
+    ("kv_events_replay_endpoint", str, "a ZMQ ROUTER address that replays missed event batches"),
+    ("retain_quota_bytes", str, "bytes one tenant may keep retained, e.g. 1GiB (default a quarter of the top tier)"),
+    ("retain_max_ttl_s", float, "longest retention a call may ask for, seconds (default 3600)"),
+    ("handoff_ttl_s", float, "how long a hand-off to 'here' holds its blocks, seconds (default 120)"),
+)
 
 
 def _serve_parser(sub: Any) -> None:
@@ -163,55 +176,14 @@ def _serve_parser(sub: Any) -> None:
     flag("--lmcache-port", type=int, default=None,
          help="also serve LMCache's lm:// protocol on this port, 0 for a free one (KVSTORE_LMCACHE_PORT; "
               "default: none); chunks go to namespace KVSTORE_LMCACHE_NAMESPACE (lmcache)")
+    for name, kind, what in _SERVICE_FLAGS:
+        flag("--" + name.replace("_", "-"), type=kind, default=None, help=f"{what} (KVSTORE_{name.upper()})")
     flag("--log-level", default=None, help="debug, info, warning (KVSTORE_LOG_LEVEL)")
-
-
-def _client_parsers(sub: Any) -> None:
-    def client(name: str, help: str, token_env: str = "KVSTORE_ADMIN_TOKEN") -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
-        p.add_argument("--url", default=os.environ.get("KVSTORE_URL", _DEFAULT_URL), help="server URL (KVSTORE_URL)")
-        p.add_argument("--token", default=os.environ.get(token_env), help=f"bearer token ({token_env})")
-        return p
-
-    stats = client("stats", "a running server's store and tier stats")
-    stats.add_argument("--json", action="store_true", help="print the raw JSON")
-
-    evict = client("evict", "evict blocks from a running server (admin)")
-    evict.add_argument("--keys", nargs="+", default=None, metavar="HEX", help="block keys")
-    evict.add_argument("--namespace", default=None)
-    evict.add_argument("--fingerprint", default=None, help="spec fingerprint (64 hex digits)")
-    evict.add_argument("--tier", default=None)
-    evict.add_argument("--older-than", type=float, default=None, metavar="SECONDS", help="last access older than")
-    evict.add_argument("--watermark", default=None, metavar="TIER=FRAC", help="coldest first until TIER is under FRAC")
-    evict.add_argument("--limit", type=int, default=None)
-    evict.add_argument("--include-pinned", action="store_true")
-    evict.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
-
-    pin = client("pin", "pin (or --unpin) blocks on a running server (admin)")
-    pin.add_argument("keys", nargs="+", metavar="HEX")
-    pin.add_argument("--ttl", type=float, default=None, metavar="SECONDS")
-    pin.add_argument("--unpin", action="store_true")
-
-    demo = client("demo", "a scripted put/get against a running server, or the multi-agent demo",
-                  token_env="KVSTORE_TOKEN")
-    # One optional positional keeps `kvstore demo [--url ...]` what it was while `demo agents` joins it.
-    demo.add_argument("what", nargs="?", choices=("basic", "agents"), default="basic",
-                      help="basic (default): put/get against --url; agents: planner, coder and reviewer "
-                           "processes share a long context through a private server")
-    demo.add_argument("--namespace", default="default")
-    demo.add_argument("--tokens", type=int, default=1024, help="basic: sequence length (default 1024)")
-    demo.add_argument("--remote", action="store_true", help="basic: force HTTP even on the server's host")
-    demo.add_argument("--out", default="bench/results", help="agents: directory for the JSON and PNG")
-    demo.add_argument("--context-tokens", type=int, default=None,
-                      help="agents: shared context length (default 1536; 768 with --quick)")
-    demo.add_argument("--quick", action="store_true", help="agents: a smaller model and context (a smoke run)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands: dict[str, Callable[[argparse.Namespace], int]] = {
-        "bench": _bench, "serve": _serve, "stats": _stats, "evict": _evict, "pin": _pin, "demo": _demo,
-    }
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {"bench": _bench, "serve": _serve, **COMMANDS}
     if args.command in commands:
         return commands[args.command](args)
     _parser().print_help()
@@ -382,7 +354,7 @@ def _serve(args: argparse.Namespace) -> int:
             tier_codecs=args.tier_codecs, max_body_bytes=args.max_body_bytes,
             max_inflight_bytes=args.max_inflight_bytes, log_level=args.log_level,
             colocated=False if args.no_colocated else None, flight_port=args.flight_port,
-            lmcache_port=args.lmcache_port)
+            lmcache_port=args.lmcache_port, **{name: getattr(args, name) for name, _, _ in _SERVICE_FLAGS})
     except KVStoreError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
@@ -393,144 +365,6 @@ def _serve(args: argparse.Namespace) -> int:
     except KVStoreError as exc:
         print(f"kvstore serve: cannot start: {exc}", file=sys.stderr)
         return 1
-
-
-# -- client commands --------------------------------------------------------------------
-
-
-def _client(args: argparse.Namespace, **kwargs: Any) -> Any:
-    from client_sdk import KVClient
-
-    return KVClient(args.url, token=args.token, retries=1, **kwargs)
-
-
-def _run_client(args: argparse.Namespace, what: str, call: Callable[[Any], int]) -> int:
-    from kvstore.errors import KVStoreError
-
-    try:
-        with _client(args, **({"namespace": args.namespace, "colocated": False if args.remote else None,
-                                  "plan": False}
-                              if what == "demo" else {})) as client:
-            return call(client)
-    except KVStoreError as exc:
-        print(f"kvstore {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-
-
-def _stats(args: argparse.Namespace) -> int:
-    def call(client: Any) -> int:
-        stats = client.admin.stats()
-        if args.json:
-            print(json.dumps(stats, indent=2, default=str))
-            return 0
-        c = stats["counters"]
-        print(f"blocks {stats['blocks']}  frame bytes {stats['frame_bytes']}  raw bytes {stats['raw_bytes']}  "
-              f"codec saved {stats['codec_bytes_saved']}")
-        print(f"puts {c['put_calls']}  gets {c['get_calls']}  lookups {c['lookup_calls']}  "
-              f"tokens hit {c['tokens_hit']}/{c['tokens_requested']}")
-        # reads: block reads each tier served on every path (co-located shm reads too), the figure
-        # /metrics (kvstore_tier_reads_total) and the dashboard show; the tier's own backend
-        # counters (which a co-located read bypasses) are in --json, under backend_counters.
-        print(f"{'tier':<10}{'kind':<8}{'entries':>9}{'used':>14}{'capacity':>16}{'reads':>10}")
-        for t in stats["tiers"]:
-            reads = t.get("reads", stats.get("reads_by_tier", {}).get(t["name"], 0))  # an older server: no "reads"
-            print(f"{t['name']:<10}{t['kind']:<8}{t['entries']:>9}{t['used_bytes']:>14}{t['capacity_bytes']:>16}"
-                  f"{reads:>10}")
-        return 0
-    return _run_client(args, "stats", call)
-
-
-def _evict(args: argparse.Namespace) -> int:
-    selectors: dict[str, Any] = {k: v for k, v in {
-        "keys": args.keys, "namespace": args.namespace, "fingerprint": args.fingerprint, "tier": args.tier,
-        "older_than_s": args.older_than, "limit": args.limit}.items() if v is not None}
-    if args.include_pinned:
-        selectors["include_pinned"] = True
-    if args.watermark:
-        tier, sep, frac = args.watermark.partition("=")
-        try:
-            selectors["watermark"] = {"tier": tier, "frac": float(frac)}
-        except ValueError:
-            sep = ""
-        if not sep or not tier:
-            print(f"kvstore evict: --watermark is TIER=FRAC, got {args.watermark!r}", file=sys.stderr)
-            return 2
-
-    def call(client: Any) -> int:
-        answer = client.admin.evict(dry_run=args.dry_run, **selectors)
-        verb = "would evict" if answer["dry_run"] else "evicted"
-        n = answer["blocks"] if answer["dry_run"] else answer["removed_blocks"]
-        b = answer["bytes"] if answer["dry_run"] else answer["removed_bytes"]
-        print(f"{verb} {n} blocks, {b} bytes (skipped {answer['skipped_pinned']} pinned; audit #{answer['audit_id']})")
-        for tier, t in sorted(answer["by_tier"].items()):
-            print(f"  {tier}: {t['blocks']} blocks, {t['bytes']} bytes")
-        return 0
-    return _run_client(args, "evict", call)
-
-
-def _pin(args: argparse.Namespace) -> int:
-    def call(client: Any) -> int:
-        if args.unpin:
-            answer = client.admin.unpin(args.keys)
-            print(f"unpinned {answer['unpinned']} of {answer['requested']} blocks")
-        else:
-            answer = client.admin.pin(args.keys, ttl_s=args.ttl)
-            print(f"pinned {answer['pinned']} of {answer['requested']} blocks"
-                  + (f" for {args.ttl} s" if args.ttl else ""))
-        return 0
-    return _run_client(args, "pin", call)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    if args.what == "agents":
-        return _demo_agents(args)
-
-    def call(client: Any) -> int:
-        import time
-
-        import torch
-
-        from kvstore.spec import KVSpec
-
-        spec = KVSpec("kvstore-demo", num_layers=8, num_kv_heads=2, head_dim=64, dtype="float16",
-                      block_tokens=16, fingerprint="demo-rev-1")
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, 32000, (args.tokens,), generator=gen).tolist()
-        kv = torch.randn(spec.kv_shape(len(tokens)), generator=gen).to(torch.float16)
-        t0 = time.perf_counter()
-        stored = client.put_kv(spec, tokens, kv)
-        t1 = time.perf_counter()
-        hit = client.lookup(spec, tokens + [1, 2, 3])
-        t2 = time.perf_counter()
-        got, n = client.get_kv(spec, tokens)
-        t3 = time.perf_counter()
-        blocks = client.lookup_blocks(spec, tokens)["blocks"]
-        tiers: dict[str, int] = {}
-        for b in blocks:
-            tiers[b["tier"]] = tiers.get(b["tier"], 0) + 1
-        same = bool(torch.equal(got, kv[:, :, :, :n]))
-        mib = kv[:, :, :, :stored].numel() * 2 / 2**20
-        print(f"server {args.url}  namespace {args.namespace}  medium {client.stats.last_medium}")
-        print(f"put_kv  {stored} tokens ({mib:.1f} MiB) in {1e3 * (t1 - t0):.1f} ms")
-        print(f"lookup  {hit} tokens hit in {1e3 * (t2 - t1):.2f} ms")
-        print(f"get_kv  {n} tokens in {1e3 * (t3 - t2):.1f} ms, bit-identical: {same}")
-        print("tiers   " + ", ".join(f"{k}: {v} blocks" for k, v in sorted(tiers.items())))
-        return 0 if same and n == stored else 1
-    return _run_client(args, "demo", call)
-
-
-def _demo_agents(args: argparse.Namespace) -> int:
-    from bench.agents import DemoFailed, run
-
-    try:
-        run(out_dir=args.out, context_tokens=args.context_tokens, quick=args.quick)
-    except ValueError as exc:
-        print(f"kvstore demo agents: {exc}", file=sys.stderr)
-        return 2
-    except DemoFailed as exc:
-        print(f"kvstore demo agents: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,5 +1,8 @@
 """Operator routes under ``/admin``; the admin token only.
 
+Entries and ``explain`` show each block's retention (``retain``, ``handoff``); ``/admin/prefetches``
+shows the store's prefetch decisions.
+
 Evictions, pins and migrations write an audit record (who, what, how many,
 bytes) before they answer; the record's fsync runs in the I/O pool, like tier work.
 """
@@ -203,7 +206,8 @@ async def admin_entries(request: Request, sort: str = Query("heat"), order: str 
                          "codec": e.codec.value, "namespace": e.namespace, "spec_fingerprint": e.spec_fp,
                          "depth": e.depth, "hits": e.hits, "age_s": now - e.created_s,
                          "last_access_age_s": now - e.last_access_s, "heat_score": info.get("heat_score"),
-                         "heat_per_s": info.get("heat_per_s"), "pinned": info.get("pinned", False)})
+                         "heat_per_s": info.get("heat_per_s"), "pinned": info.get("pinned", False),
+                         "retained": svc.store.retention_of(e.key)})
         return len(entries), rows
 
     total, rows = await svc.run(page)
@@ -212,11 +216,28 @@ async def admin_entries(request: Request, sort: str = Query("heat"), order: str 
 
 @router.get("/explain/{hex_key}")
 async def admin_explain(hex_key: str, request: Request) -> dict:
+    """Where a block is, what it is, how hot, its pins, its retention (``retained``: owner,
+    priority, expires_in_s, or null) and its last moves."""
     svc = svc_of(request)
-    info = svc.store.explain(_key(hex_key))
+    key = _key(hex_key)
+    info = svc.store.explain(key)
     if info is None:
         raise BlockNotFound(f"block {hex_key} is not stored")
+    info.setdefault("retained", svc.store.retention_of(key))
     return info
+
+
+@router.get("/prefetches")
+async def admin_prefetches(request: Request, limit: int = Query(100, ge=1, le=10_000),
+                           namespace: str | None = None, trigger: str | None = None) -> dict:
+    """The store's latest prefetch decisions, newest last: what brought blocks up (``trigger``:
+    requested, hand-off, retain, read-ahead), why, from which tiers, and what moved. Kept apart from
+    ``/admin/decisions``, whose records are the client planner's transfers."""
+    svc = svc_of(request)
+    # Filter before the limit: a namespace's few prefetches are not pushed out by others'.
+    rows = [d for d in svc.store.prefetch_log(10_000)
+            if (namespace is None or d.get("namespace") == namespace) and (trigger is None or d.get("trigger") == trigger)]
+    return {"prefetches": rows[-limit:], "total": len(rows), "retained_bytes": svc.store.retained_bytes()}
 
 
 @router.get("/audit")

@@ -26,7 +26,7 @@ from kvstore.errors import BodyTimeout, PayloadTooLarge
 from kvstore._version import __version__
 from kvstore.errors import KVStoreError
 from kvstore.store import KVStore
-from server import admin, blocks, connectors, dashboard, data, layers, ops, planning
+from server import admin, blocks, connectors, dashboard, data, events, layers, locality, ops, planning
 from server.config import ServerSettings
 from server.errors import install_error_handlers, send_error, store_error, unexpected_error
 from server.inflight import InflightCap
@@ -226,6 +226,9 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
 
             svc.lmcache = lm = start_lmcache(svc, settings)
             svc.closers.append(lambda: lm.close(settings.graceful_timeout_s))
+        stop_events = events.start(svc, settings)
+        if stop_events is not None:
+            svc.closers.append(stop_events)
         yield
         log.info("kvstore: shutting down; closing the store (flushes durable tiers, releases shm)")
         svc.close()
@@ -233,6 +236,7 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     app = FastAPI(title="kvstore", version=__version__, lifespan=lifespan,
                   description="KV-cache store: /v1 data, /admin operators, /healthz, /readyz, /metrics.")
     app.state.svc = svc
+    store.policy_for = planning.prefetch_policy(svc)
     install_error_handlers(app)
     app.include_router(data.router)
     app.include_router(blocks.router)
@@ -242,6 +246,8 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     app.include_router(planning.router)
     app.include_router(layers.router)
     app.include_router(connectors.router)
+    app.include_router(events.router)
+    app.include_router(locality.router)
     hot = {(m, r.path): r for r in data.router.routes if isinstance(r, APIRoute) for m in r.methods
            if (m, r.path) in HOT_ROUTES}
     if len(hot) != len(HOT_ROUTES):

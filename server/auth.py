@@ -28,6 +28,8 @@ class Principal:
     """Namespaces it may use; None means any (admin, or auth off)."""
     admin: bool = False
     quota_bytes: int | None = None
+    retain_quota_bytes: int | None = None
+    """The tenant's own retention quota; None: the server's ``retain_quota_bytes``."""
 
     def check_namespace(self, namespace: str) -> str:
         """``namespace`` if this principal may use it.
@@ -91,4 +93,5 @@ class Authenticator:
 
 
 def _principal(grant: TenantGrant) -> Principal:
-    return Principal(grant.tenant, grant.namespaces, quota_bytes=grant.quota_bytes)
+    return Principal(grant.tenant, grant.namespaces, quota_bytes=grant.quota_bytes,
+                     retain_quota_bytes=grant.retain_quota_bytes)

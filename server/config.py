@@ -7,9 +7,10 @@ them. Engine fields (tiers, sizes, data dir, Redis URL, codec) stay in
 Tokens come from ``KVSTORE_TOKENS_FILE`` (a JSON file) and/or ``KVSTORE_TOKENS``
 (the same JSON inline)::
 
-    {"<token>": {"tenant": "acme", "namespaces": ["acme", "shared"], "quota_bytes": "10GiB"}}
+    {"<token>": {"tenant": "acme", "namespaces": ["acme", "shared"], "quota_bytes": "10GiB",
+                 "retain_quota_bytes": "1GiB"}}
 
-``quota_bytes`` is optional. The admin token (``KVSTORE_ADMIN_TOKEN``) is separate.
+``quota_bytes`` and ``retain_quota_bytes`` are optional. The admin token (``KVSTORE_ADMIN_TOKEN``) is separate.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class TenantGrant:
     """Namespaces the tenant may read and write; another tenant's are invisible to it."""
     quota_bytes: int | None = None
     """Frame bytes the tenant's namespaces may hold in all; a put over it gets 507."""
+    retain_quota_bytes: int | None = None
+    """Frame bytes the tenant may keep retained; None: ``KVSTORE_RETAIN_QUOTA_BYTES``."""
 
 
 def load_tokens(data: Any, source: str) -> dict[str, TenantGrant]:
@@ -58,7 +61,7 @@ def load_tokens(data: Any, source: str) -> dict[str, TenantGrant]:
                                "characters without spaces")
         if not isinstance(grant, Mapping):
             raise InvalidInput(f"{source}: the grant of a token must be an object")
-        unknown = sorted(set(grant) - {"tenant", "namespaces", "quota_bytes"})
+        unknown = sorted(set(grant) - {"tenant", "namespaces", "quota_bytes", "retain_quota_bytes"})
         if unknown:
             raise InvalidInput(f"{source}: unknown grant field(s) {unknown}")
         tenant = grant.get("tenant")
@@ -71,9 +74,11 @@ def load_tokens(data: Any, source: str) -> dict[str, TenantGrant]:
             ns = frozenset(validate_namespace(n) for n in namespaces)
             quota = grant.get("quota_bytes")
             quota = None if quota is None else parse_size(quota)
+            retain = grant.get("retain_quota_bytes")
+            retain = None if retain is None else parse_size(retain)
         except InvalidInput as exc:
             raise InvalidInput(f"{source}: tenant {tenant!r}: {exc}") from exc
-        grants[token] = TenantGrant(tenant, ns, quota)
+        grants[token] = TenantGrant(tenant, ns, quota, retain)
     return grants
 
 
@@ -163,6 +168,29 @@ class ServerSettings:
     protocol has no authentication, so set this only where only LMCache workers reach it."""
     lmcache_namespace: str = "lmcache"
     """The namespace LMCache's chunks are stored in."""
+    max_event_subscribers: int = 1024
+    """Open ``GET /v1/events`` streams the server takes (KVSTORE_MAX_EVENT_SUBSCRIBERS); one more
+    gets 503. Each costs a cursor into the one event ring, not a queue of its own."""
+    event_queue: int = 65_536
+    """Events kept for subscribers (KVSTORE_EVENT_QUEUE): how far one may fall behind, or how old
+    a ``Last-Event-ID`` may be, before it gets a "lost events, resync" marker."""
+    kv_events_endpoint: str | None = None
+    """Where to publish KV events in vLLM's wire format (msgpack over a ZMQ PUB socket), e.g.
+    ``tcp://*:5557`` (KVSTORE_KV_EVENTS_ENDPOINT): KV-aware routers subscribe unchanged. None: off."""
+    kv_events_topic: str = ""
+    """The topic of every ZMQ message (vLLM's ``topic``; empty by default, as vLLM's)."""
+    kv_events_replay_endpoint: str | None = None
+    """A ZMQ ROUTER address where subscribers ask for missed batches by sequence number, as vLLM's
+    publisher offers (KVSTORE_KV_EVENTS_REPLAY_ENDPOINT). None: no replay."""
+    retain_quota_bytes: int = 0
+    """Frame bytes one tenant may keep retained (``retain``, ``handoff``) at once
+    (KVSTORE_RETAIN_QUOTA_BYTES); a token's ``retain_quota_bytes`` overrides it. 0: a quarter of
+    the top tier's capacity."""
+    retain_max_ttl_s: float = 3600.0
+    """Longest retention a call may ask for (KVSTORE_RETAIN_MAX_TTL_S); longer gets 422."""
+    handoff_ttl_s: float = 120.0
+    """How long ``handoff(to="here")`` keeps a hand-off's blocks retained for its consumer
+    (KVSTORE_HANDOFF_TTL_S)."""
     grants: dict[str, TenantGrant] = field(default_factory=dict, compare=False)
     """Parsed tokens (filled from ``tokens_file`` and ``tokens``)."""
 
@@ -196,6 +224,16 @@ class ServerSettings:
         if cap < 1 << 20:
             raise InvalidInput(f"max_inflight_bytes must be 0 (the default) or at least 1 MiB, got {cap}")
         object.__setattr__(self, "max_inflight_bytes", cap)
+        for name in ("max_event_subscribers", "event_queue"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (16 if name == "event_queue" else 0):
+                raise InvalidInput(f"{name} must be an int >= {16 if name == 'event_queue' else 0}, got {v!r}")
+        rq = self.retain_quota_bytes
+        object.__setattr__(self, "retain_quota_bytes", 0 if rq in (0, "0") else _size("retain_quota_bytes", rq))
+        for name in ("retain_max_ttl_s", "handoff_ttl_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+                raise InvalidInput(f"{name} must be a number of seconds in (0, 86400], got {v!r}")
         wait = self.inflight_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
             raise InvalidInput(f"inflight_wait_s must be a number of seconds >= 0, got {wait!r}")
@@ -266,8 +304,13 @@ def _parse(name: str, raw: str) -> Any:
         if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise InvalidInput(f"1/0, true/false or yes/no, got {raw!r}")
         return raw.strip().lower() in ("1", "true", "yes")
-    if name in ("graceful_timeout_s", "body_timeout_s", "history_interval_s", "inflight_wait_s"):
+    if name in ("graceful_timeout_s", "body_timeout_s", "history_interval_s", "inflight_wait_s",
+                "retain_max_ttl_s", "handoff_ttl_s"):
         return float(raw)
+    if name in ("max_event_subscribers", "event_queue"):
+        if not raw.strip().isdigit():
+            raise InvalidInput(f"a count, got {raw!r}")
+        return int(raw)
     if name == "torch_threads":
         if not raw.strip().isdigit():
             raise InvalidInput(f"a thread count (0: torch's default), got {raw!r}")

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
-from kvstore.wire.rest import H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
+from kvstore.wire.rest import H_AGENT, H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
 from kvstore.errors import MalformedRequest, PayloadTooLarge, RouteNotFound
 from kvstore._version import __version__
 from kvstore.evict import EvictionQuery, evict
@@ -54,6 +54,15 @@ async def _spec_and_tokens(request: Request) -> tuple[Any, np.ndarray]:
         return spec, np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
     data = await json_body(request)
     return parse_spec(require(data, "spec", dict)), parse_tokens(require(data, "tokens", list))
+
+
+def agent_of(request: Request) -> str | None:
+    """The caller's agent id (``x-kv-agent``), or None: absent, or not a short printable name
+    (a hint for learning hand-offs; a bad one is ignored, not refused)."""
+    agent = request.headers.get(H_AGENT)
+    if agent is None or not 0 < len(agent) <= 128 or not agent.isprintable():
+        return None
+    return agent
 
 
 def _caller(request: Request, *, colocated: bool = False) -> tuple[Service, Principal, str]:
@@ -95,17 +104,17 @@ async def kv_put(request: Request) -> JSONResponse:
         spec = parse_spec(head.spec)
         tokens = np.frombuffer(buf, "<u4", head.n_tokens, head.tokens_at)
         kv = kv_view(buf, head.kv_at, spec, head.kv_tokens)
-        stored = await svc.run(_put, svc, p, ns, spec, tokens, kv)
+        stored = await svc.run(_put, svc, p, ns, spec, tokens, kv, agent_of(request))
     svc.metrics.transfer.labels("in", "http").inc(head.total - head.kv_at)
     return JSONResponse({"stored_tokens": stored})
 
 
-def _put(svc: Service, p: Principal, ns: str, spec, tokens, kv) -> int:
+def _put(svc: Service, p: Principal, ns: str, spec, tokens, kv, agent: str | None = None) -> int:
     if p.quota_bytes is not None:
         have = svc.store.lookup(spec, tokens, ns) // spec.block_tokens
         new_blocks = spec.full_blocks(len(tokens)) - have
         svc.quotas.check(p, ns, new_blocks * (spec.block_nbytes + 4096))  # 4 KiB: header and metadata
-    return svc.store.put_kv(spec, tokens, kv, ns)
+    return svc.store.put_kv(spec, tokens, kv, ns, agent=agent)
 
 
 @router.post("/v1/kv/get")
@@ -121,7 +130,7 @@ async def kv_get(request: Request) -> Response:
     try:
         out = None if buf is None else \
             torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(spec.torch_dtype).view(spec.kv_shape(want))
-        kv, n = await svc.run(svc.store.get_kv, spec, tokens, ns, out=out)
+        kv, n = await svc.run(svc.store.get_kv, spec, tokens, ns, out=out, agent=agent_of(request))
     except BaseException:
         if buf is not None:
             svc.buffers.release(buf)
@@ -234,7 +243,7 @@ async def kv_handles(request: Request) -> JSONResponse:
     """
     svc, _, ns = _caller(request, colocated=True)
     spec, tokens = await _spec_and_tokens(request)
-    blocks = await svc.run_index(_handles, svc, spec, tokens, ns)
+    blocks = await svc.run_index(_handles, svc, spec, tokens, ns, agent_of(request))
     svc.metrics.colocated.labels("get").inc()
     return JSONResponse({"n_tokens": len(blocks) * spec.block_tokens, "segment": svc.shm.segment, "blocks": blocks})
 
@@ -286,8 +295,8 @@ def _touch(svc: Service, ns: str, keys: list, reads: list[int], counts: dict[str
     return len(mine)
 
 
-def _handles(svc: Service, spec, tokens, ns: str) -> list[dict]:
-    blocks = svc.store.prefix_blocks(spec, tokens, ns)
+def _handles(svc: Service, spec, tokens, ns: str, agent: str | None = None) -> list[dict]:
+    blocks = svc.store.prefix_blocks(spec, tokens, ns, agent=agent)
     out, read_here = [], []
     for b in blocks:
         handle = svc.shm.handle(b.key) if b.tier == svc.shm.name else None
@@ -340,7 +349,7 @@ async def kv_put_staged(lease_id: str, request: Request) -> JSONResponse:
     nbytes = head.total - head.kv_at
     with svc.staging.use(lease_id, p.name, nbytes) as view:
         kv = kv_view(view, 0, spec, head.kv_tokens)  # type: ignore[arg-type]
-        stored = await svc.run(_put, svc, p, ns, spec, tokens, kv)
+        stored = await svc.run(_put, svc, p, ns, spec, tokens, kv, agent_of(request))
         del kv
     svc.metrics.colocated.labels("put").inc()
     svc.metrics.transfer.labels("in", "shm").inc(nbytes)
@@ -404,7 +413,7 @@ async def kv_commit(request: Request) -> JSONResponse:
     data = await json_body(request)
     rid = require(data, "reservation", str)
     checksums = require(data, "checksums", list)
-    stored, nbytes = await svc.run(svc.store.commit_put, rid, p.name, checksums)
+    stored, nbytes = await svc.run(svc.store.commit_put, rid, p.name, checksums, agent=agent_of(request))
     svc.metrics.colocated.labels("put").inc()
     svc.metrics.transfer.labels("in", "shm").inc(nbytes)
     return JSONResponse({"stored_tokens": stored, "medium": "shm"})

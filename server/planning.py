@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
@@ -132,6 +132,18 @@ def plan_state(svc: Service) -> PlanState:
     if state is None:  # created on first use, on the event loop: no race
         state = svc.planning = PlanState()  # type: ignore[attr-defined]
     return state
+
+
+def prefetch_policy(svc: Service) -> Callable[[str], tuple[int, bool]]:
+    """What the store asks before it prefetches on its own (``KVStore.policy_for``): the version
+    of the policy a namespace is routed to and whether that policy lets it. A candidate's share
+    of namespaces runs the candidate's rule, and a rollback takes it back, as for transfers."""
+    state = plan_state(svc)
+
+    def policy_for(namespace: str) -> tuple[int, bool]:
+        policy = state.policies.for_key(namespace)
+        return policy.version, policy.prefetch
+    return policy_for
 
 
 @router.get("/v1/probe")

@@ -45,7 +45,8 @@ def serve(settings: ServerSettings, engine: Settings, *, err: TextIO = sys.stder
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    store = EmbeddedStore(settings=engine, tier_codecs=parse_tier_codecs(settings.tier_codecs) or None)
+    store = EmbeddedStore(settings=engine, tier_codecs=parse_tier_codecs(settings.tier_codecs) or None,
+                          event_capacity=settings.event_queue)
     try:
         app = create_app(store, settings, close_store=True)
     except BaseException:

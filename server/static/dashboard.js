@@ -176,6 +176,7 @@ async function refreshOnce() {
     heat: api("/admin/heat?bins=12"),
     moves: api("/admin/moves?limit=30"),
     decisions: api("/admin/decisions?limit=200"),
+    prefetches: api("/admin/prefetches?limit=30"),
     policy: api("/admin/policy"),
     audit: api("/admin/audit?limit=30"),
     ready: api("/readyz"),
@@ -198,7 +199,7 @@ async function refreshOnce() {
     return;
   }
   const renderers = { tiers: renderTiers, stats: renderStats, history: renderHistory, heat: renderHeat,
-    moves: renderMoves, decisions: renderDecisions, policy: renderPolicy, audit: renderAudit,
+    moves: renderMoves, decisions: renderDecisions, prefetches: renderPrefetches, policy: renderPolicy, audit: renderAudit,
     ready: renderHealth, info: renderInfo, entries: renderEntries, connectors: renderConnectors };
   for (const name of names) {
     if (name in got) {
@@ -333,6 +334,25 @@ function renderDecisions(data) {
   legend($("decision-legend"), [...choices.map((c) => [c, color(c)]), ["actual = predicted", "#a0a8b5"]]);
 }
 
+function renderPrefetches(data) {
+  const rows = data.prefetches.slice().reverse();  // newest first
+  const tally = (counts) => Object.entries(counts || {}).map(([t, n]) => t + ": " + n).join(", ") || "–";
+  fill($("prefetches"), rows.length ? rows.map((d) => el("tr", { "data-trigger": d.trigger },
+    el("td", { text: fmtTime(d.time_s) }), el("td", { text: d.trigger }), el("td", { text: d.namespace }),
+    el("td", { text: String(d.blocks) }), el("td", { text: tally(d.from) }), el("td", { text: d.to }),
+    el("td", { text: d.moved === undefined ? "–" : String(d.moved + (d.adopted || 0)) }),
+    el("td", { text: d.held ? d.held + " for " + fmtSeconds(d.hold_s) : "" }),
+    el("td", { class: "reason", text: d.reason + (d.failed ? " (" + d.failed + " failed)" : "") }))) :
+    [el("tr", {}, el("td", { colspan: 9, class: "muted", text: "no prefetches yet" }))]);
+  const owners = Object.entries(data.retained_bytes || {});
+  $("retained-summary").textContent = owners.length ?
+    "retained now: " + owners.map(([o, b]) => o + " " + fmtBytes(b)).join(", ") : "nothing retained now";
+}
+
+function fmtRetained(r) {
+  return r ? r.owner + " · p" + r.priority + " · " + fmtSeconds(r.expires_in_s) + " left" : "";
+}
+
 function renderPolicy(p) {
   const base = p.baseline;
   const cand = p.candidate;
@@ -395,8 +415,9 @@ function renderEntries(data) {
   el("td", { class: "key", text: short(e.key), title: e.key }), el("td", { text: e.namespace }),
   el("td", { text: e.tier }), el("td", { text: fmtRate(e.heat_per_s) }), el("td", { text: fmtBytes(e.size) }),
   el("td", { text: fmtSeconds(e.age_s) }), el("td", { text: fmtSeconds(e.last_access_age_s) + " ago" }),
-  el("td", { text: String(e.hits) }), el("td", { text: e.codec }), el("td", { text: e.pinned ? "yes" : "" }))) :
-    [el("tr", {}, el("td", { colspan: 10, class: "muted", text: "no entries match" }))]);
+  el("td", { text: String(e.hits) }), el("td", { text: e.codec }), el("td", { text: e.pinned ? "yes" : "" }),
+  el("td", { class: "retained", text: fmtRetained(e.retained) }))) :
+    [el("tr", {}, el("td", { colspan: 11, class: "muted", text: "no entries match" }))]);
 }
 
 async function reloadEntries() {
@@ -414,6 +435,7 @@ async function explain(key) {
   const facts = [["tier", info.tier], ["namespace", info.namespace], ["size", fmtBytes(info.size)],
     ["codec", info.codec], ["heat", fmtRate(info.heat_per_s) + " reads/s (" + info.accesses + " accesses)"],
     ["pinned", info.pinned ? "yes" + (info.pinned_for_s ? " for " + fmtSeconds(info.pinned_for_s) : "") : "no"],
+    ["retained", info.retained ? "by " + fmtRetained(info.retained) : "no"],
     ["in this tier for", fmtSeconds(info.resident_for_s)], ["chain depth", info.depth], ["hits", info.hits],
     ["spec fingerprint", short(info.spec_fingerprint)],
     ["why here", info.moves && info.moves.length ? info.moves[info.moves.length - 1].reason : "placed here when written"]];
