@@ -234,9 +234,18 @@ admin_router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
 @admin_router.get("/decisions")
 async def admin_decisions(request: Request, limit: int = Query(100, ge=1, le=4096), op: str | None = None,
                           choice: str | None = None, namespace: str | None = None) -> dict:
-    """The newest decision records (oldest first), optionally filtered."""
-    state = plan_state(svc_of(request))
-    rows = [d for d in state.decisions() if (op is None or d["op"] == op) and (choice is None or d["choice"] == choice)
+    """The newest decision records (oldest first), optionally filtered.
+
+    The clients' transfer decisions by default; ``op=prefetch`` gives the server's own prefetch
+    decisions instead (``KVStore.prefetch_log``: trigger as the choice, and the reason), which
+    ``/admin/prefetches`` and the dashboard show too."""
+    svc = svc_of(request)
+    state = plan_state(svc)
+    if op == "prefetch":
+        found = [{**d, "choice": d["trigger"]} for d in svc.store.prefetch_log(4096)]
+    else:
+        found = state.decisions()
+    rows = [d for d in found if (op is None or d["op"] == op) and (choice is None or d["choice"] == choice)
             and (namespace is None or d.get("namespace") == namespace)]
     return {"decisions": rows[-limit:], "total": len(rows), "received": state.received}
 

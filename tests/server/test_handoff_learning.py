@@ -44,6 +44,8 @@ def test_two_handoffs_teach_the_server_to_hold_the_next_put(server, spec, coloca
         _until(lambda: any(p["trigger"] == "hand-off" for p in _prefetches(server)))
         record = [p for p in _prefetches(server) if p["trigger"] == "hand-off"][-1]
         assert record["namespace"] == "team" and record["held"] == 4 and "2 hand-offs" in record["reason"]
+        logged = httpx.get(f"{server.url}/admin/decisions", params={"op": "prefetch"}, timeout=10).json()
+        assert logged["decisions"][-1]["choice"] == "hand-off" and logged["decisions"][-1]["reason"]
         last = block_hashes(spec, nxt, "team")[-1]
         assert server.store.retention_of(last)["owner"] == "_prefetch"
         assert server.store.explain(last)["retained"]["owner"] == "_prefetch"
