@@ -129,9 +129,15 @@ class Service:
         """The ``lm://`` listener (``server.lmcache_listener``) when ``lmcache_port`` is set."""
         self.closers: list[Callable[[], None]] = []
         """Run first at close (in reverse order): servers started beside the app, e.g. Arrow Flight."""
+        self.event_notifier: Any = None
+        """The SSE streams' notifier (``server.events``), made at startup."""
+        self.kv_events_lost = 0
+        """Events the ZMQ publisher fell past (``server.kv_events_zmq``)."""
 
     def _figures(self) -> dict[str, float]:
-        out = {"uptime_seconds": time.time() - self.started_s}
+        out = {"uptime_seconds": time.time() - self.started_s, "kv_events_lost": float(self.kv_events_lost)}
+        if self.event_notifier is not None:
+            out["event_subscribers"] = self.event_notifier.open
         if self.staging is not None:
             stats = self.staging.stats()
             out["staging_leases"] = stats["leases"]
