@@ -241,13 +241,14 @@ class EngineCore:
             if corrupt:
                 self.delete_frame(entry)
 
-    def delete_key(self, key: BlockHash) -> int:
-        """Delete a block: unpublish first, then its frame and any shared copy. 1 if it was stored."""
+    def delete_key(self, key: BlockHash, *, reason: str = "deleted") -> int:
+        """Delete a block: unpublish first, then its frame and any shared copy. 1 if it was stored.
+        ``reason`` is the ``removed`` event's (an operator's eviction says ``evicted``)."""
         with self._index.claim(key):
             entry = self._index.remove(key)
             if entry is None:
                 return 0
-            self._removed(entry, "deleted")
+            self._removed(entry, reason)
             self.placement.removed(key)
             self.delete_frame(entry)
             if self.shared is not None:

@@ -203,7 +203,7 @@ def evict(store: Any, query: EvictionQuery, *, dry_run: bool = False) -> Evictio
     result = EvictionResult(plan, dry_run, keys=[e.key.hex() for e in plan.entries])
     if dry_run or not plan.entries:
         return result
-    result.removed_blocks = store.delete_blocks([e.key for e in plan.entries])
+    result.removed_blocks = store.delete_blocks([e.key for e in plan.entries], reason="evicted")
     # Bytes of the planned entries now gone; one deleted and re-put meanwhile counts as kept.
     result.removed_bytes = sum(e.size for e in plan.entries if store.entry(e.key) is None)
     return result

@@ -458,14 +458,14 @@ class KVStore:
                 removed += self._core.delete_key(key)
         return removed
 
-    def delete_blocks(self, keys: Sequence[BlockHash]) -> int:
+    def delete_blocks(self, keys: Sequence[BlockHash], *, reason: str = "deleted") -> int:
         """Delete blocks by key (an operator's tool: no namespace check). Returns how many went."""
         self._check_open()
         try:
             checked = [check_key(key) for key in keys]  # all or nothing: validate before deleting
         except TypeError as exc:
             raise InvalidInput(f"keys must be a list of 32-byte block keys: {exc}") from exc
-        return sum(self._core.delete_key(key) for key in checked)
+        return sum(self._core.delete_key(key, reason=reason) for key in checked)
 
     def codec_of(self, tier: str) -> Codec:
         """The codec new frames get in ``tier`` (cold tiers default to int8).

@@ -48,7 +48,10 @@ def test_put_move_delete_evict_are_events_in_order():
         assert store.delete(spec, toks[:16], "a") == 1
         gone = store.events.read(5)[0]
         assert [(e.kind, e.reason) for e in gone] == [("removed", "deleted")]
-        # the last tier evicts: fill "low" past its capacity through migrations
+        from kvstore.evict import EvictionQuery, evict
+        assert evict(store, EvictionQuery(keys=(events[1].key,))).removed_blocks == 1
+        assert [(e.kind, e.reason, e.key) for e in store.events.read(6)[0]] == [("removed", "evicted", events[1].key)]
+        # placement's last tier evicts: fill "low" past its capacity through migrations
         others = list(range(1000, 1000 + 16 * 8))
         store.put_kv(spec, others, make_kv(spec, len(others)), "b")
         for e in store.entries():
