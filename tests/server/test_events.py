@@ -420,7 +420,8 @@ def test_the_subscriber_cap_is_a_clear_503_and_a_gone_subscriber_frees_its_slot(
 
 # -- many subscribers, a stalled one, shutdown -----------------------------------------------------
 
-MANY = 300
+MANY = 2000
+"""Thousands of idle subscribers, as the issue asks: each is only a cursor into the ring."""
 
 
 @pytest.fixture(scope="module")
