@@ -27,24 +27,22 @@ and its event, not placement's moves:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import socket
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter
 from contextlib import ExitStack, suppress
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import httpx
 import torch
 
 from bench.reliability_kit.serve_process import serving, small_env
 from bench.report import header, publish
-from client_sdk import KVClient
+from client_sdk import EventFollower, KVClient
 from kvstore.errors import BlockNotFound, TierFull
 from kvstore.keys import block_hashes
 from kvstore.spec import KVSpec
@@ -60,114 +58,23 @@ TARGET_P99_MS = 50.0
 TARGET_STALLED_RATIO = 0.95
 
 
-def _sse(lines: Iterable[str]) -> Iterator[tuple[str, str, str]]:
-    """``(id, event, data)`` per message of a ``text/event-stream``; comments (heartbeats) skipped."""
-    msg_id, event, data = "", "", []
-    for line in lines:
-        if not line:
-            if data:
-                yield msg_id, event or "message", "\n".join(data)
-            event, data = "", []
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if name == "id":
-                msg_id = value
-            elif name == "event":
-                event = value
-            elif name == "data":
-                data.append(value)
+class _Recorder:
+    """A follower's ``on_event``: what the bench keeps beyond the block set.
 
-
-class EventFollower:
-    """A node's block set (key hex -> tier) from a snapshot plus its event stream, in a thread.
-
-    Resumes a dropped stream with ``Last-Event-ID``; on a ``lost`` marker it takes a new snapshot
-    (``resyncs`` counts them). ``arrived`` has the ``time.perf_counter()`` at which each key's
-    first ``stored`` event was read, for latencies.
+    ``kinds`` counts events by kind, removals by reason; ``arrived`` has the
+    ``time.perf_counter()`` at which each key's first ``stored`` event was read (key hex), for
+    latencies. The follower calls it before applying the event, so once a follower has applied
+    an event its record has it too.
     """
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._http = httpx.Client(base_url=url, timeout=httpx.Timeout(10.0, read=60.0))
-        self.blocks: dict[str, str] = {}
+    def __init__(self) -> None:
         self.kinds: Counter[str] = Counter()
         self.arrived: dict[str, float] = {}
-        self.last_id = ""
-        self.resyncs = 0
-        self.failures = 0
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._stream: Any = None
-        self._thread = threading.Thread(target=self._run, name="events follower", daemon=True)
 
-    @property
-    def seq(self) -> int:
-        return int(self.last_id.rsplit(":", 1)[1]) if self.last_id else 0
-
-    def start(self) -> "EventFollower":
-        """Take the snapshot now (the block set is valid from here), then follow in the background."""
-        self._resync()
-        self._thread.start()
-        return self
-
-    def wait_seq(self, seq: int, timeout_s: float) -> bool:
-        """Wait until events up to ``seq`` are applied; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.seq >= seq, timeout_s)
-
-    def close(self) -> None:
-        self._stop.set()
-        stream = self._stream
-        if stream is not None:  # wake the blocked read: closing alone does not
-            with suppress(OSError, AttributeError):
-                stream.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
-        self._http.close()
-
-    def _resync(self) -> None:
-        snap = self._http.get("/v1/events/snapshot").raise_for_status().json()
-        with self._cond:
-            self.blocks = {b["key"]: b["tier"] for b in snap["blocks"]}
-            self.last_id = snap["id"]
-            self.resyncs += 1
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._follow()
-            except (httpx.HTTPError, OSError, ValueError, KeyError):
-                if self._stop.is_set():
-                    return
-                self.failures += 1
-                self._stop.wait(0.2)
-
-    def _follow(self) -> None:
-        headers = {"Last-Event-ID": self.last_id, "Accept": "text/event-stream"}
-        with self._http.stream("GET", "/v1/events", headers=headers) as resp:
-            resp.raise_for_status()
-            self._stream = resp.extensions.get("network_stream")
-            for msg_id, kind, data in _sse(resp.iter_lines()):
-                now = time.perf_counter()
-                if kind == "lost":
-                    self.kinds["lost"] += 1
-                    self._resync()
-                    return  # and resume from the new snapshot's id
-                event = json.loads(data)
-                with self._cond:
-                    key = event.get("key")
-                    if kind in ("stored", "moved"):
-                        self.blocks[key] = event["tier"]
-                        if kind == "stored":
-                            self.arrived.setdefault(key, now)
-                    elif kind == "removed":
-                        self.blocks.pop(key, None)
-                    elif kind == "cleared":
-                        self.blocks.clear()
-                    self.kinds[kind if kind != "removed" else f"removed ({event.get('reason', '?')})"] += 1
-                    self.last_id = msg_id
-                    self._cond.notify_all()
+    def __call__(self, kind: str, event: dict, arrived: float) -> None:
+        if kind == "stored":
+            self.arrived.setdefault(event["key"], arrived)
+        self.kinds[kind if kind != "removed" else f"removed ({event.get('reason', '?')})"] += 1
 
 
 def _last_seq(http: httpx.Client) -> int:
@@ -255,7 +162,8 @@ def _mixed(clients: list[KVClient], ops: int, rng: random.Random, midway: Any) -
 
 
 def _exact(url: str, clients: list[KVClient], ops: int, rng: random.Random) -> dict:
-    first = EventFollower(url).start()
+    record = _Recorder()
+    first = EventFollower(url, on_event=record).start()
     followers = [first]
     t0 = time.perf_counter()
     calls = _mixed(clients, ops, rng, midway=lambda: followers.append(EventFollower(url).start()))
@@ -264,22 +172,22 @@ def _exact(url: str, clients: list[KVClient], ops: int, rng: random.Random) -> d
         entries = settled_entries(url, followers)
         diffs = []
         for f in followers:
-            with f._cond:
-                blocks = dict(f.blocks)
+            blocks = {key.hex(): tier for key, tier in f.snapshot_blocks().items()}
             wrong = {k for k in entries.keys() | blocks.keys() if entries.get(k) != blocks.get(k)}
             diffs.append(len(wrong))
     finally:
         for f in followers:
             f.close()
     return {"name": "snapshot + events == /admin/entries", "ops": ops, "calls": dict(calls),
-            "ops_per_s": ops / elapsed, "entries": len(entries), "events": dict(first.kinds),
+            "ops_per_s": ops / elapsed, "entries": len(entries), "events": dict(record.kinds),
             "mismatched_keys": {"from the start": diffs[0], "from mid-run": diffs[1]},
             "resyncs": [f.resyncs - 1 for f in followers], "target": "0 mismatched keys",
             "met": not any(diffs)}
 
 
 def _latency(url: str, client: KVClient, n: int, rng: random.Random) -> dict:
-    follower = EventFollower(url).start()
+    record = _Recorder()
+    follower = EventFollower(url, on_event=record).start()
     try:
         returned: dict[str, float] = {}
         for _ in range(n):
@@ -288,11 +196,11 @@ def _latency(url: str, client: KVClient, n: int, rng: random.Random) -> dict:
             returned[block_hashes(SPEC, tokens, client.namespace)[0].hex()] = time.perf_counter()
             time.sleep(0.002)  # a put every few ms, as agents make them: the latency, not a queue's
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not returned.keys() <= follower.arrived.keys():
+        while time.monotonic() < deadline and not returned.keys() <= record.arrived.keys():
             time.sleep(0.01)
         # An event read before its put returned counts as 0 ms (the event is emitted on commit).
-        lat_ms = sorted(max(0.0, follower.arrived[k] - t) * 1e3 for k, t in returned.items()
-                        if k in follower.arrived)
+        lat_ms = sorted(max(0.0, record.arrived[k] - t) * 1e3 for k, t in returned.items()
+                        if k in record.arrived)
     finally:
         follower.close()
     missing = n - len(lat_ms)

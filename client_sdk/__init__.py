@@ -11,13 +11,15 @@ Both pick shared memory when the server runs on this host and HTTP otherwise
 for those puts, and a failed one is raised once more as ``PutFailed``.
 Errors are ``kvstore.errors`` classes, the service ones (``Unauthorized``,
 ``Forbidden``, ``QuotaExceeded``, ``RetainQuotaExceeded``, ``PayloadTooLarge``, ``MalformedRequest``,
-``ConnectionFailed``, ``PutFailed``...) re-exported here.
+``ConnectionFailed``, ``PutFailed``...) re-exported here. ``EventFollower`` keeps a node's
+block set (key -> tier) current from its snapshot and KV event stream, in a thread.
 It imports ``kvstore.spec``, ``keys``, ``codec``, ``errors`` and ``memory.shm`` (the
 arena reader for the co-located path), never the tiers or the store.
 """
 
 from client_sdk.aio import AsyncKVClient
 from client_sdk.client import KVClient
+from client_sdk.events import EventFollower
 from client_sdk.pending import AsyncPutHandle, PutHandle
 from kvstore.errors import (BodyTimeout, ConnectionFailed, Forbidden, MalformedRequest, PayloadTooLarge, PutFailed,
                             QuotaExceeded, RequestTimeout, RetainQuotaExceeded, RouteNotFound, ServerBusy,
@@ -28,6 +30,7 @@ __all__ = [
     "AsyncKVClient",
     "PutHandle",
     "AsyncPutHandle",
+    "EventFollower",
     "ServiceError",
     "Unauthorized",
     "Forbidden",

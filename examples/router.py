@@ -3,7 +3,7 @@
 The router never asks a node what it holds at request time. Block keys are content addressed
 (``kvstore.keys.block_hashes(spec, tokens, namespace)`` gives the key every node stores a block
 under), so the router only needs each node's block set, and it keeps that current from the
-node's KV events:
+node's KV events (``client_sdk.EventFollower`` does the following):
 
 1. ``GET /v1/events/snapshot``: the node's blocks and the event id the copy is valid at;
 2. ``GET /v1/events`` (Server-Sent Events) from that id (``Last-Event-ID``): ``stored`` and
@@ -29,172 +29,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import httpx  # noqa: E402
-
+from client_sdk.events import EventFollower, sse_messages  # noqa: E402
 from kvstore.keys import block_hashes  # noqa: E402
 from kvstore.spec import KVSpec  # noqa: E402
 
 __all__ = ["NodeView", "Route", "Router", "sse_messages", "main"]
 
-READ_TIMEOUT_S = 45.0
-"""A stream silent this long is dead (the server sends a heartbeat comment every 15 s): reconnect."""
-RETRY_S = 0.5
-"""Wait before reconnecting to a node that failed (refused, reset, 5xx)."""
-
-
-def sse_messages(lines: Iterable[str]) -> Iterator[tuple[str, str, str]]:
-    """``(id, event, data)`` of each message of a ``text/event-stream``; comments (heartbeats) skipped."""
-    msg_id, event, data = "", "", []
-    for line in lines:
-        if not line:  # a blank line ends a message
-            if data:
-                yield msg_id, event or "message", "\n".join(data)
-            event, data = "", []
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "id":
-            msg_id = value
-        elif name == "event":
-            event = value
-        elif name == "data":
-            data.append(value)
-
-
-class NodeView:
-    """One node's block set (key -> tier), kept current by a thread that follows its events.
-
-    Args:
-        url: the node's base URL.
-        token: a bearer token (a tenant's sees its namespaces; the admin token, or none where
-            auth is off, sees all).
-    """
-
-    def __init__(self, url: str, token: str | None = None) -> None:
-        self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"} if token else {},
-                                  timeout=httpx.Timeout(10.0, read=READ_TIMEOUT_S))
-        self._lock = threading.Lock()  # the follower writes, routers read from any thread
-        self.blocks: dict[bytes, str] = {}
-        self.last_id: str | None = None
-        """``<epoch>:<seq>`` of the last event applied (or of the snapshot): where a resume starts."""
-        self.resyncs = 0
-        self.errors = 0
-        self._synced = threading.Event()
-        self._stop = threading.Event()
-        self._stream: Any = None
-        self._thread = threading.Thread(target=self._run, name=f"events {self.url}", daemon=True)
-
-    # -- reading (any thread) -----------------------------------------------------------------
-
-    def prefix_blocks(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` this node holds."""
-        with self._lock:
-            n = 0
-            for key in keys:
-                if key not in self.blocks:
-                    break
-                n += 1
-            return n
-
-    @property
-    def seq(self) -> int:
-        """The number of the last event applied (0 before the first snapshot)."""
-        return int(self.last_id.rsplit(":", 1)[1]) if self.last_id else 0
-
-    def wait_synced(self, timeout_s: float) -> bool:
-        """Wait for the first snapshot; False on timeout."""
-        return self._synced.wait(timeout_s)
-
-    def catch_up(self, timeout_s: float = 10.0) -> bool:
-        """Wait until this view has applied every event the node had emitted when called
-        (tests and demos: a router never needs to). False on timeout."""
-        target = self._http.get("/v1/events/snapshot").raise_for_status().json()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.last_id and self.last_id.split(":")[0] == target["epoch"] and self.seq >= target["seq"]:
-                return True
-            time.sleep(0.01)
-        return False
-
-    # -- following (the view's own thread) ------------------------------------------------------
-
-    def start(self) -> "NodeView":
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-        stream = self._stream
-        if stream is not None:
-            # Closing a socket does not wake a thread blocked reading it; shutting it down does.
-            sock = stream.get_extra_info("socket")
-            with contextlib.suppress(OSError, AttributeError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
-        self._http.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if self.last_id is None:
-                    self._resync()
-                self._follow()
-            except (httpx.HTTPError, OSError, ValueError, KeyError):
-                if self._stop.is_set():
-                    return
-                self.errors += 1  # the node is down or restarting: resume from the last id when it is back
-                self._stop.wait(RETRY_S)
-
-    def _resync(self) -> None:
-        """Replace the block set with the node's snapshot."""
-        snap = self._http.get("/v1/events/snapshot").raise_for_status().json()
-        blocks = {bytes.fromhex(b["key"]): b["tier"] for b in snap["blocks"]}
-        with self._lock:
-            self.blocks, self.last_id = blocks, snap["id"]
-        self.resyncs += 1
-        self._synced.set()
-
-    def _follow(self) -> None:
-        """Apply the stream's events until it ends, fails, or says events were lost."""
-        headers = {"Last-Event-ID": self.last_id or "", "Accept": "text/event-stream"}
-        with self._http.stream("GET", "/v1/events", headers=headers) as resp:
-            if resp.status_code == 400:  # an id this node never gave (it restarted, say): start over
-                self.last_id = None
-                return
-            resp.raise_for_status()
-            self._stream = resp.extensions.get("network_stream")
-            try:
-                for msg_id, kind, data in sse_messages(resp.iter_lines()):
-                    if kind == "lost":
-                        self.last_id = None  # the next round takes a snapshot
-                        return
-                    self._apply(kind, json.loads(data), msg_id)
-            finally:
-                self._stream = None
-
-    def _apply(self, kind: str, event: dict[str, Any], msg_id: str) -> None:
-        with self._lock:
-            if kind in ("stored", "moved"):
-                self.blocks[bytes.fromhex(event["key"])] = event["tier"]
-            elif kind == "removed":
-                self.blocks.pop(bytes.fromhex(event["key"]), None)
-            elif kind == "cleared":
-                self.blocks.clear()
-            self.last_id = msg_id or self.last_id
+NodeView = EventFollower
+"""One node's block set, followed from its events (``client_sdk.EventFollower``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,13 +64,13 @@ class Router:
 
     Args:
         urls: the nodes' base URLs.
-        token: the bearer token for every node's events (see ``NodeView``).
+        token: the bearer token for every node's events (see ``client_sdk.EventFollower``).
     """
 
     def __init__(self, urls: Sequence[str], token: str | None = None) -> None:
         if not urls:
             raise ValueError("a router needs at least one node")
-        self.nodes = [NodeView(u, token) for u in urls]
+        self.nodes = [EventFollower(u, token) for u in urls]
         self._lock = threading.Lock()
         self._in_flight = {n.url: 0 for n in self.nodes}
         self._next = 0  # the round-robin cursor
@@ -231,11 +82,13 @@ class Router:
             TimeoutError: a node gave no snapshot within ``timeout_s``.
         """
         for node in self.nodes:
-            node.start()
+            node.start(timeout_s=0)
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
             if not node.wait_synced(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"{node.url} gave no events snapshot within {timeout_s:g} s")
+                self.close()
+                raise TimeoutError(f"{node.url} gave no events snapshot within {timeout_s:g} s"
+                                   f" (last error: {node.last_error!r})")
         return self
 
     def close(self) -> None:
@@ -252,7 +105,7 @@ class Router:
         """The node for a request: the longest stored prefix wins; ties go to the node with the
         fewest requests in flight (``done`` ends one), then round robin."""
         keys = block_hashes(spec, tokens, namespace)
-        held = [node.prefix_blocks(keys) for node in self.nodes]
+        held = [node.prefix(keys) for node in self.nodes]
         best = max(held)
         with self._lock:
             tied = [i for i, n in enumerate(held) if n == best]
