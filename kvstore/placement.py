@@ -367,7 +367,8 @@ class PlacementManager:
 
         A key this owner retains already is renewed (its expiry and priority replaced); one
         another owner retains stays that owner's, with the later expiry and the higher
-        priority of the two, and is not charged to this one. Keys placement does not know are
+        priority of the two, and is not charged to this one; but a prefetch's hold
+        (``PREFETCH_OWNER``) passes to the tenant that retains the key. Keys placement does not know are
         skipped.
 
         Returns:
@@ -392,7 +393,7 @@ class PlacementManager:
                 if r is None:
                     continue
                 found.append((key, r))
-                if key not in mine and not self._retained(r, now):
+                if key not in mine and not self._kept_by_other(r, owner, now):
                     extra += r.size
             if quota_bytes is not None and held + extra > quota_bytes:
                 raise RetainQuotaExceeded(
@@ -403,7 +404,7 @@ class PlacementManager:
             nbytes = 0
             for key, r in found:
                 nbytes += r.size
-                if self._retained(r, now) and r.retain_owner != owner:
+                if self._kept_by_other(r, owner, now):
                     r.retained_until = max(r.retained_until, until)
                     r.retain_priority = max(r.retain_priority, priority)
                     continue
@@ -453,6 +454,12 @@ class PlacementManager:
 
     def _retained(self, r: _Resident, now: float) -> bool:
         return r.retained_until > now
+
+    def _kept_by_other(self, r: _Resident, owner: str, now: float) -> bool:
+        """Retained by another owner, who keeps it: a prefetch's hold gives way to a tenant's
+        retention (which takes the entry over, charged to the tenant)."""
+        return (self._retained(r, now) and r.retain_owner != owner
+                and not (r.retain_owner == PREFETCH_OWNER and owner != PREFETCH_OWNER))
 
     def _owned_bytes(self, owner: str, now: float) -> int:
         """Bytes ``owner`` retains, pruning its expired keys (under the lock)."""

@@ -119,6 +119,29 @@ class Prefetcher:
         with self._cond:
             return list(self._log)[-limit:]
 
+    def _hold(self, keys: list[BlockHash], hold_s: float) -> int:
+        """Hold ``keys`` for ``hold_s``; past the hold budget, as many leading keys as fit
+        (a prefix without its head serves nothing). How many are held."""
+        placement = self._core.placement
+        try:
+            return placement.retain(keys, hold_s, owner=PREFETCH_OWNER, quota_bytes=self._hold_bytes)[0]
+        except RetainQuotaExceeded as exc:
+            room = exc.quota_bytes - exc.retained_bytes
+        fit: list[BlockHash] = []
+        for key in keys:
+            entry = self._core.entry(key)
+            if entry is None or entry.size > room:
+                break
+            room -= entry.size
+            fit.append(key)
+        self.counters["holds_cut"] += 1
+        if not fit:
+            return 0
+        try:
+            return placement.retain(fit, hold_s, owner=PREFETCH_OWNER, quota_bytes=self._hold_bytes)[0]
+        except RetainQuotaExceeded:  # another job took the room meanwhile
+            return 0
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -154,26 +177,28 @@ class Prefetcher:
                 adopted += 1
             have.append(key)
             sources[entry.tier] += 1
-        held = 0
-        if job.hold_s > 0 and have:
-            try:
-                held = core.placement.retain(have, job.hold_s, owner=PREFETCH_OWNER,
-                                             quota_bytes=self._hold_bytes)[0]
-            except RetainQuotaExceeded:
-                self.counters["holds_refused"] += 1  # the prefetch still runs, only unheld
+        held = self._hold(have, job.hold_s) if job.hold_s > 0 and have else 0
         moved = failed = 0
-        for key in have:
-            entry = core.entry(key)
-            if entry is None or entry.tier == top:
-                continue
-            order = MoveOrder(key, entry.tier, top, entry.size, f"promoted: prefetched ({job.trigger}): {job.reason}")
-            try:
-                ok = self._execute(order)
-            except TierError as exc:
-                log.warning("prefetch of %s failed: %s", key.hex(), exc)
-                ok = False
-            moved += ok
-            failed += not ok
+        # Leased while the job runs: a block it promoted must not be the room the next one makes
+        # (a full top tier of hotter blocks would otherwise see the prefix push itself out).
+        leased = [key for key in have if core.placement.lease(key)]
+        try:
+            for key in have:
+                entry = core.entry(key)
+                if entry is None or entry.tier == top:
+                    continue
+                order = MoveOrder(key, entry.tier, top, entry.size,
+                                  f"promoted: prefetched ({job.trigger}): {job.reason}")
+                try:
+                    ok = self._execute(order)
+                except TierError as exc:
+                    log.warning("prefetch of %s failed: %s", key.hex(), exc)
+                    ok = False
+                moved += ok
+                failed += not ok
+        finally:
+            for key in leased:
+                core.placement.release(key)
         self.counters["jobs"] += 1
         self.counters["blocks_moved"] += moved
         record = {"time_s": time.time(), "op": "prefetch", "trigger": job.trigger, "namespace": job.namespace,

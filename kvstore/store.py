@@ -61,6 +61,9 @@ __all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
 log = logging.getLogger("kvstore.store")
 T = TypeVar("T")
 
+PREFETCH_HOLD_S = 60.0
+"""How long a prefetched prefix is held for its reader by default (its first read ends the hold)."""
+
 
 @dataclass(slots=True)
 class StoreStats:
@@ -614,15 +617,17 @@ class KVStore:
 
     def prefetch(self, spec: KVSpec, tokens: Any, namespace: str = "default", *,
                  reason: str = "requested by a caller", trigger: str = "requested",
-                 hold_s: float = 0.0) -> int:
+                 hold_s: float = PREFETCH_HOLD_S) -> int:
         """Bring the longest stored prefix of ``tokens`` to the top tier, in the background.
 
         Blocks only the shared tier holds (another node stored them) are adopted first, so a
         node reading from the shared tier gets them into its own arena. Returns at once.
 
         Args:
-            hold_s: also hold the blocks in the top tier this long (a soft retention no
-                tenant pays for, at most a quarter of the tier; their first read ends it).
+            hold_s: then hold the blocks in the top tier this long, or until their first read
+                (a soft retention no tenant pays for, within a quarter of the tier): without
+                it, churn in a full top tier could push them out before their reader comes.
+                0: no hold.
 
         Returns:
             Tokens of the prefix the prefetch will bring (what a get would find now).

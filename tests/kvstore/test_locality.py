@@ -163,3 +163,28 @@ def test_learned_handoffs_hold_new_puts_unless_the_policy_says_no(spec, tmp_path
         assert store.retention_of(key)["owner"] == "_prefetch"
         store.get_kv(spec, nxt, "team", agent="reviewer")  # the reader came: the hold ends
         assert store.retention_of(key) is None
+
+
+def test_a_prefetch_into_a_full_top_tier_does_not_push_itself_out(spec, tmp_path):
+    """The top tier full of hotter blocks: each promoted block makes room, and without the job's
+    lease and hold the prefix's own earlier blocks would be that room."""
+    frame = spec.block_nbytes + 1024
+    with KVStore([ShmTier(frame * 16), MemoryTier(64 << 20, name="low")], background=False) as store:
+        convo = list(range(16 * 8))
+        store.put_kv(spec, convo, make_kv(spec, len(convo)), "a")
+        for key in store._current_keys(spec, convo, "a"):
+            store.migrate(key, "low")
+        for i in range(16):  # hot residents fill the top tier
+            toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
+            store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
+            for _ in range(5):
+                store.get_kv(spec, toks, "b")
+        assert store.prefetch(spec, convo, "a") == len(convo)
+        assert store.prefetch_idle()
+        assert tiers_of(store, spec, convo, "a") == ["shm"] * 8
+        assert store.prefetch_log()[-1]["held"] == 4  # the leading blocks that fit a quarter of the tier
+        for _ in range(3):
+            store.run_placement()
+        assert tiers_of(store, spec, convo, "a")[:4] == ["shm"] * 4  # held for its reader
+        store.get_kv(spec, convo, "a")
+        assert store.retention_of(store._current_keys(spec, convo, "a")[0]) is None  # the reader came
