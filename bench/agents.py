@@ -8,13 +8,24 @@ with a full prefill and again with ``get_kv`` plus a prefill of the rest, checks
 that both give the same first token, and puts its prompt's KV. The planner
 finds nothing; the coder and the reviewer find the shared context.
 
+The hand-off scenario (``run(scenario="handoff")``, ``kvstore demo agents --handoff``) puts a
+tool call between agents: while it runs, other tenants put three top tiers' worth of hot KV,
+so the shared context sinks to disk. It runs three ways, each in its own namespace: nothing
+done (the next agent reads the context from disk); a prefetch of the next agent's prompt when
+it is handed the task (it starts once the prefix is back in shm); the context retained by the
+agent that wrote it until the next one has read it. Its agents live across the variants (one
+process each, ``bench.agents_model.AgentSession``, a turn per JSON line on stdin) and report
+where their context was when they arrived, which medium served it and their TTFT.
+
 The demo starts its own ``kvstore serve`` on a free loopback port with a temp
 data dir and stops it at the end. Agents report to this process as JSON lines
 on their stdout (``{"event": "step" | "result", ...}``); anything else they
 print goes to stderr. The result is printed as a table and written as JSON and
 a PNG bar chart to ``--out`` (default ``bench/results``).
 
-    python -m bench.agents agent JOB_JSON     the agent entry point (what ``run`` spawns)
+    python -m bench.agents agent JOB_JSON            the agent entry point (what ``run`` spawns)
+
+The hand-off scenario (``scenario="handoff"``) lives in ``bench.agents_handoff``.
 """
 
 from __future__ import annotations
@@ -60,8 +71,11 @@ def _child_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _serving(workdir: Path, timeout_s: float = 60.0) -> Iterator[str]:
+def _serving(workdir: Path, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Iterator[str]:
     """``kvstore serve`` on a free loopback port until the block ends (SIGTERM, then wait).
+
+    Args:
+        env: settings over the demo's (``_SERVE_ENV``).
 
     Yields:
         Its URL, once ``/healthz`` answers.
@@ -74,7 +88,8 @@ def _serving(workdir: Path, timeout_s: float = 60.0) -> Iterator[str]:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port),
                                  "--data-dir", str(workdir / "data")],
-                                env={**_child_env(), **_SERVE_ENV}, stdout=log, stderr=subprocess.STDOUT)
+                                env={**_child_env(), **_SERVE_ENV, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -125,29 +140,42 @@ def _spawn_agent(job: dict[str, Any], workdir: Path, step: Callable[[str], None]
 
 
 def run(*, out_dir: str | Path | None = "bench/results", context_tokens: int | None = None, quick: bool = False,
-        config: DemoConfig | None = None, namespace: str = "agents") -> dict[str, Any]:
+        config: DemoConfig | None = None, namespace: str = "agents", scenario: str = "agents") -> dict[str, Any]:
     """Run the three agents against a private server; print progress and a table; write JSON and a PNG.
 
     Args:
-        out_dir: where ``agents-<time>.json`` and ``.png`` go.
+        out_dir: where ``agents-<time>.json`` and ``.png`` go (``agents-handoff-<time>.*`` for
+            the hand-off scenario).
         context_tokens: shared context length; default the config's (1,536; 768 with ``quick``).
         quick: a smaller model and context (a smoke run).
         config: the whole model and prompt setup; overrides ``quick``.
+        scenario: ``"agents"``, each agent in turn, right after the one before; ``"handoff"``,
+            a tool-call pause between agents while other tenants churn the top tier, run three
+            ways (``bench.agents_handoff.HANDOFF_VARIANTS``: nothing done, a prefetch at the hand-off, the context
+            retained across the pause).
 
     Returns:
         The result (as written to the JSON) with ``path`` and ``plot`` added; ``agents`` holds
-        one dict per agent (see ``bench.agents_model.run_agent``).
+        one dict per agent (see ``bench.agents_model.run_agent``); for ``"handoff"``, ``agents``
+        describes each agent process and ``turns`` holds one dict per agent and variant (see
+        ``bench.agents_model.AgentSession.turn``), with the pause before it (``handoff``).
 
     Raises:
         DemoFailed: transformers is missing, the server did not start, or an agent failed.
-        ValueError: an inconsistent config or context length.
+        ValueError: an inconsistent config or context length, or an unknown scenario.
     """
+    if scenario not in ("agents", "handoff"):
+        raise ValueError(f"scenario must be 'agents' or 'handoff', got {scenario!r}")
     if importlib.util.find_spec("transformers") is None:
         raise DemoFailed("the agents demo needs transformers: pip install 'kvstore[hf]'")
     cfg = config or (DemoConfig.quick() if quick else DemoConfig())
     if context_tokens is not None:
         cfg = DemoConfig.from_dict({**asdict(cfg), "context_tokens": context_tokens})
     start = time.perf_counter()
+    if scenario == "handoff":
+        from bench.agents_handoff import run_handoff  # its own module: three variants, churn, pauses
+
+        return run_handoff(cfg, out_dir, namespace, start)
     print(f"kvstore demo agents: {len(ROLES)} agents, each in its own process, share a {cfg.context_tokens}-token "
           f"context\n  model: random Llama, {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads "
           f"({cfg.kv_heads} KV), vocab {cfg.vocab}; torch {cfg.torch_threads} threads per agent", flush=True)

@@ -17,6 +17,10 @@ generated token:
 
 The agent then puts the KV of its whole prompt, after the clock, so the agents
 after it find the shared context.
+
+``run_agent`` is one agent of the default scenario, start to end. ``AgentSession`` is one
+agent of the hand-off scenario: it builds the model once and then takes turns, one per
+variant, each in the variant's namespace, reporting where its prefix was when it arrived.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["DemoConfig", "ROLES", "build_model", "prompt_tokens", "run_agent"]
+__all__ = ["DemoConfig", "ROLES", "build_model", "token_ids", "prompt_tokens", "ttft_with", "run_agent", "AgentSession"]
 
 ROLES: tuple[tuple[str, int], ...] = (("planner", 24), ("coder", 40), ("reviewer", 32))
 """Each agent's role and the length of its role text, tokens (tens, after the shared context)."""
@@ -92,12 +96,14 @@ def build_model(cfg: DemoConfig) -> tuple[Any, str]:
     return model, digest.hexdigest()
 
 
+def token_ids(cfg: DemoConfig, n: int, seed: int) -> list[int]:
+    """``n`` token ids drawn from the model's vocabulary by ``seed`` (the same in every process)."""
+    return torch.randint(0, cfg.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def prompt_tokens(cfg: DemoConfig, role: str, role_tokens: int) -> list[int]:
     """The shared context's token ids, then ``role``'s (seeded by its name, so stable across runs)."""
-    def ids(n: int, seed: int) -> list[int]:
-        return torch.randint(0, cfg.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-    return ids(cfg.context_tokens, cfg.seed + 1) + ids(role_tokens, zlib.crc32(role.encode()))
+    return token_ids(cfg, cfg.context_tokens, cfg.seed + 1) + token_ids(cfg, role_tokens, zlib.crc32(role.encode()))
 
 
 def _medium(client: Any) -> tuple[str | None, str | None]:
@@ -120,8 +126,13 @@ def _ttft_without(model: Any, ids: torch.Tensor, repeats: int) -> tuple[float, l
     return min(samples), samples, logits
 
 
-def _ttft_with(client: Any, model: Any, spec: Any, prompt: list[int], ids: torch.Tensor) -> dict[str, Any]:
-    """``get_kv``, a cache rebuilt from it, a prefill of the rest: the time, and what it left."""
+def ttft_with(client: Any, model: Any, spec: Any, prompt: list[int], ids: torch.Tensor) -> dict[str, Any]:
+    """``get_kv``, a cache rebuilt from it, a prefill of the rest: the time, and what it left.
+
+    Returns:
+        ``ttft_s`` (the whole), ``get_s`` (the fetch alone), ``hit`` and ``reuse`` (tokens found
+        and reused), ``out`` (the model's output) and ``logits`` (the first token's).
+    """
     from kvstore.integrations.hf import cache_from_kv, cache_kwargs
 
     t0 = time.perf_counter()
@@ -136,6 +147,8 @@ def _ttft_with(client: Any, model: Any, spec: Any, prompt: list[int], ids: torch
     logits = out.logits[0, -1]
     return {"ttft_s": time.perf_counter() - t0, "get_s": get_s, "hit": hit, "reuse": reuse, "out": out,
             "logits": logits}
+
+
 
 
 def run_agent(cfg: DemoConfig, role: str, role_tokens: int, url: str, namespace: str,
@@ -171,7 +184,7 @@ def run_agent(cfg: DemoConfig, role: str, role_tokens: int, url: str, namespace:
         if hasattr(client, "set_prefill_rate"):
             client.set_prefill_rate(spec, rate)
         lookup_tokens = client.lookup(spec, prompt)  # also opens the connection, as a running agent has it
-        w = _ttft_with(client, model, spec, prompt, ids)
+        w = ttft_with(client, model, spec, prompt, ids)
         medium, why = _medium(client)
         first_without, first_with = int(logits_without.argmax()), int(w["logits"].argmax())
         emit(f"get_kv hit {w['hit']} tokens via {medium} in {1e3 * w['get_s']:.1f} ms, TTFT {w['ttft_s']:.3f} s "
@@ -192,3 +205,100 @@ def run_agent(cfg: DemoConfig, role: str, role_tokens: int, url: str, namespace:
         "prefill_rate_tok_s": rate, "build_s": build_s, "put_tokens": stored, "put_s": put_s,
         "weights_digest": digest, "kv_bytes_per_token": spec.bytes_per_token,
     }
+
+
+class AgentSession:
+    """One agent of the demo's hand-off scenario, alive across its turns (one per variant).
+
+    The model is built and the TTFT without the store measured once. Each of ``namespaces`` (a
+    variant of the scenario) gets its own client, opened and warmed up here (the arena mapped,
+    the cached path run once), so that no variant pays for them. The clients keep their medium
+    fixed (``plan=False``: shm, and blocks not in the arena over HTTP in one batch): the SDK's
+    planner would learn from one variant's slow gets and switch medium in the next.
+
+    Raises:
+        ImportError: transformers is not installed.
+        KVStoreError subclasses: the store refused a call.
+    """
+
+    def __init__(self, cfg: DemoConfig, role: str, role_tokens: int, url: str, namespaces: list[str],
+                 emit: Callable[[str], None]) -> None:
+        from client_sdk import KVClient
+        from kvstore.integrations.hf import spec_for
+
+        torch.set_num_threads(cfg.torch_threads)
+        t0 = time.perf_counter()
+        self.cfg, self.role = cfg, role
+        self.model, self.digest = build_model(cfg)
+        self.build_s = time.perf_counter() - t0
+        self.spec = spec_for(self.model, fingerprint=self.digest[:32], block_tokens=cfg.block_tokens,
+                             model_id="kvstore-demo-agents")
+        self.prompt = prompt_tokens(cfg, role, role_tokens)
+        self.ids = torch.tensor([self.prompt])
+        with torch.inference_mode():
+            self.without_s, self.without_samples, self.logits_without = _ttft_without(self.model, self.ids,
+                                                                                      cfg.repeats)
+        self.clients = {ns: KVClient(url, namespace=ns, agent=role, plan=False) for ns in namespaces}
+        for client in self.clients.values():
+            self._warm(client)
+        emit(f"ready in {time.perf_counter() - t0:.1f} s (weights {self.digest[:12]}), prompt {len(self.prompt)} "
+             f"tokens, full prefill {self.without_s:.3f} s")
+
+    def _warm(self, client: Any) -> None:
+        """A miss, then a get of two blocks of the agent's own and a prefill from them: the arena
+        is mapped, the connection open, both paths' first-call costs paid."""
+        bt = self.spec.block_tokens
+        warm = token_ids(self.cfg, 2 * bt + 8, zlib.crc32(f"warm-{self.role}".encode()))
+        with torch.inference_mode():
+            ttft_with(client, self.model, self.spec, warm, torch.tensor([warm]))
+            client.put_kv(self.spec, warm, torch.zeros(self.spec.kv_shape(2 * bt), dtype=self.spec.torch_dtype))
+            ttft_with(client, self.model, self.spec, warm, torch.tensor([warm]))
+
+    def describe(self) -> dict[str, Any]:
+        return {"role": self.role, "pid": os.getpid(), "prompt_tokens": len(self.prompt), "spec": self.spec.to_dict(),
+                "weights_digest": self.digest, "build_s": self.build_s, "ttft_without_s": self.without_s,
+                "ttft_without_samples_s": self.without_samples,
+                "first_token_without": int(self.logits_without.argmax())}
+
+    def turn(self, namespace: str, *, release: bool = False, retain_s: float | None = None) -> dict[str, Any]:
+        """The agent's turn: where its prefix is (a lookup, untimed), its TTFT with the store, its put.
+
+        Args:
+            release: end the retention of the prefix it just read (the previous agent's), first.
+            retain_s: retain its whole prompt this long after its put (for the next agent).
+
+        Returns:
+            A JSON-able dict: ``tiers_at_arrival`` (blocks per tier), ``medium`` and
+            ``blocks_over_http`` of the get, TTFTs, first tokens, ``get_at`` (``perf_counter``,
+            one clock for every process here), what was released, stored and retained.
+        """
+        from kvstore.integrations.hf import kv_from_cache, out_cache
+
+        client = self.clients[namespace]
+        spec, prompt = self.spec, self.prompt
+        with torch.inference_mode():
+            found = client.lookup_blocks(spec, prompt)["blocks"]
+            over_http = client.stats.shm_blocks_fetched_over_http
+            get_at = time.perf_counter()
+            w = ttft_with(client, self.model, spec, prompt, self.ids)
+            over_http = client.stats.shm_blocks_fetched_over_http - over_http
+            medium = client.stats.last_medium
+            released = client.release(spec, prompt) if release else None
+            stored = client.put_kv(spec, prompt, kv_from_cache(out_cache(w["out"]), spec))
+            retained = client.retain(spec, prompt, ttl_s=retain_s) if retain_s else None
+        first_with, first_without = int(w["logits"].argmax()), int(self.logits_without.argmax())
+        return {
+            "role": self.role, "namespace": namespace, "prompt_tokens": len(prompt),
+            "tiers_at_arrival": {t: sum(b["tier"] == t for b in found) for t in sorted({b["tier"] for b in found})},
+            "hit_tokens": w["hit"], "reused_tokens": w["reuse"], "medium": medium, "blocks_over_http": over_http,
+            "get_at": get_at, "get_s": w["get_s"], "ttft_with_s": w["ttft_s"], "ttft_without_s": self.without_s,
+            "speedup": self.without_s / w["ttft_s"], "first_token_with": first_with,
+            "first_token_without": first_without, "first_token_match": first_with == first_without,
+            "max_logit_diff": float((w["logits"] - self.logits_without).abs().max()),
+            "released_blocks": released, "put_tokens": stored,
+            "retained": None if retained is None else {k: retained[k] for k in ("blocks", "bytes", "expires_in_s")},
+        }
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()

@@ -9,7 +9,7 @@ prompt is put once; then samples alternate, A B C A B C:
   connection opened by a get of another sequence before the clock, as a running
   agent has them), ``get_kv`` of the prompt, a cache rebuilt
   from all but its last token, and a prefill of that one token
-  (``bench.agents_model``'s ``_ttft_with``).
+  (``bench.agents_model``'s ``ttft_with``).
 
 A fresh client per sample keeps the SDK's handle cache from serving a second
 get. Every reuse must give the same first token as the full prefill; the
@@ -50,7 +50,7 @@ def measure(url: str, *, flight_port: int | None, prompts: tuple[int, ...], repe
 
 def _measure(url: str, flight_port: int | None, prompts: tuple[int, ...], repeats: int,
              tick: Callable[[str], None]) -> dict[str, Any]:
-    from bench.agents_model import DemoConfig, _ttft_with, build_model
+    from bench.agents_model import DemoConfig, build_model, ttft_with
     from client_sdk import KVClient
     from kvstore.integrations.hf import kv_from_cache, out_cache, spec_for
 
@@ -90,7 +90,7 @@ def _measure(url: str, flight_port: int | None, prompts: tuple[int, ...], repeat
                     client = make()
                     try:
                         client.get_kv(spec, warm)
-                        w = _ttft_with(client, model, spec, prompt, ids)
+                        w = ttft_with(client, model, spec, prompt, ids)
                         if name == "colocated" and client.stats.last_medium != "shm":
                             raise AssertionError(f"the co-located client used {client.stats.last_medium}")
                     finally:

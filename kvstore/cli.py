@@ -9,7 +9,8 @@
     kvstore prefetch|retain|release [--url URL] [--token T] [--namespace NS] --spec SPEC --tokens TOKENS
                                     (retain: --ttl S [--priority P])
     kvstore demo    [--url URL] [--token T] [--namespace NS]      a scripted put/get with timings
-    kvstore demo agents [--out DIR] [--context-tokens N] [--quick]  three agent processes share a context
+    kvstore demo agents [--out DIR] [--context-tokens N] [--quick] [--handoff]
+                                                              three agent processes share a context
     kvstore bench codec [--quick] [--no-real] [--repeats N] [--out DIR]
     kvstore bench tiers [--quick] [--tiers shm,cxl,...] [--repeats N] [--redis-url URL] [--dir DIR] [--out DIR]
     kvstore bench service [--quick] [--repeats N] [--caches warm|cold] [--torch-threads N] [--out DIR]
@@ -19,6 +20,7 @@
     kvstore bench lmcache [--quick] [--with-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
     kvstore bench vllm [--quick] [--repeats N] [--out DIR] [--docs PAGE]
     kvstore bench engines [--quick] [--repeats N] [--out DIR] [--docs PAGE]
+    kvstore bench agents [--quick] [--parts ttft,events,retain] [--out DIR]
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
@@ -133,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     every.add_argument("--clients", default=None, help="client process counts (default 1,4,16)")
     every.add_argument("--stored", default=None, help="stored levels for the server's RSS (default 0,1GiB,4GiB)")
 
+    ab = which.add_parser("agents", help="multi-agent locality: hand-off TTFT with prefetch, KV events, retention")
+    ab.add_argument("--quick", action="store_true", help="small runs (about two minutes)")
+    ab.add_argument("--parts", default="ttft,events,retain", help="which parts (default ttft,events,retain)")
+    ab.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)
+    ab.add_argument("--out", default="bench/results", help="directory for the JSON (default bench/results)")
+
     _serve_parser(sub)
     client_parsers(sub)
     return parser
@@ -202,9 +210,16 @@ def _bench(args: argparse.Namespace) -> int:
         "placement": _bench_traces, "write-policy": _bench_traces,
         "planner": _bench_module, "flight": _bench_module, "layers": _bench_module, "all": _bench_all,
         "reliability": _bench_reliability, "lmcache": _bench_lmcache, "vllm": _bench_vllm,
-        "engines": _bench_engines,
+        "engines": _bench_engines, "agents": _bench_agents,
     }
     return benches[args.bench](args)
+
+
+def _bench_agents(args: argparse.Namespace) -> int:
+    from bench.locality import run
+
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    return _bench_reported("agents", None, lambda: run(quick=args.quick, parts=parts, out_dir=args.out))
 
 
 def _bench_codec(args: argparse.Namespace) -> int:

@@ -69,6 +69,9 @@ def client_parsers(sub: Any) -> None:
     demo.add_argument("--context-tokens", type=int, default=None,
                       help="agents: shared context length (default 1536; 768 with --quick)")
     demo.add_argument("--quick", action="store_true", help="agents: a smaller model and context (a smoke run)")
+    demo.add_argument("--handoff", action="store_true",
+                      help="agents: the hand-off scenario: tool-call pauses with churn, TTFT per agent with no "
+                           "help, with a prefetch at each hand-off, and with retention across the pause")
 
 
 def _client(args: argparse.Namespace, **kwargs: Any) -> Any:
@@ -229,7 +232,8 @@ def _demo_agents(args: argparse.Namespace) -> int:
     from bench.agents import DemoFailed, run
 
     try:
-        run(out_dir=args.out, context_tokens=args.context_tokens, quick=args.quick)
+        run(out_dir=args.out, context_tokens=args.context_tokens, quick=args.quick,
+            scenario="handoff" if args.handoff else "agents")
     except ValueError as exc:
         print(f"kvstore demo agents: {exc}", file=sys.stderr)
         return 2
