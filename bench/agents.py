@@ -30,7 +30,6 @@ The hand-off scenario (``scenario="handoff"``) lives in ``bench.agents_handoff``
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -42,64 +41,13 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from bench.agents_model import ROLES, DemoConfig
+from bench.agents_proc import AGENT_TIMEOUT_S, DemoFailed, child_env, json_lines, serving
 from bench.report import header, publish
-from bench.serving import free_port, stop, wait_http
 
 __all__ = ["DemoFailed", "DemoConfig", "run", "format_table"]
-
-_REPO = Path(__file__).resolve().parents[1]
-_SERVE_ENV = {"KVSTORE_SHM_BYTES": "256MiB", "KVSTORE_CXL_BYTES": "32MiB", "KVSTORE_NVME_BYTES": "256MiB",
-              "KVSTORE_STAGING_BYTES": "64MiB", "KVSTORE_LOG_LEVEL": "warning"}
-"""Arenas sized for the demo: the defaults reserve and prefault GiBs it never uses."""
-AGENT_TIMEOUT_S = 300.0
-"""An agent still running after this is killed (a hung child must not hang the demo)."""
-
-
-class DemoFailed(RuntimeError):
-    """The demo could not run: transformers is missing, the server did not start, or an agent failed."""
-
-
-def _child_env() -> dict[str, str]:
-    # The caller's KVSTORE_* settings are for their own server, not this private one.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH")) if p)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-@contextlib.contextmanager
-def _serving(workdir: Path, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Iterator[str]:
-    """``kvstore serve`` on a free loopback port until the block ends (SIGTERM, then wait).
-
-    Args:
-        env: settings over the demo's (``_SERVE_ENV``).
-
-    Yields:
-        Its URL, once ``/healthz`` answers.
-
-    Raises:
-        DemoFailed: it exited or did not answer within ``timeout_s`` (the message has its log).
-    """
-    port = free_port()
-    log_path = workdir / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port),
-                                 "--data-dir", str(workdir / "data")],
-                                env={**_child_env(), **_SERVE_ENV, **(env or {})}, stdout=log,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        try:
-            wait_http(port, proc, timeout_s=timeout_s)
-        except RuntimeError:
-            raise DemoFailed(f"kvstore serve did not start:\n{log_path.read_text(errors='replace')[-2000:]}") from None
-        yield url
-    finally:
-        stop(proc)
-
 
 def _spawn_agent(job: dict[str, Any], workdir: Path, step: Callable[[str], None]) -> dict[str, Any]:
     """Run one agent process; pass its progress lines to ``step``; return its result.
@@ -109,7 +57,7 @@ def _spawn_agent(job: dict[str, Any], workdir: Path, step: Callable[[str], None]
     """
     err_path = workdir / f"agent-{job['role']}.err"
     with open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.agents", "agent", json.dumps(job)], env=_child_env(),
+        proc = subprocess.Popen([sys.executable, "-m", "bench.agents", "agent", json.dumps(job)], env=child_env(),
                                 stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
     watchdog = threading.Timer(AGENT_TIMEOUT_S, proc.kill)
     watchdog.start()
@@ -182,7 +130,7 @@ def run(*, out_dir: str | Path | None = "bench/results", context_tokens: int | N
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-demo-agents-"))
     agents = []
     try:
-        with _serving(workdir) as url:
+        with serving(workdir) as url:
             print(f"[server] kvstore serve at {url} ready in {time.perf_counter() - start:.1f} s", flush=True)
             for i, (role, role_tokens) in enumerate(ROLES, 1):
                 def step(text: str, i: int = i, role: str = role) -> None:
@@ -249,13 +197,7 @@ def _agent_main(job_json: str) -> int:
     from bench.agents_model import run_agent
 
     job = json.loads(job_json)
-    out = sys.stdout
-    sys.stdout = sys.stderr  # only our JSON lines reach the parent's pipe
-
-    def emit(event: dict[str, Any]) -> None:
-        out.write(json.dumps(event) + "\n")
-        out.flush()
-
+    emit = json_lines()
     result = run_agent(DemoConfig.from_dict(job["config"]), job["role"], job["role_tokens"], job["url"],
                        job["namespace"], lambda text: emit({"event": "step", "text": text}))
     emit({"event": "result", "result": result})

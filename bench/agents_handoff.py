@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.agents import AGENT_TIMEOUT_S, DemoFailed, _child_env, _serving
+from bench.agents_proc import AGENT_TIMEOUT_S, DemoFailed, child_env, json_lines, serving
 from bench.agents_model import ROLES, DemoConfig, prompt_tokens
 from bench.report import header, publish
 from kvstore.spec import KVSpec
@@ -65,7 +65,7 @@ class _AgentProcess:
         self._err_path = workdir / f"agent-{self.role}.err"
         with open(self._err_path, "wb") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "bench.agents_handoff", "agent", json.dumps(job)],
-                                         env=_child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, text=True, bufsize=1)
         self._events: queue.Queue[dict | None] = queue.Queue()
         self._step = step
@@ -230,7 +230,7 @@ def run_handoff(cfg: DemoConfig, out_dir: str | Path | None, namespace: str, sta
     namespaces = {v: f"{namespace}-{v}" for v in HANDOFF_VARIANTS}
     turns: list[dict[str, Any]] = []
     try:
-        with _serving(workdir, env=env) as url, contextlib.ExitStack() as stack:
+        with serving(workdir, env=env) as url, contextlib.ExitStack() as stack:
             print(f"[server] kvstore serve at {url} ready in {time.perf_counter() - start:.1f} s", flush=True)
             agents = []
             for i, (role, role_tokens) in enumerate(ROLES, 1):
@@ -320,13 +320,7 @@ def _handoff_agent_main(job_json: str) -> int:
     from bench.agents_model import AgentSession
 
     job = json.loads(job_json)
-    out = sys.stdout
-    sys.stdout = sys.stderr  # only our JSON lines reach the parent's pipe
-
-    def emit(event: dict[str, Any]) -> None:
-        out.write(json.dumps(event) + "\n")
-        out.flush()
-
+    emit = json_lines()
     session = AgentSession(DemoConfig.from_dict(job["config"]), job["role"], job["role_tokens"], job["url"],
                            job["namespaces"], lambda text: emit({"event": "step", "text": text}))
     emit({"event": "ready", "ready": session.describe()})

@@ -26,7 +26,6 @@ and its event, not placement's moves:
 
 from __future__ import annotations
 
-import argparse
 import random
 import socket
 import statistics
@@ -364,15 +363,3 @@ def format_table(result: dict) -> str:
         lines.append(f"{row['name']:58} {text:42} {row['target']:18} {met}")
     lines.append(f"workload: {exact['ops']} calls {exact['calls']}; events seen {exact['events']}")
     return "\n".join(lines)
-
-
-def _main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
-    run(args.quick, out_dir=args.out)
-
-
-if __name__ == "__main__":
-    _main()

@@ -23,7 +23,6 @@ drop is the same-run difference of the other tenants' ratio without retention an
 
 from __future__ import annotations
 
-import argparse
 import random
 import tempfile
 from contextlib import ExitStack
@@ -161,15 +160,3 @@ def format_table(result: dict) -> str:
     lines.append(f"retained {run_['retained_bytes'] / 2**20:.2f} MiB of a {run_['quota_bytes'] / 2**20:.2f} MiB quota "
                  f"({other['retained_share']:.1%} of the tier); unretained drop {other['drop']:+.3f}")
     return "\n".join(lines)
-
-
-def _main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
-    run(args.quick, out_dir=args.out)
-
-
-if __name__ == "__main__":
-    _main()

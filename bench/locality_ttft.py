@@ -36,7 +36,6 @@ learner would begin holding the producer's chains by itself after two rounds, an
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import tempfile
@@ -282,15 +281,3 @@ def format_table(result: dict) -> str:
         lines.append(f"{'':10} {case['target']}: {'met' if case['met'] else 'NOT met'}")
     lines.append(f"wall time {result['wall_s']} s")
     return "\n".join(lines)
-
-
-def _main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
-    run(args.quick, out_dir=args.out)
-
-
-if __name__ == "__main__":
-    _main()
