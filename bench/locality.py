@@ -51,12 +51,20 @@ def run(quick: bool = False, *, parts: Sequence[str] = tuple(PARTS), out_dir: st
     return result
 
 
+def _targets(got: dict) -> list[dict]:
+    """A part's target rows (the context rows, ``met`` None, are left out); the TTFT part names
+    each case's target."""
+    rows = [r for r in got.get("rows", []) if r.get("met") is not None]
+    rows += [{"name": f"{c['case']}: TTFT after a prefetch", "target": c["target"], "met": c["met"]}
+             for c in got.get("cases", [])]
+    return rows
+
+
 def format_table(result: dict) -> str:
-    lines = ["kvstore bench agents: every target", f"{'part':8} {'measure':60} {'target':26} met"]
-    for part, got in result["parts"].items():
-        for row in got.get("rows", []):
-            lines.append(f"{part:8} {row['name'][:60]:60} {str(row.get('target', ''))[:26]:26} "
-                         f"{'yes' if row.get('met') else 'NO'}")
-    met = [row.get("met") for got in result["parts"].values() for row in got.get("rows", [])]
-    lines.append(f"{sum(bool(m) for m in met)} of {len(met)} targets met")
+    lines = ["kvstore bench agents: every target", f"{'part':8} {'measure':48} {'target':40} met"]
+    rows = [(part, row) for part, got in result["parts"].items() for row in _targets(got)]
+    for part, row in rows:
+        lines.append(f"{part:8} {row['name'][:48]:48} {str(row['target'])[:40]:40} {'yes' if row['met'] else 'NO'}")
+    lines.append(f"{sum(bool(r['met']) for _, r in rows)} of {len(rows)} targets met "
+                 "(the router's >= 95% is tests/test_router_example.py's)")
     return "\n".join(lines)
