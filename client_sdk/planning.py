@@ -25,7 +25,7 @@ import torch
 
 from client_sdk.media import Medium
 from kvstore.errors import ConnectionFailed
-from kvstore.errors import InvalidInput, KVStoreError
+from kvstore.errors import InvalidInput, KVStoreError, QuotaExceeded, TierFull
 from kvstore.planner import RECOMPUTE, Decision, Option, Planner, wire_bytes
 from kvstore.policy import Policy, PolicySet
 from kvstore.spec import KVSpec
@@ -271,12 +271,13 @@ class PlanCore:
                 retry: bool) -> None:
         """Record a failed transfer; set its medium aside and return for one retry, or raise.
 
-        The caller's own mistakes (bad input, a refused token) fail the same on any
-        medium and are raised at once.
+        The caller's own mistakes (bad input, a refused token) and the store's answers (no
+        room, a quota) fail the same on any medium and are raised at once: a full store is
+        not a broken medium, and setting shm aside for it sent every put over HTTP for 30 s.
         """
         self._abandoned(d, policy, t0, exc)
         self.planner.forget_choice(option.name)
-        if isinstance(exc, (InvalidInput, PermissionError)) or not retry:
+        if isinstance(exc, (InvalidInput, PermissionError, TierFull, QuotaExceeded)) or not retry:
             raise exc
         self._set_aside(option.medium, policy, exc)
 

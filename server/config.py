@@ -234,6 +234,9 @@ class ServerSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
                 raise InvalidInput(f"{name} must be a number of seconds in (0, 86400], got {v!r}")
+        if self.handoff_ttl_s > self.retain_max_ttl_s:  # a hand-off's hold is a retention like any
+            raise InvalidInput(f"handoff_ttl_s ({self.handoff_ttl_s:g}) must be at most retain_max_ttl_s "
+                               f"({self.retain_max_ttl_s:g})")
         wait = self.inflight_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
             raise InvalidInput(f"inflight_wait_s must be a number of seconds >= 0, got {wait!r}")

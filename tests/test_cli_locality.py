@@ -116,7 +116,9 @@ def test_serve_maps_every_new_flag_to_its_setting(monkeypatch):
 
 
 @pytest.mark.parametrize("flag, value, words", [("--event-queue", "3", "event_queue"),
-                                                 ("--retain-max-ttl-s", "0", "retain_max_ttl_s")])
+                                                 ("--retain-max-ttl-s", "0", "retain_max_ttl_s"),
+                                                 # the default hand-off hold (120 s) would pass the maximum
+                                                 ("--retain-max-ttl-s", "60", "handoff_ttl_s")])
 def test_serve_refuses_bad_values_of_the_new_flags(tmp_path, flag, value, words):
     out = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", flag, value], capture_output=True, text=True,
                          timeout=120, env=small_env(tmp_path / "data"))

@@ -280,3 +280,23 @@ def test_a_failing_medium_is_set_aside_and_the_get_retried_over_http(serve_app):
         failed = [d for d in gets if d["choice"] == "flight"]
         assert len(failed) == 1 and "ConnectionFailed" in failed[0]["error"]  # tried once, then set aside
         assert all(d["choice"] == "http" and d["error"] is None for d in gets if d is not failed[0])
+
+
+def test_a_full_store_is_not_a_broken_medium(serve_app):
+    """TierFull is the store's answer on every medium: raised at once, shm not set aside."""
+    from kvstore import KVStore
+    from kvstore.errors import TierFull
+    from tiers.shm import ShmTier
+
+    frame = SPEC.block_nbytes + 4096
+    srv = serve_app(KVStore([ShmTier(frame * 8)], background=False))
+    with KVClient(srv.url) as client:
+        client.put_kv(SPEC, TOKS[:64], _kv(seed=1)[:, :, :, :64])
+        assert client.stats.last_medium == "shm"
+        with pytest.raises(TierFull):
+            client.put_kv(SPEC, list(range(5000, 5512)), _kv(seed=2))
+        assert "shm" not in client._planner._down
+        client.get_kv(SPEC, TOKS[:64])
+        assert client.stats.last_medium == "shm"
+        fails = [d for d in client.decisions() if d["error"]]
+        assert len(fails) == 1 and "TierFull" in fails[0]["error"]  # one try, no retry over http
