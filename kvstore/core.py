@@ -187,7 +187,7 @@ class EngineCore:
     # -- the index: changes -----------------------------------------------------------------
 
     def publish(self, entry: IndexEntry, *, access: bool = True, now: float | None = None, reason: str = "put",
-                parent: BlockHash | None = None, tokens: Callable[[], bytes] | None = None) -> None:
+                parent: BlockHash | None = None, tokens: bytes | None = None) -> None:
         """Index a frame just written (under its key's claim), tell placement, emit ``stored``.
 
         Args:
@@ -195,17 +195,17 @@ class EngineCore:
             now: placement's clock reading for the put (one per chain: its blocks tie).
             reason: what stored it, for the event (put, frame, reserved, adopted, recovered).
             parent: the chain's previous block, when the caller knows it.
-            tokens: the block's token ids as <u4 bytes, asked for only when the event log keeps them.
+            tokens: the block's token ids as <u4 bytes; callers make them only when the event log
+                keeps them (``events.keep_tokens``), so a put allocates nothing for them otherwise.
         """
         self._index.add(entry)
         self.placement.admitted(entry.key, entry.tier, entry.size, access=access, depth=entry.depth, now=now)
         self._stored(entry, reason, parent, tokens)
 
     def _stored(self, entry: IndexEntry, reason: str, parent: BlockHash | None,
-                tokens: Callable[[], bytes] | None) -> None:
+                tokens: bytes | None) -> None:
         self.events.emit(STORED, key=entry.key, namespace=entry.namespace, tier=entry.tier, size=entry.size,
-                         depth=entry.depth, spec_fp=entry.spec_fp, parent=parent, reason=reason,
-                         tokens=tokens() if tokens is not None and self.events.keep_tokens else None)
+                         depth=entry.depth, spec_fp=entry.spec_fp, parent=parent, reason=reason, tokens=tokens)
 
     def switch(self, entry: IndexEntry, *, src: str, reason: str = "moved") -> None:
         """Point the index at a moved frame (under the key's claim) and emit ``moved``; placement

@@ -251,21 +251,24 @@ class HandoffLearner:
             while len(self._puts) > self._remember:
                 self._puts.popitem(last=False)
 
-    def read(self, keys: Sequence[BlockHash], namespace: str, agent: str) -> float | None:
-        """``agent`` read the prefix ``keys``; the gap in seconds when this read completes a
-        hand-off (a chain another agent wrote, read within ``window_s``), else None."""
+    def read(self, keys: Sequence[Any], namespace: str, agent: str,
+             key: Callable[[Any], BlockHash] | None = None) -> float | None:
+        """``agent`` read the prefix ``keys`` (block keys, or items ``key`` maps to them: the
+        caller's own list, with no copy on the get path); the gap in seconds when this read
+        completes a hand-off (a chain another agent wrote, read within ``window_s``), else None."""
         if not keys:
             return None
         now = self._clock()
         with self._lock:
-            for key in reversed(keys):  # the deepest chain written that this read covers
-                put = self._puts.get(key)
+            for item in reversed(keys):  # the deepest chain written that this read covers
+                k = item if key is None else key(item)
+                put = self._puts.get(k)
                 if put is None:
                     continue
                 writer, at, ns = put
                 if writer == agent or ns != namespace:
                     return None
-                del self._puts[key]  # one hand-off per put
+                del self._puts[k]  # one hand-off per put
                 gap = now - at
                 if gap >= self.window_s:
                     return None

@@ -63,7 +63,7 @@ class ReservedBlock:
     parent: BlockHash | None = None
     """The chain's previous block (for the ``stored`` event)."""
     tokens: bytes = b""
-    """The block's token ids, <u4 (for the ``stored`` event, when the event log keeps them)."""
+    """The block's token ids, <u4 (for the ``stored`` event; empty unless the event log keeps them)."""
 
 
 @dataclass(slots=True)
@@ -146,6 +146,7 @@ class ReservedPuts:
         keys = block_hashes(spec, tokens, namespace)
         spec_fp, bt = spec.fingerprint(), spec.block_tokens
         shape = spec.kv_shape(bt)
+        keep = self._core.events.keep_tokens  # only vLLM's event format carries token ids
         blocks: list[ReservedBlock] = []
         deduped = 0
         try:
@@ -159,7 +160,7 @@ class ReservedPuts:
                     raise TierFull(f"placement puts new blocks below {top.name!r}", tier=top.name)
                 blocks.append(ReservedBlock(depth, key, top.reserve(key, size), size, meta,
                                             keys[depth - 1] if depth else None,
-                                            _block_tokens(tokens, depth, bt)))
+                                            _block_tokens(tokens, depth, bt) if keep else b""))
         except TierFull:
             for b in blocks:
                 top.abort_reserved(b.slot, b.size)
@@ -222,7 +223,7 @@ class ReservedPuts:
                         key=b.key, tier=top.name, size=header.frame_len, codec=header.codec,
                         checksum=header.body_checksum, raw_bytes=header.raw_nbytes, namespace=res.namespace,
                         spec_fp=spec_fp, depth=b.depth, created_s=now, last_access_s=now), now=heat_now,
-                        reason="reserved", parent=b.parent, tokens=lambda b=b: b.tokens)
+                        reason="reserved", parent=b.parent, tokens=b.tokens or None)
                     self._core.count(blocks_written=1)
             except BaseException:
                 for rest in res.blocks[i + 1:]:

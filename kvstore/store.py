@@ -22,6 +22,7 @@ copies to the shared tier ``kvstore.shared``'s.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import asdict, dataclass, field
 from contextlib import contextmanager
@@ -60,6 +61,8 @@ __all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
 
 log = logging.getLogger("kvstore.store")
 T = TypeVar("T")
+
+_KEY_OF = operator.attrgetter("key")
 
 PREFETCH_HOLD_S = 60.0
 """How long a prefetched prefix is held for its reader by default (its first read ends the hold)."""
@@ -245,6 +248,7 @@ class KVStore:
         if self._put_codecs_lossy:  # a put writes where int8 is the codec: refuse before storing anything
             _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])
         bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), self._core.clock()
+        keep = self._core.events.keep_tokens  # only vLLM's event format carries token ids
         heat_now = self.placement.clock()  # one reading for the whole chain: its blocks tie, depth decides
         held: list[BlockHash] = []  # this call's blocks: making room must not push out the chain being written
         try:
@@ -263,7 +267,7 @@ class KVStore:
                         continue
                     entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt, first=first)
                     self._core.publish(entry, now=heat_now, parent=keys[i - 1] if i else None,
-                                       tokens=lambda i=i: toks[i * bt:(i + 1) * bt].astype("<u4").tobytes())
+                                       tokens=toks[i * bt:(i + 1) * bt].astype("<u4").tobytes() if keep else None)
                     if self._shared is not None:
                         self._shared.after_put(entry, block, block_meta(namespace, spec_fp, i))
                     if self.placement.lease(key):
@@ -575,7 +579,7 @@ class KVStore:
         keys = block_hashes(spec, toks, namespace)
         found = self._frames.local_prefix(keys, namespace, spec.fingerprint())
         if agent is not None and found:
-            self.handoffs.read([b.key for b in found], namespace, agent)
+            self.handoffs.read(found, namespace, agent, key=_KEY_OF)
         if len(found) == len(keys):
             self._core.count(lookup_calls=1)
             return found
