@@ -1,5 +1,6 @@
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -52,6 +53,19 @@ def require_venv(found, why: str, flag: str):
             pytest.fail(f"{flag}=1 but {why}")
         pytest.skip(why)
     return found
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "the condition", step_s: float = 0.02):
+    """Poll ``predicate`` until it returns something true (returned), or fail the test after
+    ``timeout_s``: a deadline, not a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not hold within {timeout_s:g} s")
+        time.sleep(step_s)
 
 
 def shm_segments(pid: int) -> set[str]:

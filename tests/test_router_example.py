@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from bench.reliability_kit.serve_process import ServeProcess, small_env
 from client_sdk import KVClient
 from tests.conftest import make_kv, make_spec
+from tests.conftest import wait_until
 
 _PATH = Path(__file__).resolve().parents[1] / "examples" / "router.py"
 _spec = importlib.util.spec_from_file_location("router_example", _PATH)
@@ -37,13 +37,7 @@ def nodes(tmp_path_factory):
 
 
 def _until(predicate, timeout_s: float = 15.0, what: str = "the condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    pytest.fail(f"{what} did not hold within {timeout_s:g} s")
+    return wait_until(predicate, timeout_s, what)
 
 
 def test_routes_to_the_longest_prefix_and_follows_deletes(nodes):

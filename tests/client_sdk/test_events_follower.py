@@ -21,6 +21,7 @@ from kvstore.errors import Forbidden
 from kvstore.keys import block_hashes
 from server import ServerSettings, create_app
 from tests.conftest import make_kv, make_spec
+from tests.conftest import wait_until
 from tests.server.conftest import ACME, ADMIN, BETA, TOKENS, make_store
 from tests.server.live import ThreadServer
 from tiers.memory import MemoryTier
@@ -54,11 +55,7 @@ def entries(url: str, token: str | None = None, namespaces: set[str] | None = No
 
 
 def until(predicate: Callable[[], object], timeout_s: float = 10.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not hold within {timeout_s:g} s")
-        time.sleep(0.01)
+    wait_until(predicate, timeout_s, what, step_s=0.01)
 
 
 def drop_streams(srv: ThreadServer) -> Callable[[], None]:

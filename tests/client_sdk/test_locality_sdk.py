@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -12,6 +11,7 @@ from client_sdk import AsyncKVClient, KVClient, QuotaExceeded, RetainQuotaExceed
 from kvstore.errors import Forbidden, InvalidInput
 from kvstore.keys import block_hashes
 from tests.conftest import make_kv
+from tests.conftest import wait_until as _until
 from tests.server.conftest import ACME, ADMIN, TOKENS, make_store
 
 SHM_BYTES = 512 << 10
@@ -24,13 +24,6 @@ def srv(serve_app):
 
 def _tiers(srv, spec, tokens, namespace="acme"):
     return [getattr(srv.store.entry(k), "tier", None) for k in block_hashes(spec, tokens, namespace)]
-
-
-def _until(check, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("colocated", [False, None], ids=["http", "colocated"])

@@ -5,7 +5,6 @@ decides whether it may."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
@@ -14,13 +13,7 @@ from client_sdk import KVClient
 from kvstore.errors import InvalidInput
 from kvstore.keys import block_hashes
 from tests.conftest import make_kv
-
-
-def _until(check, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+from tests.conftest import wait_until as _until
 
 
 def _prefetches(srv) -> list[dict]:

@@ -8,7 +8,6 @@ own ``retain_quota_bytes``. The top tier is a 512 KiB shm arena, so the default 
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from kvstore import KVStore
 from kvstore.keys import block_hashes
 from tests.conftest import make_kv
+from tests.conftest import wait_until as _until
 from tests.server.conftest import ACME, ADMIN, BETA, TOKENS, make_store
 from tiers.memory import MemoryTier
 from tiers.redis import RedisTier
@@ -55,13 +55,6 @@ def _post(srv, route, body, token=ACME, namespace="acme", **kw):
 
 def _tiers(srv, spec, tokens, namespace="acme") -> list[str | None]:
     return [getattr(srv.store.entry(k), "tier", None) for k in block_hashes(spec, tokens, namespace)]
-
-
-def _until(check, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_prefetch_answers_at_once_and_brings_the_prefix_to_the_top_tier(srv, spec):
