@@ -74,6 +74,9 @@ class StoreCounters:
     """Blocks this store served from the shared tier that another node had stored."""
     blocks_kept_raw: int = 0
     """Blocks written raw into a tier whose codec could not hold them (NaN or Inf for int8)."""
+    room_forced: int = 0
+    """Writes a tier refused although placement had made room for them (a reader still held
+    a range it freed, or its disk holds less than its capacity), tried again with room forced."""
 
 
 class SharedCopies(Protocol):

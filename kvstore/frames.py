@@ -21,6 +21,7 @@ from kvstore.core import EngineCore, is_current
 from kvstore.errors import FrameError, InvalidInput, TierError, TierFull
 from kvstore.index import IndexEntry
 from kvstore.keys import BlockHash
+from kvstore.placement import RoomHold
 from kvstore.recovery import entry_from_frame, entry_from_head
 from kvstore.shared import SharedTier
 from kvstore.tier import FrameWriter, Tier
@@ -56,14 +57,16 @@ class Frames:
     Args:
         core: the store's engine core.
         shared: its shared tier (write-through copies, frames another node stored), if any.
-        room_for: the index of the tier a new frame of n bytes goes to, with room made there
-            (the store's placement and mover).
+        take_room: room for a new frame of n bytes, made in the tier admission picks and
+            held until released (``RoomHold``; the store's placement and mover); ``force``
+            frees n bytes even where the accounting says they are free.
     """
 
-    def __init__(self, core: EngineCore, shared: SharedTier | None, room_for: Callable[[int], int]) -> None:
+    def __init__(self, core: EngineCore, shared: SharedTier | None,
+                 take_room: Callable[..., RoomHold]) -> None:
         self._core = core
         self._shared = shared
-        self._room_for = room_for
+        self._take_room = take_room
 
     @property
     def shared_tier(self) -> Tier | None:
@@ -215,17 +218,27 @@ class Frames:
         probe = entry_from_frame(key, "", frame, self._core.clock())
         if probe.namespace != namespace:
             raise InvalidInput(f"frame metadata namespace {probe.namespace!r} is not the request's {namespace!r}")
-        first = self._room_for(probe.size) if make_room else 0  # outside the claim: it moves other keys
 
         def write(tier: Tier) -> IndexEntry:
             tier.put(key, frame)
             return replace(probe, tier=tier.name)
 
-        with self._core.claim(key):
-            old = self._core.entry(key)
-            if old is not None and (old.namespace != namespace or old.checksum == probe.checksum):
-                return old
-            return self._publish(key, old, first, probe.size, write, lambda: frame, lambda: False)
+        for force in (False, True) if make_room else (False,):
+            room = self._take_room(probe.size, force=force) if make_room else None  # outside the claim
+            try:
+                with self._core.claim(key):
+                    old = self._core.entry(key)
+                    if old is not None and (old.namespace != namespace or old.checksum == probe.checksum):
+                        return old
+                    return self._publish(key, old, room.tier if room else 0, probe.size, write,
+                                         lambda: frame, lambda: False)
+            except TierFull:
+                if force or not make_room:
+                    raise  # a tier that refused although room was made gets one more try, forced
+            finally:
+                if room is not None:
+                    room.release()
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def put_with(self, key: BlockHash, namespace: str, size: int, writer: FrameWriter, *,
                        make_room: bool = False) -> IndexEntry:
@@ -252,7 +265,6 @@ class Frames:
             FrameError, InvalidInput: the frame is not a kvstore frame of ``namespace``.
             TierFull: no tier has room. TierError: the tier failed.
         """
-        first = self._room_for(size) if make_room else 0
         written = _Written()
 
         def write(tier: Tier) -> IndexEntry:
@@ -272,17 +284,32 @@ class Frames:
         def frame_of() -> Any:  # for write-through only
             return self._core.tier(written.entry.tier).get(key) if written.entry is not None else None
 
-        old: IndexEntry | None = None
-        try:
-            with self._core.claim(key):
-                old = self._core.entry(key)
-                if old is not None and old.namespace != namespace:
-                    raise InvalidInput(f"key {key.hex()} belongs to another namespace")
-                return self._publish(key, old, first, size, write, frame_of, lambda: written.started)
-        except BaseException:
-            if old is not None and written.entry is None and not self._core.tier(old.tier).contains(key):
-                self._core.drop(old, corrupt=False)  # outside the claim: _drop takes it
-            raise
+        for force in (False, True) if make_room else (False,):
+            room = self._take_room(size, force=force) if make_room else None  # outside the claim
+            old: IndexEntry | None = None
+            try:
+                with self._core.claim(key):
+                    old = self._core.entry(key)
+                    if old is not None and old.namespace != namespace:
+                        raise InvalidInput(f"key {key.hex()} belongs to another namespace")
+                    return self._publish(key, old, room.tier if room else 0, size, write, frame_of,
+                                         lambda: written.started)
+            except TierFull:
+                if force or not make_room or written.started:
+                    self._drop_lost(key, old, written)
+                    raise  # refused before ``writer`` ran although room was made: one more try, forced
+            except BaseException:
+                self._drop_lost(key, old, written)
+                raise
+            finally:
+                if room is not None:
+                    room.release()
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _drop_lost(self, key: BlockHash, old: IndexEntry | None, written: _Written) -> None:
+        """A failed overwrite may have lost the frame it replaced: its entry goes too."""
+        if old is not None and written.entry is None and not self._core.tier(old.tier).contains(key):
+            self._core.drop(old, corrupt=False)  # outside the claim: drop takes it
 
     def _publish(self, key: BlockHash, old: IndexEntry | None, first: int, size: int,
                        write: Callable[[Tier], IndexEntry], frame_of: Callable[[], Any],

@@ -31,7 +31,7 @@ from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.core import EngineCore
 from kvstore.errors import FrameError, InvalidKV, TierError
-from kvstore.placement import MoveOrder
+from kvstore.placement import MoveOrder, RoomHold
 from kvstore.shared import Replica, SharedTier
 
 __all__ = ["Mover"]
@@ -103,8 +103,12 @@ class Mover:
             log.warning("move of %s: frame in %s is damaged (%s); dropped", order.key.hex(), src.name, exc)
             core.drop(entry, corrupt=True)
             return False
-        self._make_room(dst, len(frame), depth)  # outside the claim: it moves other keys
-        return self._commit(entry, order, (frame, codec, checksum))
+        room = self._hold_room(dst, len(frame), depth)  # outside the claim: it moves other keys
+        try:
+            return self._commit(entry, order, (frame, codec, checksum))
+        finally:
+            if room is not None:
+                room.release()
 
     def _commit(self, entry, order: MoveOrder, copy: tuple | None) -> bool:
         """Under the key's claim: write ``copy`` to the destination (None: use the shared
@@ -148,10 +152,19 @@ class Mover:
         names = self._core.tier_names
         return not order.reason.startswith("migrated") and names.index(order.dst) > names.index(order.src)
 
-    def _make_room(self, dst, nbytes: int, depth: int) -> None:
-        if depth < len(self._core.tier_names):
-            for sub in self._placement.make_room(dst.name, nbytes):
+    def _hold_room(self, dst, nbytes: int, depth: int) -> RoomHold | None:
+        """Room in ``dst`` for the frame being moved, held until it is written (None: the chain of
+        moves making room for moves is as deep as there are tiers)."""
+        if depth >= len(self._core.tier_names):
+            return None
+        room = self._placement.hold_room(dst.name, nbytes)
+        try:
+            for sub in room.orders:
                 self.execute(sub, depth=depth + 1)
+        except BaseException:
+            room.release()
+            raise
+        return room
 
     @staticmethod
     def _recode(frame, have: Codec, want: Codec) -> tuple[object, Codec, int]:
@@ -184,12 +197,16 @@ class Mover:
         cfg = self._placement.config
         self._tokens = min(self._tokens + cfg.move_bytes_per_s * cfg.interval_s, float(cfg.move_bytes_per_s))
         done = 0
-        for order in self._placement.plan():
-            if order.size > self._tokens and done:
-                break  # out of budget: the next round re-plans from fresh heat
-            if self.execute(order):
-                done += 1
-                self._tokens -= order.size
+        orders = self._placement.plan(hold=True)
+        try:
+            for order in orders:
+                if order.size > self._tokens and done:
+                    break  # out of budget: the next round re-plans from fresh heat
+                if self.execute(order):
+                    done += 1
+                    self._tokens -= order.size
+        finally:
+            self._placement.settle(orders)
         return done
 
     def start(self) -> None:

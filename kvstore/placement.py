@@ -16,6 +16,13 @@ Rules, in the order ``plan`` applies them:
 2. **Demotion.** A tier above ``high_watermark_frac`` sends its coldest
    entries one tier down until it is under ``low_watermark_frac``; the last tier
    evicts. ``make_room`` does the same at once, for a put that found the tier full.
+   ``hold_room`` also counts the put's bytes as on their way in until the put is
+   done, and keeps the entries it sends down from being picked again meanwhile:
+   concurrent puts into a full tier then each make room of their own instead of
+   counting the same free bytes (or ordering out the same coldest entry). Entries
+   on their way out still count until they are gone: another put's write cannot
+   use room that is not free yet, so puts racing each other may free a block more
+   than they need, never less.
 3. **Hysteresis.** Within ``min_residency_s`` of a move an entry does not go
    back the way it came (a promoted entry is not demoted, a demoted one not
    promoted), except to make room for a put; and promotion needs the margin.
@@ -59,7 +66,8 @@ from typing import Callable, Iterable, Sequence
 from kvstore.errors import InvalidInput, RetainQuotaExceeded
 from kvstore.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
-__all__ = ["PREFETCH_OWNER", "TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager", "default_scorer"]
+__all__ = ["PREFETCH_OWNER", "TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager",
+           "RoomHold", "default_scorer"]
 
 PREFETCH_OWNER = "_prefetch"
 """The owner of the holds prefetches place (``kvstore.prefetch``): no tenant, so no tenant's quota
@@ -173,6 +181,36 @@ class _Resident:
     retain_owner: str | None = None
 
 
+class RoomHold:
+    """Room made in a tier for one write on its way (``PlacementManager.hold_room``).
+
+    Until ``release`` (or the end of a ``with`` block), placement counts ``nbytes`` as
+    already in ``tier`` and the entries ``orders`` send out of it as already gone, so a
+    concurrent put asks for room of its own. Release it once the write has been indexed
+    or has failed; releasing twice is harmless.
+    """
+
+    __slots__ = ("tier", "nbytes", "orders", "_manager")
+
+    def __init__(self, manager: "PlacementManager", tier: int, nbytes: int, orders: list[MoveOrder]) -> None:
+        self.tier = tier
+        """Position of the tier in placement's (and the store's) tier list."""
+        self.nbytes = nbytes
+        self.orders = orders
+        self._manager: PlacementManager | None = manager
+
+    def release(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager._release_room(self)
+
+    def __enter__(self) -> "RoomHold":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def default_scorer(config: PlacementConfig) -> Scorer:
     """``AdaptiveRate`` over the config's short and long memories, or ``DecayedRate``
     over the short one when ``long_half_life_s`` is None."""
@@ -218,6 +256,8 @@ class PlacementManager:
         self._res: dict[bytes, _Resident] = {}
         self._members: list[dict[bytes, _Resident]] = [{} for _ in self.tiers]
         self._used = [0] * len(self.tiers)
+        self._incoming = [0] * len(self.tiers)  # bytes of held writes not yet indexed (``hold_room``)
+        self._leaving: set[bytes] = set()  # ordered by a held make_room or plan, not moved yet: not picked again
         self._candidates: dict[bytes, None] = {}  # an ordered set
         self._log: deque[MoveRecord] = deque(maxlen=self.config.store_log)
         self._moved = {"promoted": 0, "demoted": 0, "evicted": 0}
@@ -307,6 +347,7 @@ class PlacementManager:
     def _leave(self, key: bytes, r: _Resident) -> None:
         self._members[r.tier].pop(key, None)
         self._used[r.tier] -= r.size
+        self._leaving.discard(key)
 
     # -- pins and leases ------------------------------------------------------------
 
@@ -488,15 +529,20 @@ class PlacementManager:
 
     # -- decisions -------------------------------------------------------------------
 
-    def plan(self) -> list[MoveOrder]:
+    def plan(self, *, hold: bool = False) -> list[MoveOrder]:
         """Promotions (each after the demotion that makes its room), then demotions
-        for every tier above its high watermark. A mover carries them out in order."""
+        for every tier above its high watermark. A mover carries them out in order.
+
+        Args:
+            hold: keep the ordered entries from a put's ``make_room`` until ``settle(orders)``,
+                so that the room a put counts on is not the room this round frees anyway.
+        """
         now = self.clock()
         with self._lock:
             self.scorer.calibrate(_Heats(self._res), len(self._members[0]), len(self._res), now)
             projected = list(self._used)
             orders: list[MoveOrder] = []
-            ordered: set[bytes] = set()
+            ordered: set[bytes] = set(self._leaving)  # a held put's make_room is moving these now
             if self.config.promote:
                 for keys in self._owners.values():  # a retained entry below the top keeps asking
                     for key in keys:
@@ -514,7 +560,14 @@ class PlacementManager:
                               f"({frac:.2f})")
                     orders += self._demote(i, projected[i] - target, now, projected, ordered, reason,
                                            respect_residency=True)
+            if hold:
+                self._leaving.update(order.key for order in orders)
             return orders
+
+    def settle(self, orders: Iterable[MoveOrder]) -> None:
+        """The held ``orders`` were carried out or given up: their entries may be picked again."""
+        with self._lock:
+            self._leaving.difference_update(order.key for order in orders)
 
     def place_new(self, nbytes: int) -> str:
         """The tier a new block should be written to.
@@ -530,7 +583,7 @@ class PlacementManager:
         now = self.clock()
         with self._lock:
             top = self.tiers[0]
-            if self._used[0] + nbytes <= top.high_watermark_frac * top.capacity_bytes:
+            if self._used[0] + self._incoming[0] + nbytes <= top.high_watermark_frac * top.capacity_bytes:
                 return top.name
             probe = Heat()
             self.scorer.touch(probe, now)
@@ -540,21 +593,49 @@ class PlacementManager:
                 return top.name
             return self.tiers[1].name
 
-    def make_room(self, tier: str, nbytes: int) -> list[MoveOrder]:
+    def make_room(self, tier: str, nbytes: int, *, force: bool = False) -> list[MoveOrder]:
         """Orders that free ``nbytes`` in ``tier`` now, for a put that found it full.
 
         Residency is not waited for here: the put is waiting. Pinned and leased
         entries still stay, so the orders may free less than asked.
+
+        Args:
+            force: free ``nbytes`` even where the accounting says they are free (the
+                tier refused a write all the same: readers still hold ranges it freed).
         """
+        return self._make_room(tier, nbytes, force=force, hold=False).orders
+
+    def hold_room(self, tier: str, nbytes: int, *, force: bool = False) -> RoomHold:
+        """``make_room``, held: ``nbytes`` count as in ``tier`` until the hold is released, and the
+        entries the orders send out are not picked again meanwhile, so that puts running at once
+        each get room of their own."""
+        return self._make_room(tier, nbytes, force=force, hold=True)
+
+    def _make_room(self, tier: str, nbytes: int, *, force: bool, hold: bool) -> RoomHold:
         now = self.clock()
         with self._lock:
             i = self._pos[tier]
             t = self.tiers[i]
-            need = self._used[i] + nbytes - t.capacity_bytes
-            if need <= 0:
-                return []
-            reason = f"demoted: {t.name} full for a {nbytes}-byte put"
-            return self._demote(i, need, now, list(self._used), set(), reason, respect_residency=False)
+            need = self._used[i] + self._incoming[i] + nbytes - t.capacity_bytes
+            if force:
+                need = max(need, nbytes)
+            orders: list[MoveOrder] = []
+            if need > 0:
+                reason = f"demoted: {t.name} full for a {nbytes}-byte put"
+                orders = self._demote(i, need, now, list(self._used), set(self._leaving), reason,
+                                      respect_residency=False)
+            room = RoomHold(self, i, nbytes, orders)
+            if not hold:
+                room._manager = None
+                return room
+            self._incoming[i] += nbytes
+            self._leaving.update(order.key for order in orders)
+            return room
+
+    def _release_room(self, room: RoomHold) -> None:
+        with self._lock:
+            self._incoming[room.tier] -= room.nbytes
+            self._leaving.difference_update(order.key for order in room.orders)  # gone, or refused: it stays
 
     def _held(self, r: _Resident, now: float) -> bool:
         """Pinned or leased: it must not go down or out."""

@@ -45,6 +45,7 @@ from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput, Ti
 from kvstore.index import IndexEntry
 from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.memory.shm import start_ticks
+from kvstore.placement import RoomHold
 from kvstore.spec import KVSpec
 
 __all__ = ["ReservedPuts", "Reservation", "ReservedBlock"]
@@ -64,6 +65,8 @@ class ReservedBlock:
     """The chain's previous block (for the ``stored`` event)."""
     tokens: bytes = b""
     """The block's token ids, <u4 (for the ``stored`` event; empty unless the event log keeps them)."""
+    room: RoomHold | None = None
+    """Placement counts the slot's bytes as in the top tier until the reservation ends."""
 
 
 @dataclass(slots=True)
@@ -92,16 +95,16 @@ class ReservedPuts:
 
     Args:
         core: the engine core (index, tiers, counters, clock).
-        room_for: the store's admission rule: the index of the tier a new frame of n bytes
-            goes to, with room made there.
+        take_room: the store's admission rule: room for a new frame of n bytes, made in the
+            tier admission picks and held until released (``RoomHold``).
         shared: whether a tier is shared between nodes (then nothing is reserved).
         ttl_s: the longest a reservation lives uncommitted, by the engine's clock (``core.clock``).
         reap_every_s: how often the reaper looks for dead writers and expired reservations.
     """
 
-    def __init__(self, core: EngineCore, room_for: Callable[[int], int], *, shared: bool,
+    def __init__(self, core: EngineCore, take_room: Callable[[int], RoomHold], *, shared: bool,
                  ttl_s: float = 30.0, reap_every_s: float = 0.5) -> None:
-        self._core, self._room_for, self._shared = core, room_for, shared
+        self._core, self._take_room, self._shared = core, take_room, shared
         self.ttl_s, self.reap_every_s = ttl_s, reap_every_s
         self._open: dict[str, Reservation] = {}
         self._lock = threading.Lock()
@@ -156,15 +159,22 @@ class ReservedPuts:
                     continue
                 meta = block_meta(namespace, spec_fp, depth)
                 size = codec_mod.frame_size(shape, spec.dtype, Codec.RAW, meta_len=len(meta))
-                if self._room_for(size) != 0:  # admission puts it lower: not for this path
-                    raise TierFull(f"placement puts new blocks below {top.name!r}", tier=top.name)
-                blocks.append(ReservedBlock(depth, key, top.reserve(key, size), size, meta,
-                                            keys[depth - 1] if depth else None,
-                                            _block_tokens(tokens, depth, bt) if keep else b""))
+                room = self._take_room(size)
+                try:
+                    if room.tier != 0:  # admission puts it lower: not for this path
+                        raise TierFull(f"placement puts new blocks below {top.name!r}", tier=top.name)
+                    slot = top.reserve(key, size)
+                except BaseException:
+                    room.release()
+                    raise
+                blocks.append(ReservedBlock(depth, key, slot, size, meta, keys[depth - 1] if depth else None,
+                                            _block_tokens(tokens, depth, bt) if keep else b"", room))
         except TierFull:
-            for b in blocks:
-                top.abort_reserved(b.slot, b.size)
+            _give_back(top, blocks)
             return None
+        except BaseException:
+            _give_back(top, blocks)
+            raise
         self._core.count(put_calls=1, blocks_deduped=deduped)
         res = Reservation(secrets.token_urlsafe(12) if blocks else "", owner, namespace, spec, blocks,
                           len(keys) * bt, pid, ticks, self._core.clock() + self.ttl_s, keys)
@@ -206,8 +216,7 @@ class ReservedPuts:
                                    f"one per reserved block")
             headers = [self._check(top, b, c, res.spec) for b, c in zip(res.blocks, checksums)]
         except BaseException:
-            for b in res.blocks:
-                top.abort_reserved(b.slot, b.size)
+            _give_back(top, res.blocks)
             raise
         now, heat_now = self._core.clock(), self._core.placement.clock()
         spec_fp = res.spec.fingerprint()
@@ -215,7 +224,7 @@ class ReservedPuts:
             try:
                 with self._core.claim(b.key):
                     if is_current(self._core.entry(b.key), res.namespace, spec_fp):
-                        top.abort_reserved(b.slot, b.size)
+                        _give_back(top, [b])
                         self._core.count(blocks_deduped=1)
                         continue
                     top.commit_reserved(b.key, b.slot, b.size, header.frame_len)
@@ -226,9 +235,11 @@ class ReservedPuts:
                         reason="reserved", parent=b.parent, tokens=b.tokens or None)
                     self._core.count(blocks_written=1)
             except BaseException:
-                for rest in res.blocks[i + 1:]:
-                    top.abort_reserved(rest.slot, rest.size)
+                _give_back(top, res.blocks[i + 1:])
                 raise
+            finally:
+                if b.room is not None:
+                    b.room.release()  # published (placement counts it now), given back, or failed
         return res.n_tokens, sum(h.raw_nbytes for h in headers)
 
     def _check(self, top: Any, b: ReservedBlock, checksum: int, spec: KVSpec) -> codec_mod.FrameHeader:
@@ -258,9 +269,7 @@ class ReservedPuts:
             Forbidden: no such reservation of ``owner``.
         """
         res = self._take(rid, owner)
-        top = self._core.tiers[0]
-        for b in res.blocks:
-            top.abort_reserved(b.slot, b.size)
+        _give_back(self._core.tiers[0], res.blocks)
 
     def _take(self, rid: str, owner: str) -> Reservation:
         with self._lock:
@@ -285,8 +294,7 @@ class ReservedPuts:
                 del self._open[r.id]
         top = self._core.tiers[0]
         for r in gone:
-            for b in r.blocks:
-                top.abort_reserved(b.slot, b.size)
+            _give_back(top, r.blocks)
             log.info("kvstore: reservation %s of %s reclaimed (%d slots): its writer %s", r.id, r.owner,
                      len(r.blocks), "exited" if now < r.expires_s else f"did not commit within {self.ttl_s:g} s")
         self.reaped += len(gone)
@@ -322,13 +330,23 @@ class ReservedPuts:
             self._wake.notify_all()
         top = self._core.tiers[0]
         for r in gone:
-            for b in r.blocks:
-                try:
-                    top.abort_reserved(b.slot, b.size)
-                except Exception:  # noqa: BLE001 - closing: the arena goes anyway
-                    pass
+            try:
+                _give_back(top, r.blocks)
+            except Exception:  # noqa: BLE001 - closing: the arena goes anyway
+                pass
 
 
 def _block_tokens(tokens: Any, depth: int, bt: int) -> bytes:
     """Block ``depth``'s token ids as <u4 bytes (64 bytes for a 16-token block)."""
     return np.asarray(tokens[depth * bt:(depth + 1) * bt], dtype="<u4").tobytes()
+
+
+def _give_back(top: Any, blocks: list[ReservedBlock]) -> None:
+    """Return reserved slots to the tier unpublished, and their room to placement."""
+    try:
+        for b in blocks:
+            top.abort_reserved(b.slot, b.size)
+    finally:
+        for b in blocks:
+            if b.room is not None:
+                b.room.release()

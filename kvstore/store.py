@@ -22,6 +22,7 @@ copies to the shared tier ``kvstore.shared``'s.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,7 +47,7 @@ from kvstore.events import DEFAULT_CAPACITY, EventLog
 from kvstore.index import IndexEntry
 from kvstore.memory.buffers import Scratch
 from kvstore.heat import Scorer
-from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
+from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, RoomHold, TierPolicy
 from kvstore.mover import Mover
 from kvstore.prefetch import HandoffLearner, Job, Prefetcher
 from kvstore.frames import Frames, PrefixBlock
@@ -197,10 +198,11 @@ class KVStore:
         self._shared = SharedTier(core, shared, policy) if shared is not None else None
         core.shared = self._shared
         self._mover = Mover(core, self._shared, on_move=self._moved)
-        self._frames = Frames(core, self._shared, self._room_for)
-        self._reserved = ReservedPuts(core, self._room_for, shared=self._shared is not None)
+        self._frames = Frames(core, self._shared, self._take_room)
+        self._reserved = ReservedPuts(core, self._take_room, shared=self._shared is not None)
         self._prefetcher = Prefetcher(core, self._mover.execute,
                                       self._shared.adopt if self._shared is not None else None)
+        self._forced_warned: dict[str, float] = {}
         self.handoffs = HandoffLearner(clock=self.placement.clock)
         """Hand-offs learned per namespace from the agents' puts and reads (``kvstore.prefetch``)."""
         self.policy_for: Callable[[str], tuple[int | None, bool]] = lambda namespace: (None, True)
@@ -260,19 +262,12 @@ class KVStore:
                         held.append(key)
                     continue
                 block = kv[:, :, :, i * bt : (i + 1) * bt]
-                first = self._make_room(block)  # outside any claim: it moves other keys, which claims them
-                with self._core.claim(key):
-                    if is_current(self._core.entry(key), namespace, spec_fp):  # written while we waited
-                        self._core.count(blocks_deduped=1)
-                        continue
-                    entry = self._write(key, block, namespace, spec_fp, i, now, stored_tokens=i * bt, first=first)
-                    self._core.publish(entry, now=heat_now, parent=keys[i - 1] if i else None,
-                                       tokens=toks[i * bt:(i + 1) * bt].astype("<u4").tobytes() if keep else None)
-                    if self._shared is not None:
-                        self._shared.after_put(entry, block, block_meta(namespace, spec_fp, i))
-                    if self.placement.lease(key):
-                        held.append(key)
-                self._core.count(blocks_written=1)
+                if self._put_block(key, block, namespace, spec_fp, i, now, heat_now, held,
+                                   parent=keys[i - 1] if i else None,
+                                   tokens=toks[i * bt:(i + 1) * bt].astype("<u4").tobytes() if keep else None):
+                    self._core.count(blocks_written=1)
+                else:
+                    self._core.count(blocks_deduped=1)
         finally:
             for key in held:
                 self.placement.release(key)
@@ -849,22 +844,62 @@ class KVStore:
             keys.append(key)
         return keys
 
-    def _make_room(self, block: torch.Tensor) -> int:
-        """Pick the tier a new block goes to (placement's admission rule) and make room there.
+    def _put_block(self, key: BlockHash, block: torch.Tensor, namespace: str, spec_fp: str, depth: int,
+                   now: float, heat_now: float, held: list[BlockHash], *, parent: BlockHash | None,
+                   tokens: bytes | None) -> bool:
+        """Write one block of a put where admission places it, with room made there; False if
+        another put wrote it meanwhile. A written block is leased and added to ``held`` (making
+        room for the rest of its chain must not push it out).
 
-        Returns:
-            The index of that tier; the write falls through to slower tiers if it is still full.
+        A write the tier refuses although room was made and held (a reader still holds a range
+        it freed, or its disk is fuller than its capacity says) is tried once more, with room
+        forced.
         """
         top = self._core.tiers[0]
-        return self._room_for(codec_mod.frame_size(block.shape, block.dtype, self._core.codec_of(top.name),
-                                                   meta_len=_META_BUDGET))
+        size = codec_mod.frame_size(block.shape, block.dtype, self._core.codec_of(top.name), meta_len=_META_BUDGET)
+        for force in (False, True):
+            with self._take_room(size, force=force) as room:  # outside any claim: it moves other keys
+                with self._core.claim(key):
+                    if is_current(self._core.entry(key), namespace, spec_fp):  # written while we waited
+                        return False
+                    try:
+                        entry = self._write(key, block, namespace, spec_fp, depth, now,
+                                            stored_tokens=depth * block.shape[3], first=room.tier)
+                    except TierFull:
+                        if force:
+                            raise
+                        continue
+                    self._core.publish(entry, now=heat_now, parent=parent, tokens=tokens)
+                    if self._shared is not None:
+                        self._shared.after_put(entry, block, block_meta(namespace, spec_fp, depth))
+                    if self.placement.lease(key):
+                        held.append(key)
+                    return True
+        raise AssertionError("unreachable: the forced try returns or raises")
 
-    def _room_for(self, size: int) -> int:
-        """The index of the tier a new frame of ``size`` bytes goes to, with room made there."""
+    def _take_room(self, size: int, *, force: bool = False) -> RoomHold:
+        """Room for a new frame of ``size`` bytes in the tier admission picks, made now (colder
+        entries demoted or evicted) and held until the hold is released, after the write."""
         target = self.placement.place_new(size)
-        for order in self.placement.make_room(target, size):
-            self._mover.execute(order)
-        return self._core.tier_names.index(target)
+        if force:
+            self._room_forced(target)
+        room = self.placement.hold_room(target, size, force=force)
+        try:
+            for order in room.orders:
+                self._mover.execute(order)
+        except BaseException:
+            room.release()
+            raise
+        return room
+
+    def _room_forced(self, tier: str) -> None:
+        self._core.count(room_forced=1)
+        now = time.monotonic()
+        if now - self._forced_warned.get(tier, -math.inf) >= 60:  # at most once a minute per tier
+            self._forced_warned[tier] = now
+            log.warning("tier %s refused a write although placement had made room (a reader holds a freed "
+                        "range, or its disk holds less than its capacity): freeing room by force; "
+                        "counter room_forced", tier)
 
     def _moved(self, order: MoveOrder, new_size: int) -> None:
         self._core.count(**{f"blocks_{order.reason.split(':', 1)[0]}": 1})

@@ -371,3 +371,49 @@ def test_explain_of_an_entry_never_accessed_is_strict_json():
     info = m.explain(key(1))
     assert info["heat_score"] is None and info["heat_memories"] == [] and info["accesses"] == 0
     json.dumps(info, allow_nan=False)
+
+
+def test_held_room_counts_until_released_and_holds_pick_distinct_victims():
+    m, clock = manager(single=True, high=1.0, low=1.0)
+    for i in range(10):
+        clock.now += 1
+        m.admitted(key(i), "top", B)
+    a = m.hold_room("top", B)
+    b = m.hold_room("top", B)  # a's put has not landed: b needs room of its own
+    assert [o.key for o in a.orders] == [key(0)]
+    # a's victim still counts until it is gone, so b frees a block more than it needs rather
+    # than count on room that is not free yet; never less.
+    assert [o.key for o in b.orders] == [key(1), key(2)]
+    assert m.make_room("top", B)[0].key == key(3)  # full with both held bytes counted
+    apply(m, a.orders + b.orders)
+    assert m.make_room("top", B) == []  # 7 stored + 2 held: room for one more
+    m.admitted(key(20), "top", B)  # a's write landed and is indexed
+    a.release()
+    a.release()  # twice is harmless
+    m.admitted(key(21), "top", B)
+    assert m.make_room("top", B)[0].key == key(3)  # b's bytes still count: 9 + b's + 1 > 10
+    b.release()
+    assert m.make_room("top", B) == []  # 9 of 10 and nothing held: room
+
+
+def test_a_held_plan_keeps_its_victims_from_a_puts_make_room_until_settled():
+    m, clock = manager(single=True, high=0.9, low=0.8, min_residency_s=0)
+    for i in range(10):
+        clock.now += 1
+        m.admitted(key(i), "top", B)
+    orders = m.plan(hold=True)  # above 0.9: evicts the coldest two down to 0.8
+    assert [o.key for o in orders] == [key(0), key(1)]
+    room = m.hold_room("top", B)  # full, and the round's victims are not this put's room
+    assert [o.key for o in room.orders] == [key(2)]
+    room.release()
+    m.settle(orders)
+    assert m.make_room("top", B)[0].key == key(0)
+
+
+def test_force_frees_room_the_accounting_says_is_free():
+    m, clock = manager(single=True, high=1.0, low=1.0)
+    for i in range(5):
+        clock.now += 1
+        m.admitted(key(i), "top", B)
+    assert m.make_room("top", B) == []
+    assert [o.key for o in m.make_room("top", B, force=True)] == [key(0)]
