@@ -136,10 +136,13 @@ class _BodyTimeout:
                 if not up.stalled:
                     raise
                 up.task.uncancel()
-                raise BodyTimeout(f"the request body stalled: no part of it for {self.idle_s:g} s, or slower "
-                                  f"than {self.min_rate} bytes/s (KVSTORE_BODY_TIMEOUT_S, KVSTORE_BODY_MIN_RATE)") from None
+                raise self._stalled() from None
             finally:
                 up.waiting = False
+            if up.stalled:  # the cancel was swallowed below (it raced a part arriving): end the body here
+                if up.task.cancelling():
+                    up.task.uncancel()
+                raise self._stalled()
             up.last = loop.time()
             if message["type"] != "http.request" or not message.get("more_body", False):
                 self._uploads.pop(id(up), None)
@@ -156,6 +159,10 @@ class _BodyTimeout:
             await self.app(scope, timed_receive, closing_send)
         finally:
             self._uploads.pop(id(up), None)
+
+    def _stalled(self) -> BodyTimeout:
+        return BodyTimeout(f"the request body stalled: no part of it for {self.idle_s:g} s, or slower "
+                           f"than {self.min_rate} bytes/s (KVSTORE_BODY_TIMEOUT_S, KVSTORE_BODY_MIN_RATE)")
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()

@@ -105,9 +105,10 @@ class InflightBudget:
             waiter = loop.create_future()
             self._waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter, left)
-            except asyncio.TimeoutError:
-                pass
+                # Not wait_for: on 3.11 it returns the result of a waiter woken in the same
+                # loop turn as a cancel of this task and drops the cancel, so the body
+                # deadline's cancel was lost and a trickling upload was never answered.
+                await asyncio.wait((waiter,), timeout=left)
             finally:
                 if not waiter.done():
                     waiter.cancel()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from client_sdk import KVClient, ServerBusy
-from kvstore.errors import InvalidInput
+from kvstore.errors import BodyTimeout, InvalidInput
 from kvstore.wire.errors import error_from
 from server import ServerSettings
 from server.inflight import InflightBudget, default_inflight_bytes, lazy_buffer
@@ -47,6 +47,69 @@ def test_a_waiting_part_gets_room_when_it_is_given_back_and_is_refused_when_none
         return got, refused, b.refused
 
     assert asyncio.run(scenario()) == (True, False, 1)
+
+
+def test_a_cancel_in_the_same_turn_as_the_wake_up_still_cancels_the_waiting_part():
+    # The body deadline cancels a part waiting for room; a give() in the same loop turn woke
+    # it. asyncio.wait_for on 3.11 returned the woken result and dropped the cancel: the part
+    # was charged, and the upload it belonged to was never answered.
+    async def scenario() -> tuple[str, int]:
+        b = InflightBudget(8 * MiB)
+        assert b.try_take(6 * MiB, small=False)
+        waiting = asyncio.ensure_future(b.take(1 * MiB, small=False, wait_s=30))
+        await asyncio.sleep(0)  # it waits for room now
+        b.give(6 * MiB)  # wakes it ...
+        waiting.cancel()  # ... and the deadline cancels it, before it runs again
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            return "cancelled", b.used
+        return "charged", b.used
+
+    assert asyncio.run(scenario()) == ("cancelled", 0)
+
+
+def test_a_body_deadline_whose_cancel_is_swallowed_below_still_answers_408():
+    # Any layer under the deadline (a receive, another middleware) may swallow the cancel it
+    # sends and hand back a part: the upload must end there, not trickle on unanswered.
+    from server.app import _BodyTimeout
+
+    async def scenario() -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        parts = 0
+
+        async def receive() -> dict:
+            nonlocal parts
+            parts += 1
+            if parts == 1:
+                return {"type": "http.request", "body": b"x", "more_body": True}
+            part = loop.create_future()
+            try:
+                await part
+            except asyncio.CancelledError:  # the injected fault: swallow the first, as wait_for did
+                if parts > 2:
+                    raise
+            return {"type": "http.request", "body": b"y", "more_body": True}
+
+        async def app(scope: dict, receive_: object, send: object) -> str:
+            while True:
+                await receive_()  # type: ignore[operator]
+
+        outcome = "unanswered"
+
+        async def wrapped(scope: dict, receive_: object, send: object) -> None:
+            nonlocal outcome
+            try:
+                await app(scope, receive_, send)
+            except BodyTimeout as exc:
+                outcome = f"408: {exc}"
+
+        mw = _BodyTimeout(wrapped, idle_s=0.2, min_rate=1 << 30)
+        scope = {"type": "http", "headers": [(b"content-length", b"1000")]}
+        await asyncio.wait_for(mw(scope, receive, None), 5)
+        return outcome.split(":")[0], parts
+
+    assert asyncio.run(scenario()) == ("408", 2)
 
 
 def test_a_fresh_body_buffer_commits_no_memory_until_written():
