@@ -1,11 +1,16 @@
 """Bodies in flight cannot take a live ``kvstore serve`` down.
 
-32 connections each declare a 1 GiB ``/v1/kv/put`` body and push bytes at it for as
-long as the server reads them, while ordinary clients put and get. The server's
-resident memory stays under its baseline plus ``KVSTORE_MAX_INFLIGHT_BYTES``, every
-ordinary request succeeds, and every flooding connection is answered 503 (the cap,
-with Retry-After) or 408 (the body deadline). Before the cap, each such connection
-committed its whole declared size at once: this test would have asked for 32 GiB.
+32 connections each declare a 512 MiB ``/v1/kv/put`` body, push 64 MiB of it as fast
+as the server reads (2 GiB in all, against the 768 MiB that large bodies may hold under
+a 1 GiB cap), then trickle, while ordinary clients put and get. The server's resident
+memory stays under its baseline plus ``KVSTORE_MAX_INFLIGHT_BYTES``, every ordinary
+request succeeds, and every flooding connection is answered 503 (the cap, with
+Retry-After) or 408 (the body deadline). Before the cap, each such connection committed
+its whole declared size at once: this test would have asked for 16 GiB.
+
+The flood is sized so that the cap must refuse some bodies however slow the machine: the
+large share fills from 768 MiB read, and the body deadline (15.7 s) leaves the server
+that long to read them: 49 MiB/s. Here it reads the flood at about 150 MiB/s.
 
 A watchdog kills the server if it grows a GiB past the bound, so a regression fails
 here instead of taking the machine.
@@ -27,8 +32,8 @@ from kvstore.wire.rest import KV_MEDIA
 
 SPEC = SPECS[0]
 NS = "flood"
-CAP = 2 << 30
-DECLARED = 1 << 30
+CAP = 1 << 30
+DECLARED = 512 << 20  # within the large share (768 MiB), so not 413
 FLOODERS = 32
 FAST_BYTES = 64 << 20
 
@@ -47,18 +52,20 @@ def live(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(KVSTORE_DATA_DIR=str(tmp / "data"), KVSTORE_MAX_INFLIGHT_BYTES=str(CAP),
                KVSTORE_INFLIGHT_WAIT_S="1", KVSTORE_BODY_TIMEOUT_S="5",
-               KVSTORE_BODY_MIN_RATE=str(256 << 20),  # a 1 GiB body's deadline: 5 s + 4 s KVSTORE_LOG_LEVEL="warning",
+               KVSTORE_BODY_MIN_RATE=str(48 << 20),  # a 512 MiB body's deadline: 5 s + 10.7 s
+               KVSTORE_LOG_LEVEL="warning",
                KVSTORE_TIERS="shm", KVSTORE_SHM_BYTES=str(256 << 20))
     server = ServeProcess(env).start()
     yield server
     server.stop()
 
 
-def _flood(port: int, answers: list[bytes], stop: threading.Event) -> None:
-    """Declare 1 GiB, send up to 64 MiB of it as fast as the server takes it, then trickle."""
+def _flood(port: int, answers: list[bytes], trace: list[str], stop: threading.Event) -> None:
+    """Declare 512 MiB, send up to 64 MiB of it as fast as the server takes it, then trickle."""
     head = (f"POST /v1/kv/put HTTP/1.1\r\nHost: x\r\nX-KV-Namespace: {NS}\r\nContent-Type: {KV_MEDIA}\r\n"
             f"Content-Length: {DECLARED}\r\n\r\n").encode()
     part = memoryview(bytes(1 << 20))
+    began = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(head)
         s.settimeout(0.1)
@@ -85,6 +92,8 @@ def _flood(port: int, answers: list[bytes], stop: threading.Event) -> None:
         except OSError as exc:
             got = got or f"no answer: {exc}".encode()
         answers.append(got)
+        trace.append(f"{sent >> 20} MiB sent, {'answered' if got[:5] == b'HTTP/' else 'NOT answered'} after "
+                     f"{time.monotonic() - began:.1f} s")
 
 
 def test_flooding_uploads_stay_under_the_cap_and_ordinary_clients_are_served(live):
@@ -112,7 +121,8 @@ def test_flooding_uploads_stay_under_the_cap_and_ordinary_clients_are_served(liv
             time.sleep(0.02)
 
     answers: list[bytes] = []
-    flooders = [threading.Thread(target=_flood, args=(server.port, answers, stop)) for _ in range(FLOODERS)]
+    trace: list[str] = []  # per flooder, for a failure's message
+    flooders = [threading.Thread(target=_flood, args=(server.port, answers, trace, stop)) for _ in range(FLOODERS)]
     watcher = threading.Thread(target=watch)
     watcher.start()
     for t in flooders:
@@ -142,7 +152,7 @@ def test_flooding_uploads_stay_under_the_cap_and_ordinary_clients_are_served(liv
     assert not failures and served >= 3, (served, failures[:3])
     assert len(answers) == FLOODERS
     statuses = sorted({a[:12] for a in answers})
-    assert all(a.startswith((b"HTTP/1.1 503", b"HTTP/1.1 408")) for a in answers), statuses
+    assert all(a.startswith((b"HTTP/1.1 503", b"HTTP/1.1 408")) for a in answers), (statuses, trace)
     busy = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
     print(f"baseline {baseline >> 20} MiB, peak {peak[0] >> 20} MiB (cap {CAP >> 20}); {served} ordinary "
           f"put+get rounds; {len(busy)} x 503, {len(answers) - len(busy)} x 408")
