@@ -63,8 +63,8 @@ from typing import Callable
 
 import numpy as np
 
-from kvstore.heat import LFU, LRU
-from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
+from kvstore.engine.heat import LFU, LRU
+from kvstore.engine.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
 
 __all__ = ["run", "format_table", "belady", "make_traces", "simulate", "Trace", "POLICIES"]
 

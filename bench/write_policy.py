@@ -21,7 +21,7 @@ import numpy as np
 from bench.report import header, publish
 from bench.tiers import private_redis
 from kvstore import KVSpec, KVStore
-from kvstore.placement import PlacementConfig
+from kvstore.engine.placement import PlacementConfig
 
 __all__ = ["run", "format_table"]
 

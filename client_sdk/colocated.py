@@ -313,7 +313,7 @@ def put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.
 def reserved_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
                       stats: c.ClientStats) -> Flow[int | None]:
     """A put whose frames this client writes straight into top-tier slots the server reserved
-    (``kvstore.reserved``): reserve, encode each new block into its slot (copy and hash in one
+    (``kvstore.engine.reserved``): reserve, encode each new block into its slot (copy and hash in one
     pass), commit the checksums. None when the server reserved nothing (no room, or it takes
     no reserved puts): the caller puts another way.
 

@@ -23,10 +23,10 @@ _ENGINE_ERRORS = (
 
 _WHERE = {
     "KVSpec": "kvstore.spec",
-    "EmbeddedStore": "kvstore.store",
-    "KVStore": "kvstore.store",
-    "StoreStats": "kvstore.store",
-    "IndexEntry": "kvstore.index",
+    "EmbeddedStore": "kvstore.engine.store",
+    "KVStore": "kvstore.engine.store",
+    "StoreStats": "kvstore.engine.store",
+    "IndexEntry": "kvstore.engine.index",
     "Settings": "kvstore.config",
     "Codec": "kvstore.codec",
     "Tier": "kvstore.tier",

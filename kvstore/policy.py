@@ -53,7 +53,7 @@ class Policy:
     """Whether get_kv may answer "recompute" when fetching is predicted slower than prefill."""
     prefetch: bool = True
     """Whether the server may prefetch on its own: hold a new put in the top tier for the next
-    agent in a namespace that has shown hand-offs (``kvstore.prefetch``). A candidate that
+    agent in a namespace that has shown hand-offs (``kvstore.engine.prefetch``). A candidate that
     turns this on or off is judged by its transfers' times and rolled back like any policy."""
     explore_after_s: float = 30.0
     """Probe a medium whose estimate is older than this (a bounded probe); give an option without two

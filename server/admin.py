@@ -17,9 +17,9 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from kvstore.errors import MalformedRequest
 from kvstore.errors import BlockNotFound, InvalidInput
-from kvstore.evict import coldest_first, evict
+from kvstore.engine.evict import coldest_first, evict
 from kvstore.keys import BlockHash
-from kvstore.store import StoreStats
+from kvstore.engine.store import StoreStats
 from server.auth import Authenticator, Principal
 from server.blocks import _key
 from server.errors import field_error

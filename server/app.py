@@ -25,7 +25,7 @@ from starlette.requests import Request
 from kvstore.errors import BodyTimeout, PayloadTooLarge
 from kvstore._version import __version__
 from kvstore.errors import KVStoreError
-from kvstore.store import KVStore
+from kvstore.engine.store import KVStore
 from server import admin, blocks, connectors, dashboard, data, events, layers, locality, ops, planning
 from server.config import ServerSettings
 from server.errors import install_error_handlers, send_error, store_error, unexpected_error

@@ -132,7 +132,7 @@ class ServerSettings:
     """Offer shm handles to clients on this host (they must be able to open the arena)."""
     reserved_puts: bool = True
     """Let co-located clients write a put's frames straight into top-tier slots and commit their
-    checksums (``kvstore.reserved``; KVSTORE_RESERVED_PUTS). The server checks each frame's header
+    checksums (``kvstore.engine.reserved``; KVSTORE_RESERVED_PUTS). The server checks each frame's header
     at commit and its body at the first read. 0: co-located puts go through staging."""
     staging_bytes: int = 256 << 20
     """Shared-memory staging area that co-located puts write into, bytes."""

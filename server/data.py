@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 from kvstore.wire.rest import H_AGENT, H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
 from kvstore.errors import MalformedRequest, PayloadTooLarge, RouteNotFound
 from kvstore._version import __version__
-from kvstore.evict import EvictionQuery, evict
+from kvstore.engine.evict import EvictionQuery, evict
 from kvstore.errors import InvalidInput
 from kvstore.keys import from_hex
 from server.auth import Principal
@@ -356,7 +356,7 @@ async def kv_put_staged(lease_id: str, request: Request) -> JSONResponse:
     return JSONResponse({"stored_tokens": stored, "medium": "shm"})
 
 
-# -- co-located: reserved puts (``kvstore.reserved``) ------------------------------------------
+# -- co-located: reserved puts (``kvstore.engine.reserved``) ------------------------------------------
 
 
 @router.post("/v1/kv/reserve")

@@ -1,7 +1,7 @@
 """KV events for subscribers: ``GET /v1/events`` (Server-Sent Events) and ``GET /v1/events/snapshot``;
 ``start`` also runs the ZMQ publisher in vLLM's format (``server.kv_events_zmq``) when asked for.
 
-One ring, many cursors (``kvstore.events.EventLog``). A stream is a cursor into the store's one
+One ring, many cursors (``kvstore.engine.events.EventLog``). A stream is a cursor into the store's one
 event ring, not a queue: an idle subscriber costs its connection and one suspended coroutine,
 and a subscriber that stops reading stops at its socket's send buffer (uvicorn's flow control)
 while puts go on. One that falls more than the ring behind gets a ``lost`` marker.
@@ -41,7 +41,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvstore.errors import InvalidInput, MalformedRequest, ServerBusy
-from kvstore.events import Event, EventLog
+from kvstore.engine.events import Event, EventLog
 from server.auth import Principal
 from server.data import svc_of
 from server.errors import error_response, field_error

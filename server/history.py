@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.store import KVStore
+from kvstore.engine.store import KVStore
 
 __all__ = ["History", "Sample"]
 

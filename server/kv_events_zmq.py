@@ -46,7 +46,7 @@ import numpy as np
 import zmq
 
 from kvstore.errors import InvalidInput
-from kvstore.events import CLEARED, MOVED, REMOVED, STORED, Event, EventLog
+from kvstore.engine.events import CLEARED, MOVED, REMOVED, STORED, Event, EventLog
 
 __all__ = ["KVEventsPublisher", "MEDIA", "tier_media", "vllm_events"]
 

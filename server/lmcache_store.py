@@ -24,7 +24,7 @@ from kvstore import codec as codec_mod
 from kvstore.memory.buffers import BufferPool
 from kvstore.errors import FrameError, TierError
 from kvstore.keys import BlockHash, block_meta, name_fingerprint, named_key, validate_namespace
-from kvstore.store import KVStore
+from kvstore.engine.store import KVStore
 from kvstore.wire.lmcache import SUCCESS, LMKey, Request, server_meta
 
 __all__ = ["LMCacheChunks", "DOMAIN"]

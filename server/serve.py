@@ -18,7 +18,7 @@ from typing import TextIO
 import uvicorn
 
 from kvstore.config import Settings
-from kvstore.store import EmbeddedStore
+from kvstore.engine.store import EmbeddedStore
 from server.app import create_app
 from server.config import ServerSettings, is_loopback, parse_tier_codecs
 

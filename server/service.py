@@ -28,7 +28,7 @@ from kvstore.errors import MalformedRequest, PayloadTooLarge, QuotaExceeded
 from kvstore.errors import InvalidInput, InvalidSpec
 from kvstore.keys import normalize_tokens
 from kvstore.spec import KVSpec
-from kvstore.store import KVStore
+from kvstore.engine.store import KVStore
 from server.audit import AuditLog
 from server.auth import Authenticator, Principal
 from server.config import ServerSettings

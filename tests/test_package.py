@@ -75,15 +75,12 @@ LAYERS = {
                     "kvstore.planner", "kvstore.memory",
                     "kvstore.wire"), ()),
     "tiers": (("tiers",), ("foundation",)),
-    "engine": (("kvstore.index", "kvstore.heat", "kvstore.placement", "kvstore.evict", "kvstore.core",
-                "kvstore.mover", "kvstore.shared", "kvstore.recovery", "kvstore.frames", "kvstore.reserved",
-                "kvstore.events", "kvstore.prefetch", "kvstore.store", "kvstore.build"),
-               ("foundation", "tiers")),
+    "engine": (("kvstore.engine",), ("foundation", "tiers")),
     "server": (("server",), ("foundation", "engine")),
     "sdk": (("client_sdk",), ("foundation",)),
     "integrations": (("kvstore.integrations",), ("foundation", "sdk")),
     # the composition root: the CLI and the bench start servers and drive the whole stack
-    "root": (("kvstore.cli", "kvstore.cli_client", "bench"),
+    "root": (("kvstore.cli", "bench"),
              ("foundation", "tiers", "engine", "server", "sdk", "integrations", "facade")),
     # ``kvstore/__init__``: the public names of the foundation and the engine, loaded on first use
     "facade": (("kvstore",), ("foundation", "engine")),
@@ -209,8 +206,8 @@ def test_the_sdk_loads_no_engine_module():
     import sys
 
     code = ("import sys, client_sdk; print('\\n'.join(m for m in sys.modules if m.startswith(("
-            "'kvstore.store', 'kvstore.placement', 'kvstore.index', 'kvstore.heat', 'kvstore.core', 'kvstore.mover',"
-            "'kvstore.shared', 'kvstore.recovery', 'kvstore.build', 'tiers', 'server'))))")
+            "'kvstore.engine.store', 'kvstore.engine.placement', 'kvstore.engine.index', 'kvstore.engine.heat', 'kvstore.engine.core', 'kvstore.engine.mover',"
+            "'kvstore.engine.shared', 'kvstore.engine.recovery', 'kvstore.engine.build', 'tiers', 'server'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == []
 

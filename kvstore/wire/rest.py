@@ -56,7 +56,7 @@ JSON_MEDIA = "application/json"
 H_NAMESPACE = "x-kv-namespace"
 H_AGENT = "x-kv-agent"
 """Who is calling (the SDK's agent id, one per client unless named): the server learns hand-offs
-from which agent writes a chain and which one reads it next (``kvstore.prefetch``)."""
+from which agent writes a chain and which one reads it next (``kvstore.engine.prefetch``)."""
 H_TOKENS = "x-kv-tokens"
 H_SHAPE = "x-kv-shape"
 H_DTYPE = "x-kv-dtype"

@@ -1,7 +1,7 @@
 """Co-located puts into reserved slots, end to end: real uvicorn, real shm, other processes.
 
 A client writes each frame straight into a top-tier slot the server reserved, then commits
-(``kvstore.reserved``). Here: the bytes read back bit for bit in another process, a client
+(``kvstore.engine.reserved``). Here: the bytes read back bit for bit in another process, a client
 killed between reserve and commit or in the middle of its copy leaves no block and no slot
 behind, a commit for a slot it was not given is refused, and a server that takes no
 reserved puts is put to through staging as before.

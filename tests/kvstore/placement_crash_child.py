@@ -4,7 +4,7 @@ the mover demotes as fast as it can; prints each chain's seed once put_kv return
 import sys
 
 from kvstore import KVStore
-from kvstore.placement import PlacementConfig
+from kvstore.engine.placement import PlacementConfig
 from tests.conftest import make_kv, make_spec
 from tiers.nvme import NVMeTier
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvstore.build import build_tiers
+from kvstore.engine.build import build_tiers
 from kvstore.config import Settings
 from kvstore.errors import InvalidInput
 

@@ -1,4 +1,4 @@
-"""KV events in the engine (``kvstore.events``): every change to the index is one numbered event,
+"""KV events in the engine (``kvstore.engine.events``): every change to the index is one numbered event,
 and a snapshot plus the events after it rebuild the index exactly, whatever ran meanwhile."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kvstore.events import EventLog
-from kvstore.store import KVStore
+from kvstore.engine.events import EventLog
+from kvstore.engine.store import KVStore
 from tests.conftest import make_kv, make_spec
 from tiers.memory import MemoryTier
 from tiers.shm import ShmTier
@@ -48,7 +48,7 @@ def test_put_move_delete_evict_are_events_in_order():
         assert store.delete(spec, toks[:16], "a") == 1
         gone = store.events.read(5)[0]
         assert [(e.kind, e.reason) for e in gone] == [("removed", "deleted")]
-        from kvstore.evict import EvictionQuery, evict
+        from kvstore.engine.evict import EvictionQuery, evict
         assert evict(store, EvictionQuery(keys=(events[1].key,))).removed_blocks == 1
         assert [(e.kind, e.reason, e.key) for e in store.events.read(6)[0]] == [("removed", "evicted", events[1].key)]
         # placement's last tier evicts: fill "low" past its capacity through migrations

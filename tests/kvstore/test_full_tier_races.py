@@ -14,7 +14,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.errors import TierFull
-from kvstore.placement import PlacementConfig
+from kvstore.engine.placement import PlacementConfig
 from tests.conftest import make_spec
 from tiers.memory import MemoryTier
 from tiers.shm import ShmTier

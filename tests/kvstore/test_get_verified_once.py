@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.keys import block_hashes
-from kvstore.store import KVStore
+from kvstore.engine.store import KVStore
 from tests.conftest import make_kv, make_spec
 from tiers.memory import MemoryTier
 from tiers.shm import ShmTier

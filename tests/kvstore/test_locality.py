@@ -1,4 +1,4 @@
-"""Retention, prefetch and hand-off in the engine (``kvstore.prefetch``, placement's rule 5),
+"""Retention, prefetch and hand-off in the engine (``kvstore.engine.prefetch``, placement's rule 5),
 against real shm and nvme tiers."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kvstore.errors import InvalidInput, RetainQuotaExceeded
-from kvstore.store import KVStore
+from kvstore.engine.store import KVStore
 from tests.conftest import FakeClock, make_kv, make_spec
 from tiers.memory import MemoryTier
 from tiers.nvme import NVMeTier

@@ -11,7 +11,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.keys import block_hashes
-from kvstore.placement import PlacementConfig
+from kvstore.engine.placement import PlacementConfig
 from tests.conftest import make_kv, make_spec
 from tiers.memory import MemoryTier
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidInput
-from kvstore.heat import LRU, AdaptiveRate, DecayedRate, Heat
-from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy, default_scorer
+from kvstore.engine.heat import LRU, AdaptiveRate, DecayedRate, Heat
+from kvstore.engine.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy, default_scorer
 
 B = 100  # bytes per entry
 

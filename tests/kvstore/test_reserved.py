@@ -1,4 +1,4 @@
-"""Two-phase puts (``kvstore.reserved``) against a real shm tier: reserve, write into the slots, commit.
+"""Two-phase puts (``kvstore.engine.reserved``) against a real shm tier: reserve, write into the slots, commit.
 
 The writer here is this process through ``ShmSlotWriter``, as a co-located client writes;
 the client path end to end (another process writing, being killed) is in
@@ -19,7 +19,7 @@ import torch
 from kvstore import codec
 from kvstore.errors import CorruptFrame, Forbidden, InvalidInput
 from kvstore.memory.shm import ShmSlotWriter
-from kvstore.store import KVStore
+from kvstore.engine.store import KVStore
 from tests.conftest import FakeClock, make_kv, make_spec
 from tiers.memory import MemoryTier
 from tiers.shm import ShmTier

@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from kvstore.placement import PlacementConfig
+from kvstore.engine.placement import PlacementConfig
 
 from kvstore import EmbeddedStore, KVStore, Settings
 from kvstore.codec import Codec, read_header

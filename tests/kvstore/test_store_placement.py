@@ -11,7 +11,7 @@ import time
 import torch
 
 from kvstore import Codec, KVStore
-from kvstore.placement import PlacementConfig
+from kvstore.engine.placement import PlacementConfig
 from tests.conftest import make_kv, make_spec
 from tiers.memory import MemoryTier
 from tiers.nvme import NVMeTier
@@ -204,7 +204,7 @@ def test_recovered_blocks_explain_and_sort_before_any_access(tmp_path):
     """Blocks re-indexed at start have no heat yet: explain says None (strict JSON) and they sort coldest."""
     import json
 
-    from kvstore.evict import coldest_first
+    from kvstore.engine.evict import coldest_first
 
     spec = make_spec()
     tokens = list(range(64))

@@ -5,7 +5,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.keys import block_hashes
-from kvstore.placement import PlacementConfig
+from kvstore.engine.placement import PlacementConfig
 from tests.conftest import make_kv, make_spec
 from tests.tiers.redis_servers import RedisServer
 from tiers.memory import MemoryTier

@@ -1,4 +1,4 @@
-"""kvstore.evict: selection semantics over a real store (no HTTP)."""
+"""kvstore.engine.evict: selection semantics over a real store (no HTTP)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from kvstore import KVStore
 from kvstore.errors import InvalidInput
-from kvstore.evict import EvictionQuery, evict, select
+from kvstore.engine.evict import EvictionQuery, evict, select
 from kvstore.keys import block_hashes
 from tests.conftest import FakeClock, make_kv, make_spec
 from tiers.memory import MemoryTier

@@ -271,7 +271,7 @@ def test_settings_flight_port():
 
 
 def test_an_unexpected_failure_is_an_internal_error_without_a_traceback(fserver, spec, monkeypatch):
-    from kvstore.store import KVStore
+    from kvstore.engine.store import KVStore
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")

@@ -24,7 +24,7 @@ from bench.reliability_kit.serve_process import ServeProcess, small_env
 from bench.serving import free_port
 from client_sdk import KVClient
 from kvstore.errors import InvalidInput
-from kvstore.events import CLEARED, MOVED, REMOVED, STORED, Event, EventLog
+from kvstore.engine.events import CLEARED, MOVED, REMOVED, STORED, Event, EventLog
 from kvstore.keys import block_hashes
 from server.kv_events_zmq import KVEventsPublisher, vllm_events
 from tests.conftest import make_kv, make_spec, require_venv

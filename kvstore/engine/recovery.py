@@ -17,13 +17,13 @@ import json
 import logging
 from dataclasses import dataclass
 from kvstore import codec as codec_mod
-from kvstore.core import EngineCore
+from kvstore.engine.core import EngineCore
 from kvstore.errors import FrameError, TierError
-from kvstore.index import IndexEntry
+from kvstore.engine.index import IndexEntry
 
 __all__ = ["recover", "entry_from_frame", "entry_from_head", "RecoveryReport"]
 
-log = logging.getLogger("kvstore.recovery")
+log = logging.getLogger("kvstore.engine.recovery")
 
 
 @dataclass(slots=True)

@@ -29,14 +29,14 @@ from typing import Callable
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
-from kvstore.core import EngineCore
+from kvstore.engine.core import EngineCore
 from kvstore.errors import FrameError, InvalidKV, TierError
-from kvstore.placement import MoveOrder, RoomHold
-from kvstore.shared import Replica, SharedTier
+from kvstore.engine.placement import MoveOrder, RoomHold
+from kvstore.engine.shared import Replica, SharedTier
 
 __all__ = ["Mover"]
 
-log = logging.getLogger("kvstore.mover")
+log = logging.getLogger("kvstore.engine.mover")
 
 
 class Mover:

@@ -17,7 +17,7 @@ Who calls what:
   ``read_into``;
 - counting: ``count`` and ``touch``.
 
-Every change to the index is also an event in ``events`` (``kvstore.events``), emitted
+Every change to the index is also an event in ``events`` (``kvstore.engine.events``), emitted
 right after the change and under the key's claim, so one key's events come in the order
 its changes happened, and a snapshot taken after reading the log's sequence number is
 exact (the module's note says why).
@@ -35,15 +35,15 @@ from typing import Any, Callable, Protocol, Sequence
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.errors import InvalidInput, TierError
-from kvstore.events import CLEARED, DEFAULT_CAPACITY, MOVED, REMOVED, STORED, EventLog
-from kvstore.index import Index, IndexEntry
+from kvstore.engine.events import CLEARED, DEFAULT_CAPACITY, MOVED, REMOVED, STORED, EventLog
+from kvstore.engine.index import Index, IndexEntry
 from kvstore.keys import BlockHash
-from kvstore.placement import PlacementManager
+from kvstore.engine.placement import PlacementManager
 from kvstore.tier import Tier
 
 __all__ = ["EngineCore", "StoreCounters", "SharedCopies", "is_current"]
 
-log = logging.getLogger("kvstore.store")
+log = logging.getLogger("kvstore.engine.store")
 
 
 @dataclass(slots=True)
@@ -80,7 +80,7 @@ class StoreCounters:
 
 
 class SharedCopies(Protocol):
-    """What the core needs of the shared tier (``kvstore.shared.SharedTier``): its copies."""
+    """What the core needs of the shared tier (``kvstore.engine.shared.SharedTier``): its copies."""
 
     name: str
 
@@ -110,7 +110,7 @@ class EngineCore:
                  clock: Callable[[], float] | None = None, *, event_capacity: int = DEFAULT_CAPACITY) -> None:
         self.clock: Callable[[], float] = time.time if clock is None else clock
         self.events = EventLog(event_capacity, clock=self.clock)
-        """Every change to the index, numbered (``kvstore.events``)."""
+        """Every change to the index, numbered (``kvstore.engine.events``)."""
         """The engine's wall clock: the facade, frames, the shared tier and recovery read it too."""
         self._tiers = list(tiers)
         self._by_name = {t.name: t for t in self._tiers}
@@ -278,7 +278,7 @@ class EngineCore:
         """The block set (of ``namespaces``; None: all) and the event number it is valid at.
 
         The number is read before the copy: every change numbered at or below it is in the
-        copy, and replaying the events after it gives the index (``kvstore.events``)."""
+        copy, and replaying the events after it gives the index (``kvstore.engine.events``)."""
         seq = self.events.snapshot_seq()
         entries = self._index.snapshot()
         if namespaces is not None:

@@ -64,13 +64,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from kvstore.errors import InvalidInput, RetainQuotaExceeded
-from kvstore.heat import AdaptiveRate, DecayedRate, Heat, Scorer
+from kvstore.engine.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
 __all__ = ["PREFETCH_OWNER", "TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "PlacementManager",
            "RoomHold", "default_scorer"]
 
 PREFETCH_OWNER = "_prefetch"
-"""The owner of the holds prefetches place (``kvstore.prefetch``): no tenant, so no tenant's quota
+"""The owner of the holds prefetches place (``kvstore.engine.prefetch``): no tenant, so no tenant's quota
 pays for them; the first read of a held block ends its hold (the reader came)."""
 
 _SATURATING_READS = 64

@@ -37,7 +37,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from kvstore._version import __version__
-from kvstore.cli_client import COMMANDS, client_parsers
+from kvstore.cli.client import COMMANDS, client_parsers
 
 __all__ = ["main"]
 
@@ -382,5 +382,5 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == "__main__":  # pragma: no cover  (python -m kvstore.cli.main)
     sys.exit(main())

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from kvstore.errors import InvalidInput
-from kvstore.index import IndexEntry
+from kvstore.engine.index import IndexEntry
 from kvstore.keys import BlockHash, block_hashes, check_key, validate_namespace
 from kvstore.spec import KVSpec
 

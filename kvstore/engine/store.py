@@ -15,8 +15,8 @@ This module is one unit, longer than most: ``KVStore`` is the engine's whole
 public surface (the data calls, frames by key, placement, stats and lifecycle),
 so that what the engine offers reads in one file. Each call checks its input and
 then works through the parts that own the state: the index, tiers and counters
-are ``kvstore.core``'s, frames by key ``kvstore.frames``', moves the mover's,
-copies to the shared tier ``kvstore.shared``'s.
+are ``kvstore.engine.core``'s, frames by key ``kvstore.engine.frames``', moves the mover's,
+copies to the shared tier ``kvstore.engine.shared``'s.
 """
 
 from __future__ import annotations
@@ -42,25 +42,25 @@ from kvstore.errors import (
     TierError,
     TierFull,
 )
-from kvstore.core import EngineCore, StoreCounters, is_current
-from kvstore.events import DEFAULT_CAPACITY, EventLog
-from kvstore.index import IndexEntry
+from kvstore.engine.core import EngineCore, StoreCounters, is_current
+from kvstore.engine.events import DEFAULT_CAPACITY, EventLog
+from kvstore.engine.index import IndexEntry
 from kvstore.memory.buffers import Scratch
-from kvstore.heat import Scorer
-from kvstore.placement import MoveOrder, PlacementConfig, PlacementManager, RoomHold, TierPolicy
-from kvstore.mover import Mover
-from kvstore.prefetch import HandoffLearner, Job, Prefetcher
-from kvstore.frames import Frames, PrefixBlock
-from kvstore.recovery import recover
-from kvstore.reserved import Reservation, ReservedPuts
-from kvstore.shared import SharedTier, WritePolicy, find_shared
+from kvstore.engine.heat import Scorer
+from kvstore.engine.placement import MoveOrder, PlacementConfig, PlacementManager, RoomHold, TierPolicy
+from kvstore.engine.mover import Mover
+from kvstore.engine.prefetch import HandoffLearner, Job, Prefetcher
+from kvstore.engine.frames import Frames, PrefixBlock
+from kvstore.engine.recovery import recover
+from kvstore.engine.reserved import Reservation, ReservedPuts
+from kvstore.engine.shared import SharedTier, WritePolicy, find_shared
 from kvstore.keys import BlockHash, block_hashes, block_meta, check_key, iter_block_hashes, normalize_tokens
 from kvstore.spec import KVSpec
 from kvstore.tier import FrameWriter, Tier, TierStats
 
 __all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
 
-log = logging.getLogger("kvstore.store")
+log = logging.getLogger("kvstore.engine.store")
 T = TypeVar("T")
 
 _KEY_OF = operator.attrgetter("key")
@@ -131,13 +131,13 @@ class KVStore:
             Every timestamp the engine records (an entry's ``created_s`` and
             ``last_access_s``: at a put, a read, an adoption from the shared tier,
             recovery) is a reading of it; it is kept as ``self.clock`` for callers that
-            compare ages against those stamps (``kvstore.evict.select(store, q,
+            compare ages against those stamps (``kvstore.engine.evict.select(store, q,
             now_s=store.clock())``). A clock given here drives placement too (heat decay,
             pin TTLs, residency, the move log's ages): one clock for both lets a test age
             heat and entries together by advancing it, with no sleep. With none given,
             placement keeps its own ``time.monotonic`` (a wall clock can step back; heat
             must not) and entries keep wall time, as before.
-        event_capacity: events kept for subscribers (``kvstore.events``): how far one may fall
+        event_capacity: events kept for subscribers (``kvstore.engine.events``): how far one may fall
             behind before it must resynchronise from a snapshot.
     """
 
@@ -204,7 +204,7 @@ class KVStore:
                                       self._shared.adopt if self._shared is not None else None)
         self._forced_warned: dict[str, float] = {}
         self.handoffs = HandoffLearner(clock=self.placement.clock)
-        """Hand-offs learned per namespace from the agents' puts and reads (``kvstore.prefetch``)."""
+        """Hand-offs learned per namespace from the agents' puts and reads (``kvstore.engine.prefetch``)."""
         self.policy_for: Callable[[str], tuple[int | None, bool]] = lambda namespace: (None, True)
         """(policy version, whether learned hand-offs may be prefetched) for a namespace: the server
         points it at the planner's policies, so a canary that turns prefetch on is judged and
@@ -372,7 +372,7 @@ class KVStore:
             out = out[:, :, :, : good * bt] if given else out[:, :, :, : good * bt].clone()
         return out, good * bt
 
-    # -- two-phase puts (``kvstore.reserved``) -------------------------------------------------
+    # -- two-phase puts (``kvstore.engine.reserved``) -------------------------------------------------
 
     @property
     def reservations(self) -> ReservedPuts:
@@ -524,7 +524,7 @@ class KVStore:
         self._core.count(get_calls=calls, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
 
     def put_frame(self, key: BlockHash, frame: Any, namespace: str, *, make_room: bool = False) -> IndexEntry:
-        """Store an already encoded frame under ``key`` (``kvstore.frames.Frames.put``).
+        """Store an already encoded frame under ``key`` (``kvstore.engine.frames.Frames.put``).
 
         Raises:
             FrameError: the frame does not verify or has no kvstore metadata.
@@ -536,7 +536,7 @@ class KVStore:
 
     def put_frame_with(self, key: BlockHash, namespace: str, size: int, writer: FrameWriter, *,
                        make_room: bool = False) -> IndexEntry:
-        """Store a frame that ``writer`` writes in place (``kvstore.frames.Frames.put_with``).
+        """Store a frame that ``writer`` writes in place (``kvstore.engine.frames.Frames.put_with``).
 
         Raises:
             whatever ``writer`` raises: nothing is stored.
@@ -547,12 +547,12 @@ class KVStore:
         return self._frames.put_with(check_key(key), namespace, size, writer, make_room=make_room)
 
     def read_frame(self, key: BlockHash, namespaces: frozenset[str] | None) -> tuple[Any, IndexEntry] | None:
-        """``key``'s frame and entry, a read counted (``kvstore.frames.Frames.read``)."""
+        """``key``'s frame and entry, a read counted (``kvstore.engine.frames.Frames.read``)."""
         return self._frames.read(check_key(key), namespaces)
 
     def read_frame_with(self, key: BlockHash, namespaces: frozenset[str] | None,
                         reader: Callable[[memoryview, Any, IndexEntry], T], *, tally: bool = True) -> T | None:
-        """``reader`` over ``key``'s verified frame, lent in place (``kvstore.frames.Frames.read_with``)."""
+        """``reader`` over ``key``'s verified frame, lent in place (``kvstore.engine.frames.Frames.read_with``)."""
         return self._frames.read_with(check_key(key), namespaces, reader, tally=tally)
 
     def block_entry(self, key: BlockHash, namespaces: frozenset[str] | None) -> IndexEntry | None:
@@ -566,7 +566,7 @@ class KVStore:
 
     def prefix_blocks(self, spec: KVSpec, tokens: Any, namespace: str, *,
                       agent: str | None = None) -> list[PrefixBlock]:
-        """The blocks of the longest stored prefix of ``tokens`` (``kvstore.frames.Frames.prefix``);
+        """The blocks of the longest stored prefix of ``tokens`` (``kvstore.engine.frames.Frames.prefix``);
         ``agent``: a reader about to read them (a co-located get), for learning hand-offs."""
         self._check_open()
         spec = _check_spec(spec)
@@ -600,7 +600,7 @@ class KVStore:
         """The tier called ``name``, or None."""
         return self._core.tier(name) if self._core.has_tier(name) else None
 
-    # -- events (``kvstore.events``) -------------------------------------------------------
+    # -- events (``kvstore.engine.events``) -------------------------------------------------------
 
     @property
     def events(self) -> EventLog:
@@ -612,7 +612,7 @@ class KVStore:
         Replaying the events after that number onto the copy gives the index."""
         return self._core.events_snapshot(namespaces)
 
-    # -- locality: prefetch, hand-off, retention (``kvstore.prefetch``, placement rule 5) ----------
+    # -- locality: prefetch, hand-off, retention (``kvstore.engine.prefetch``, placement rule 5) ----------
 
     def prefetch(self, spec: KVSpec, tokens: Any, namespace: str = "default", *,
                  reason: str = "requested by a caller", trigger: str = "requested",
@@ -1019,7 +1019,7 @@ class EmbeddedStore(KVStore):
     ) -> None:
         settings = settings or Settings.from_env()
         if tiers is None:
-            from kvstore.build import build_tiers  # lazy: tiers import kvstore.tier
+            from kvstore.engine.build import build_tiers  # lazy: tiers import kvstore.tier
 
             tiers = build_tiers(settings)
         super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs, **placement)

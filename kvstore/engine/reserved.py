@@ -40,17 +40,17 @@ import numpy as np
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
-from kvstore.core import EngineCore, is_current
+from kvstore.engine.core import EngineCore, is_current
 from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput, TierFull
-from kvstore.index import IndexEntry
+from kvstore.engine.index import IndexEntry
 from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.memory.shm import start_ticks
-from kvstore.placement import RoomHold
+from kvstore.engine.placement import RoomHold
 from kvstore.spec import KVSpec
 
 __all__ = ["ReservedPuts", "Reservation", "ReservedBlock"]
 
-log = logging.getLogger("kvstore.reserved")
+log = logging.getLogger("kvstore.engine.reserved")
 
 
 @dataclass(slots=True)

@@ -17,18 +17,18 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from kvstore import codec as codec_mod
 from kvstore.codec import FrameHeader
-from kvstore.core import EngineCore, is_current
+from kvstore.engine.core import EngineCore, is_current
 from kvstore.errors import FrameError, InvalidInput, TierError, TierFull
-from kvstore.index import IndexEntry
+from kvstore.engine.index import IndexEntry
 from kvstore.keys import BlockHash
-from kvstore.placement import RoomHold
-from kvstore.recovery import entry_from_frame, entry_from_head
-from kvstore.shared import SharedTier
+from kvstore.engine.placement import RoomHold
+from kvstore.engine.recovery import entry_from_frame, entry_from_head
+from kvstore.engine.shared import SharedTier
 from kvstore.tier import FrameWriter, Tier
 
 __all__ = ["Frames", "PrefixBlock"]
 
-log = logging.getLogger("kvstore.store")
+log = logging.getLogger("kvstore.engine.store")
 T = TypeVar("T")
 _DAMAGED = object()
 

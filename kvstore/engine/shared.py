@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
-from kvstore.core import EngineCore
+from kvstore.engine.core import EngineCore
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, TierError
-from kvstore.index import IndexEntry
-from kvstore.recovery import entry_from_frame
+from kvstore.engine.index import IndexEntry
+from kvstore.engine.recovery import entry_from_frame
 from kvstore.tier import Tier
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WritePolicy", "Replica", "SharedTier", "WRITE_POLICIES"]
 
-log = logging.getLogger("kvstore.shared")
+log = logging.getLogger("kvstore.engine.shared")
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 

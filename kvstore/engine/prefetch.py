@@ -31,14 +31,14 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvstore.core import EngineCore, is_current
+from kvstore.engine.core import EngineCore, is_current
 from kvstore.errors import RetainQuotaExceeded, TierError
 from kvstore.keys import BlockHash
-from kvstore.placement import PREFETCH_OWNER, MoveOrder
+from kvstore.engine.placement import PREFETCH_OWNER, MoveOrder
 
 __all__ = ["Prefetcher", "HandoffLearner", "PREFETCH_OWNER", "Job"]
 
-log = logging.getLogger("kvstore.prefetch")
+log = logging.getLogger("kvstore.engine.prefetch")
 
 
 @dataclass(slots=True)
