@@ -30,7 +30,7 @@ import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
@@ -88,6 +88,8 @@ class SharedCopies(Protocol):
 
     def delete(self, key: bytes) -> None: ...
 
+    def adopt(self, key: bytes, namespace: str, spec_fp: str) -> tuple[IndexEntry, Any] | None: ...
+
 
 def is_current(entry: IndexEntry | None, namespace: str, spec_fp: str) -> bool:
     """A key matches only under the namespace and spec it was written with."""
@@ -109,10 +111,12 @@ class EngineCore:
     def __init__(self, tiers: Sequence[Tier], codecs: dict[str, Codec], placement: PlacementManager,
                  clock: Callable[[], float] | None = None, *, event_capacity: int = DEFAULT_CAPACITY) -> None:
         self.clock: Callable[[], float] = time.time if clock is None else clock
+        """The engine's wall clock: the facade, frames, the shared tier and recovery read it too."""
         self.events = EventLog(event_capacity, clock=self.clock)
         """Every change to the index, numbered (``kvstore.engine.events``)."""
-        """The engine's wall clock: the facade, frames, the shared tier and recovery read it too."""
         self._tiers = list(tiers)
+        self.durable_tiers = frozenset(t.name for t in self._tiers if t.durable)
+        """Names of the tiers whose acknowledged writes survive a crash (``Tier.durable``, as at start)."""
         self._by_name = {t.name: t for t in self._tiers}
         self._codecs = dict(codecs)
         self.placement = placement
@@ -171,15 +175,34 @@ class EngineCore:
     def reads_by_tier(self) -> dict[str, int]:
         return self._index.reads_by_tier()
 
-    def current_prefix(self, keys: Sequence[BlockHash], namespace: str, spec_fp: str, *,
-                       tiers: frozenset[str] | None = None) -> list[IndexEntry]:
-        """The entries of the longest prefix of ``keys`` stored under ``namespace`` and ``spec_fp``
-        (and, with ``tiers``, held in one of those tiers): the one prefix walk of the engine."""
+    def current_prefix(self, keys: Iterable[BlockHash], namespace: str, spec_fp: str, *,
+                       tiers: frozenset[str] | None = None,
+                       adopted: dict[BlockHash, Any] | None = None) -> list[IndexEntry]:
+        """The entries of the longest prefix of ``keys`` stored under ``namespace`` and ``spec_fp``:
+        the one prefix walk of the engine (lookups, gets, prefetches, pins and retention all take it).
+
+        Args:
+            keys: the chain, from its first block; an iterator is walked only as far as the prefix
+                goes (``iter_block_hashes`` then hashes no more than that).
+            tiers: only blocks held in one of these tiers count (``durable_tokens``).
+            adopted: the hook for blocks this index lacks: when given, such a block that the shared
+                tier holds (another node stored it) is adopted into this index and the walk goes
+                on; the frames adoption read are put here by key, so a get does not read them twice.
+        """
+        shared = self.shared if adopted is not None else None
         found: list[IndexEntry] = []
         for key in keys:
             entry = self._index.get(key)
-            if not is_current(entry, namespace, spec_fp) or (tiers is not None and entry.tier not in tiers):
-                break
+            if is_current(entry, namespace, spec_fp):
+                if tiers is not None and entry.tier not in tiers:
+                    break
+            else:
+                got = shared.adopt(key, namespace, spec_fp) if shared is not None else None
+                if got is None or not is_current(got[0], namespace, spec_fp):
+                    break
+                entry, frame = got
+                if frame is not None:
+                    adopted[key] = frame
             found.append(entry)
         return found
 
@@ -344,6 +367,18 @@ class EngineCore:
 
     def touch(self, keys: Sequence[BlockHash], counts: Sequence[int] | None = None, *, tally: bool = True,
               now: float | None = None) -> None:
-        """Count reads of ``keys`` (one each, or ``counts``) for recency, hit counts and heat."""
+        """Count reads of ``keys`` (one each, or ``counts``) for recency, hit counts and heat: a
+        get's own, or reads that bypassed it (a co-located client, a block route).
+
+        Args:
+            tally: count them in ``reads_by_tier`` too; False for reads whose tokens no get counted
+                (another protocol's), which would otherwise skew the per-tier hit ratio.
+
+        Raises:
+            InvalidInput: ``counts`` is not one count per key.
+        """
+        keys = list(keys)
+        if counts is not None and len(counts) != len(keys):
+            raise InvalidInput(f"touch: {len(counts)} counts for {len(keys)} keys")
         self._index.touch(keys, self.clock() if now is None else now, counts, tally=tally)
         self.placement.accessed(keys, counts)

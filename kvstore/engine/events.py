@@ -11,7 +11,7 @@ subscriber is only a cursor (the last sequence number it has seen) into it, so i
 is bounded by the ring and costs nothing per event: ``emit`` appends once, whatever the
 number of subscribers, and a subscriber that stops reading never slows a put. One that
 falls more than ``capacity`` events behind has lost some: ``read`` says so, and it
-resynchronises from a snapshot (``KVStore.events_snapshot``: the block set and the
+resynchronises from a snapshot (``EngineCore.events_snapshot``: the block set and the
 sequence number it is valid at).
 
 Why the snapshot is exact: ``snapshot_seq`` is read *before* the index is copied, and

@@ -6,7 +6,7 @@ engine plug-ins name blocks themselves and move frames that are already encoded.
 (a tenant cannot plant a block in another's namespace) and publishes it as
 ``put_kv`` publishes a block; a read verifies what it serves, and a frame found
 damaged or gone is dropped from the index, so every later reader gets a miss
-rather than the same bad bytes. ``KVStore`` forwards to it.
+rather than the same bad bytes. Callers reach it as ``KVStore.frames``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence, TypeVar
 from kvstore import codec as codec_mod
 from kvstore.codec import FrameHeader
 from kvstore.engine.core import EngineCore, is_current
-from kvstore.errors import FrameError, InvalidInput, TierError, TierFull
+from kvstore.errors import FrameError, InvalidInput, StoreClosed, TierError, TierFull
 from kvstore.engine.index import IndexEntry
-from kvstore.keys import BlockHash
+from kvstore.keys import BlockHash, check_key
 from kvstore.engine.placement import RoomHold
 from kvstore.engine.recovery import entry_from_frame, entry_from_head
 from kvstore.engine.shared import SharedTier
@@ -68,14 +68,29 @@ class Frames:
         self._shared = shared
         self._take_room = take_room
 
+    def _check_open(self) -> None:
+        if self._core.closed:
+            raise StoreClosed("the store is closed")
+
     @property
     def shared_tier(self) -> Tier | None:
         return None if self._shared is None else self._shared.tier
+
+    def durable_count(self, blocks: Sequence[PrefixBlock]) -> int:
+        """How many of ``blocks``, from the first, sit on durable tiers in this store's index
+        (as ``KVStore.durable_tokens`` counts, without walking the keys again)."""
+        n = 0
+        for b in blocks:
+            if b.entry is None or b.tier not in self._core.durable_tiers:
+                break
+            n += 1
+        return n
 
     # -- reads ----------------------------------------------------------------------------
 
     def current_entry(self, key: BlockHash, namespaces: frozenset[str] | None) -> IndexEntry | None:
         """``key``'s entry if its namespace is one of ``namespaces`` (None: any); else None."""
+        key = check_key(key)
         entry = self._core.entry(key)
         if entry is None or (namespaces is not None and entry.namespace not in namespaces):
             return None
@@ -106,6 +121,7 @@ class Frames:
         where another node may have put it (its entry then comes from the frame).
         Counted as a read.
         """
+        key = check_key(key)
         for _ in range(2):
             entry = self.current_entry(key, namespaces)
             if entry is None:
@@ -133,6 +149,7 @@ class Frames:
         the per-tier read counts, for reads whose tokens no get counted (another protocol's).
         ``reader`` must not return None, which means "moved meanwhile: look again" here.
         """
+        key = check_key(key)
         entry = None
         for _ in range(2):  # a block that moved between the index read and the tier read: once more
             last, entry = entry, self.current_entry(key, namespaces)
@@ -175,6 +192,7 @@ class Frames:
     def block_entry(self, key: BlockHash, namespaces: frozenset[str] | None) -> IndexEntry | None:
         """What ``read`` would serve, without counting a read: the index entry, or one made from
         the shared tier's frame."""
+        key = check_key(key)
         entry = self.current_entry(key, namespaces)
         if entry is not None:
             return entry
@@ -215,6 +233,8 @@ class Frames:
             InvalidInput: its namespace is not ``namespace``.
             TierFull: no tier has room. TierError: every tier with room failed.
         """
+        self._check_open()
+        key = check_key(key)
         probe = entry_from_frame(key, "", frame, self._core.clock())
         if probe.namespace != namespace:
             raise InvalidInput(f"frame metadata namespace {probe.namespace!r} is not the request's {namespace!r}")
@@ -265,6 +285,8 @@ class Frames:
             FrameError, InvalidInput: the frame is not a kvstore frame of ``namespace``.
             TierFull: no tier has room. TierError: the tier failed.
         """
+        self._check_open()
+        key = check_key(key)
         written = _Written()
 
         def write(tier: Tier) -> IndexEntry:

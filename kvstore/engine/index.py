@@ -54,7 +54,8 @@ class Index:
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[bytes, IndexEntry] = {}
-        self._busy: set[bytes] = set()
+        self._busy: dict[bytes, int] = {}
+        """Claimed keys -> the claiming thread: ``add`` and ``remove`` check the caller holds it."""
         self._frame_bytes = 0
         self._raw_bytes = 0
         self._reads: dict[str, int] = {}
@@ -89,8 +90,9 @@ class Index:
     # -- writes ---------------------------------------------------------------
 
     def add(self, entry: IndexEntry) -> IndexEntry | None:
-        """Publish ``entry``; returns the entry it replaced, if any."""
+        """Publish ``entry`` (under its key's claim); returns the entry it replaced, if any."""
         with self._cond:
+            self._check_claim(entry.key)
             old = self._entries.get(entry.key)
             if old is not None:
                 self._frame_bytes -= old.size
@@ -101,8 +103,9 @@ class Index:
             return old
 
     def remove(self, key: BlockHash, expected: IndexEntry | None = None) -> IndexEntry | None:
-        """Unpublish ``key``. With ``expected``, only if that very entry is still current."""
+        """Unpublish ``key`` (under its claim). With ``expected``, only if that very entry is still current."""
         with self._cond:
+            self._check_claim(key)
             entry = self._entries.get(key)
             if entry is None or (expected is not None and entry is not expected):
                 return None
@@ -140,10 +143,18 @@ class Index:
         with self._cond:
             while key in self._busy:
                 self._cond.wait()
-            self._busy.add(key)
+            self._busy[key] = threading.get_ident()
         try:
             yield
         finally:
             with self._cond:
-                self._busy.discard(key)
+                del self._busy[key]
                 self._cond.notify_all()
+
+    def _check_claim(self, key: BlockHash) -> None:
+        # Called under the lock. Cheap (one dict read), and it turns "every index change runs
+        # under the key's claim" from a convention into a rule: a path that forgets the claim
+        # fails in every test that takes it, rather than racing a mover once in a million.
+        if self._busy.get(key) != threading.get_ident():
+            raise RuntimeError(f"index change to block {bytes(key).hex()[:16]}... without its claim "
+                               "(take EngineCore.claim(key) around it)")

@@ -31,7 +31,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvstore.engine.core import EngineCore, is_current
+from kvstore.engine.core import EngineCore
 from kvstore.errors import RetainQuotaExceeded, TierError
 from kvstore.keys import BlockHash
 from kvstore.engine.placement import PREFETCH_OWNER, MoveOrder
@@ -63,17 +63,14 @@ class Prefetcher:
     Args:
         core: the store's engine core.
         execute: the mover's ``execute`` (a move under the key's claim).
-        adopt: the shared tier's ``adopt`` (key, namespace, spec_fp) -> (entry, frame) | None, or None.
         hold_frac: at most this share of the top tier is held for prefetches at once.
         max_jobs: jobs waiting at most; past it the oldest is dropped.
     """
 
-    def __init__(self, core: EngineCore, execute: Callable[[MoveOrder], bool],
-                 adopt: Callable[[BlockHash, str, str], Any] | None, *, hold_frac: float = 0.25,
+    def __init__(self, core: EngineCore, execute: Callable[[MoveOrder], bool], *, hold_frac: float = 0.25,
                  max_jobs: int = 1024, log_size: int = 1000) -> None:
         self._core = core
         self._execute = execute
-        self._adopt = adopt
         self._hold_bytes = int(core.tiers[0].capacity_bytes * hold_frac)
         self._jobs: deque[Job] = deque()
         self._max_jobs = max_jobs
@@ -164,19 +161,12 @@ class Prefetcher:
         core = self._core
         top = core.tiers[0].name
         started = time.monotonic()
-        have: list[BlockHash] = []
         sources: Counter = Counter()
-        adopted = 0
-        for key in job.keys:
-            entry = core.entry(key)
-            if not is_current(entry, job.namespace, job.spec_fp):
-                got = self._adopt(key, job.namespace, job.spec_fp) if self._adopt is not None else None
-                if got is None or not is_current(got[0], job.namespace, job.spec_fp):
-                    break
-                entry = got[0]
-                adopted += 1
-            have.append(key)
-            sources[entry.tier] += 1
+        frames: dict[BlockHash, Any] = {}
+        found = core.current_prefix(job.keys, job.namespace, job.spec_fp, adopted=frames)
+        have = [e.key for e in found]
+        sources.update(e.tier for e in found)
+        adopted = len(frames)
         held = self._hold(have, job.hold_s) if job.hold_s > 0 and have else 0
         moved = failed = 0
         # Leased while the job runs: a block it promoted must not be the room the next one makes

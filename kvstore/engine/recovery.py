@@ -111,7 +111,8 @@ def recover(core: EngineCore) -> RecoveryReport:
                 log.warning("recovery: %s in %s is unreadable (%s); left alone", key.hex(), tier.name, exc)
                 report.unreadable += 1
                 continue
-            core.publish(entry, access=False, reason="recovered")
+            with core.claim(key):  # before the mover starts, but the index checks every change's claim
+                core.publish(entry, access=False, reason="recovered")
             report.entries += 1
     if report.entries or report.duplicates_removed or report.unreadable:
         log.info("recovery: %s", report)

@@ -22,52 +22,41 @@ copies to the shared tier ``kvstore.engine.shared``'s.
 from __future__ import annotations
 
 import logging
-import math
-import operator
 import time
+import operator
 from dataclasses import asdict, dataclass, field
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.config import Settings
-from kvstore.errors import (
-    FrameError,
-    InvalidInput,
-    InvalidKV,
-    StoreClosed,
-    TierError,
-    TierFull,
-)
+from kvstore.errors import FrameError, InvalidInput, InvalidKV, StoreClosed, TierError
 from kvstore.engine.core import EngineCore, StoreCounters, is_current
 from kvstore.engine.events import DEFAULT_CAPACITY, EventLog
-from kvstore.engine.index import IndexEntry
-from kvstore.memory.buffers import Scratch
-from kvstore.engine.heat import Scorer
-from kvstore.engine.placement import MoveOrder, PlacementConfig, PlacementManager, RoomHold, TierPolicy
-from kvstore.engine.mover import Mover
-from kvstore.engine.prefetch import HandoffLearner, Job, Prefetcher
 from kvstore.engine.frames import Frames, PrefixBlock
+from kvstore.engine.heat import Scorer
+from kvstore.engine.index import IndexEntry
+from kvstore.engine.locality import PREFETCH_HOLD_S, Locality, check_retention
+from kvstore.engine.mover import Mover
+from kvstore.engine.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
+from kvstore.engine.prefetch import HandoffLearner, Prefetcher
+from kvstore.engine.puts import Puts, check_finite
 from kvstore.engine.recovery import recover
 from kvstore.engine.reserved import Reservation, ReservedPuts
 from kvstore.engine.shared import SharedTier, WritePolicy, find_shared
-from kvstore.keys import BlockHash, block_hashes, block_meta, check_key, iter_block_hashes, normalize_tokens
+from kvstore.keys import BlockHash, block_hashes, check_key, iter_block_hashes, normalize_tokens
+from kvstore.memory.buffers import Scratch
 from kvstore.spec import KVSpec
-from kvstore.tier import FrameWriter, Tier, TierStats
+from kvstore.tier import Tier, TierStats
 
 __all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
 
 log = logging.getLogger("kvstore.engine.store")
-T = TypeVar("T")
 
 _KEY_OF = operator.attrgetter("key")
-
-PREFETCH_HOLD_S = 60.0
-"""How long a prefetched prefix is held for its reader by default (its first read ends the hold)."""
-
 
 @dataclass(slots=True)
 class StoreStats:
@@ -168,8 +157,6 @@ class KVStore:
         default = Codec.parse(codec)
         kinds = {t.name: _kind(t) for t in tiers}
         cold = {name for name, kind in kinds.items() if kind in COLD_KINDS}
-        self.durable_tiers = frozenset(t.name for t in tiers if t.durable)
-        """Names of the tiers whose acknowledged writes survive a crash (``Tier.durable``, as at start)."""
         # Hot tiers keep the store's codec; cold ones hold int8 unless told otherwise.
         codecs = {
             t.name: Codec.parse(overrides.get(t.name, Codec.INT8 if t.name in cold and default is Codec.RAW else default))
@@ -179,7 +166,7 @@ class KVStore:
         # by design: the top tier, or the next one (admission). A put that falls
         # through to a cold tier, and a demotion, keep such a block raw instead.
         # The scan costs 2 ms per 32 MiB; a raw top tier does not need it.
-        self._put_codecs_lossy = any(codecs[t.name] is not Codec.RAW for t in tiers[:2])
+        lossy = any(codecs[t.name] is not Codec.RAW for t in tiers[:2])
         policies = dict(tier_policies or {})
         unknown = sorted(set(policies) - set(names))
         if unknown:
@@ -191,24 +178,32 @@ class KVStore:
         self.clock: Callable[[], float] = time.time if clock is None else clock
         """The engine's wall clock: what ``created_s`` and ``last_access_s`` are readings of."""
         # One core owns the index; the mover, the shared tier and recovery get it explicitly.
-        self._core = core = EngineCore(tiers, codecs, self.placement, clock=self.clock,
+        self.core = core = EngineCore(tiers, codecs, self.placement, clock=self.clock,
                                        event_capacity=event_capacity)
+        self.durable_tiers = core.durable_tiers
+        """Names of the tiers whose acknowledged writes survive a crash (``Tier.durable``, as at start)."""
         policy = write_policy if isinstance(write_policy, WritePolicy) else WritePolicy(str(write_policy))
         shared = find_shared(tiers)
         self._shared = SharedTier(core, shared, policy) if shared is not None else None
         core.shared = self._shared
         self._mover = Mover(core, self._shared, on_move=self._moved)
-        self._frames = Frames(core, self._shared, self._take_room)
-        self._reserved = ReservedPuts(core, self._take_room, shared=self._shared is not None)
-        self._prefetcher = Prefetcher(core, self._mover.execute,
-                                      self._shared.adopt if self._shared is not None else None)
-        self._forced_warned: dict[str, float] = {}
-        self.handoffs = HandoffLearner(clock=self.placement.clock)
-        """Hand-offs learned per namespace from the agents' puts and reads (``kvstore.engine.prefetch``)."""
+        self._puts = Puts(core, self._shared, self._mover.execute, lossy=lossy)
+        self.frames = Frames(core, self._shared, self._puts.take_room)
+        """Frames by key: the block routes', shm handles' and lm:// reads and puts."""
+        self.reservations = ReservedPuts(core, self._puts.take_room, shared=self._shared is not None)
+        """Reserved puts: a co-located writer fills top-tier slots itself, then commits."""
+        self.prefetcher = Prefetcher(core, self._mover.execute)
+        """Background prefetches: ``idle`` (tests and benches wait on it), ``log``."""
+        self.events: EventLog = core.events
+        """Every block stored, moved, removed, and every clear, numbered (``kvstore.engine.events``)."""
         self.policy_for: Callable[[str], tuple[int | None, bool]] = lambda namespace: (None, True)
         """(policy version, whether learned hand-offs may be prefetched) for a namespace: the server
         points it at the planner's policies, so a canary that turns prefetch on is judged and
         rolled back like any policy."""
+        self.locality = Locality(core, self._shared, self.prefetcher, HandoffLearner(clock=self.placement.clock),
+                                 lambda namespace: self.policy_for(namespace))
+        """Prefetch, hand-offs and retention (``kvstore.engine.locality``); ``locality.handoffs``: the
+        hand-offs learned per namespace from the agents' puts and reads."""
         self.recovered = recover(core)
         if background:
             self._mover.start()
@@ -217,7 +212,7 @@ class KVStore:
 
     @property
     def tiers(self) -> list[Tier]:
-        return self._core.tiers
+        return self.core.tiers
 
     def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, namespace: str = "default", *,
                agent: str | None = None) -> int:
@@ -244,36 +239,15 @@ class KVStore:
         n_blocks = spec.full_blocks(len(toks))
         kv = spec.validate_kv(kv, min_tokens=n_blocks * spec.block_tokens)
         keys = block_hashes(spec, toks, namespace)
-        self._core.count(put_calls=1)
+        self.core.count(put_calls=1)
         if not keys:
             return 0
-        if self._put_codecs_lossy:  # a put writes where int8 is the codec: refuse before storing anything
-            _check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])
-        bt, spec_fp, now = spec.block_tokens, spec.fingerprint(), self._core.clock()
-        keep = self._core.events.keep_tokens  # only vLLM's event format carries token ids
-        heat_now = self.placement.clock()  # one reading for the whole chain: its blocks tie, depth decides
-        held: list[BlockHash] = []  # this call's blocks: making room must not push out the chain being written
-        try:
-            for i, key in enumerate(keys):
-                if is_current(self._core.entry(key), namespace, spec_fp):
-                    self._core.count(blocks_deduped=1)
-                    self.placement.accessed([key])  # a shared prefix written again is in use
-                    if self.placement.lease(key):
-                        held.append(key)
-                    continue
-                block = kv[:, :, :, i * bt : (i + 1) * bt]
-                if self._put_block(key, block, namespace, spec_fp, i, now, heat_now, held,
-                                   parent=keys[i - 1] if i else None,
-                                   tokens=toks[i * bt:(i + 1) * bt].astype("<u4").tobytes() if keep else None):
-                    self._core.count(blocks_written=1)
-                else:
-                    self._core.count(blocks_deduped=1)
-        finally:
-            for key in held:
-                self.placement.release(key)
+        if self._puts.lossy:  # a put writes where int8 is the codec: refuse before storing anything
+            check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])
+        self._puts.write_chain(keys, kv, toks, namespace, spec.fingerprint(), spec.block_tokens)
         if agent is not None:
-            self._wrote(keys, namespace, spec, agent)
-        return n_blocks * bt
+            self.locality.wrote(keys, namespace, spec, agent)
+        return n_blocks * spec.block_tokens
 
     def get_kv(self, spec: KVSpec, tokens: Any, namespace: str = "default", *,
                out: torch.Tensor | None = None, agent: str | None = None) -> tuple[torch.Tensor, int]:
@@ -301,39 +275,32 @@ class KVStore:
             if out.device.type != "cpu" or out.requires_grad:
                 # checked here: a decode refusing ``out`` must not look like a damaged frame
                 raise InvalidKV(f"out must be a CPU tensor without grad, got {out.device} grad={out.requires_grad}")
-        self._core.count(get_calls=1, tokens_requested=spec.full_blocks(len(toks)) * spec.block_tokens)
+        self.core.count(get_calls=1, tokens_requested=spec.full_blocks(len(toks)) * spec.block_tokens)
         spec_fp = spec.fingerprint()
-        found: list[tuple[BlockHash, IndexEntry]] = []
         adopted: dict[BlockHash, Any] = {}  # frames just read from the shared tier: not read twice
-        for key in iter_block_hashes(spec, toks, namespace):
-            entry = self._core.entry(key)
-            if not is_current(entry, namespace, spec_fp):
-                got = self._shared.adopt(key, namespace, spec_fp) if self._shared is not None else None
-                if got is None or not is_current(got[0], namespace, spec_fp):
-                    break
-                entry, frame = got
-                if frame is not None:
-                    adopted[key] = frame
-                    self._core.count(blocks_adopted=1)
-            found.append((key, entry))
+        found = self.core.current_prefix(iter_block_hashes(spec, toks, namespace), namespace, spec_fp,
+                                         adopted=adopted)
+        if adopted:
+            self.core.count(blocks_adopted=len(adopted))
         bt = spec.block_tokens
         given = out is not None
         out = out[:, :, :, : len(found) * bt] if given else spec.empty_kv(len(found) * bt)
         # One reused frame buffer per thread: a fresh buffer per block would page-fault
         # at a fraction of copy speed (see kvstore.memory.buffers).
-        scratch = _FRAMES.get(max((e.size for _, e in found), default=0))
+        scratch = _FRAMES.get(max((e.size for e in found), default=0))
         good = 0
-        for i, (key, entry) in enumerate(found):
+        for i, entry in enumerate(found):
+            key = entry.key
             part = out[:, :, :, i * bt : (i + 1) * bt]
             frame = adopted.pop(key, None)
-            if frame is None and self._core.tier(entry.tier).lends_frames:
+            if frame is None and self.core.tier(entry.tier).lends_frames:
                 # Decoded straight out of the slot, hashed on its first read only.
                 try:
-                    done = self._core.decode_into(entry, part)
+                    done = self.core.decode_into(entry, part)
                 except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
                     log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(),
                                 entry.tier, exc)
-                    self._core.drop(entry, corrupt=True)
+                    self.core.drop(entry, corrupt=True)
                     break
                 if done is not None:
                     good += 1
@@ -343,13 +310,13 @@ class KVStore:
                 n = len(memoryview(frame).cast("B"))
                 scratch[:n] = memoryview(frame).cast("B")
             else:
-                n = self._core.read_into(entry, scratch)
+                n = self.core.read_into(entry, scratch)
             if n is None:  # moved between our index read and the copy: look once more
-                again = self._core.entry(key)
+                again = self.core.entry(key)
                 if again is None or again is entry or not is_current(again, namespace, spec_fp):
                     break
                 entry = again
-                n = self._core.read_into(entry, scratch)
+                n = self.core.read_into(entry, scratch)
                 if n is None:
                     break
             try:
@@ -357,27 +324,22 @@ class KVStore:
                 codec_mod.decode(scratch[:n], out=part, expect_checksum=entry.checksum)
             except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
                 log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(), entry.tier, exc)
-                self._core.drop(entry, corrupt=True)
+                self.core.drop(entry, corrupt=True)
                 break
             good += 1
-        hits = [key for key, _ in found[:good]]
-        self._core.touch(hits)
+        hits = [e.key for e in found[:good]]
+        self.core.touch(hits)
         if agent is not None:
-            self.handoffs.read(hits, namespace, agent)
+            self.locality.handoffs.read(hits, namespace, agent)
         if self._shared is not None:
-            for entry in self._shared.after_hits([e for _, e in found[:good]]):
+            for entry in self._shared.after_hits(found[:good]):
                 self._shared.replicate(entry)
-        self._core.count(tokens_hit=good * bt)
+        self.core.count(tokens_hit=good * bt)
         if good * bt < out.shape[3]:
             out = out[:, :, :, : good * bt] if given else out[:, :, :, : good * bt].clone()
         return out, good * bt
 
     # -- two-phase puts (``kvstore.engine.reserved``) -------------------------------------------------
-
-    @property
-    def reservations(self) -> ReservedPuts:
-        """Reserved puts: a co-located writer fills top-tier slots itself, then commits."""
-        return self._reserved
 
     def reserve_put(self, spec: KVSpec, tokens: Any, namespace: str, *, owner: str,
                     pid: int | None = None) -> Reservation | None:
@@ -385,21 +347,18 @@ class KVStore:
         for all of them. ``ReservedPuts.reserve`` has the rest."""
         self._check_open()
         spec = _check_spec(spec)
-        return self._reserved.reserve(spec, normalize_tokens(tokens), namespace, owner, pid)
+        return self.reservations.reserve(spec, normalize_tokens(tokens), namespace, owner, pid)
 
     def commit_put(self, reservation: str, owner: str, checksums: list[int], *,
                    agent: str | None = None) -> tuple[int, int]:
         """Publish a reservation's frames: (tokens covered, KV bytes written). ``ReservedPuts.commit``
         has the rest; ``agent`` is the writer, for learning hand-offs."""
         self._check_open()
-        res = self._reserved.get(reservation) if agent is not None else None
-        done = self._reserved.commit(reservation, owner, checksums)
+        res = self.reservations.get(reservation) if agent is not None else None
+        done = self.reservations.commit(reservation, owner, checksums)
         if res is not None:
-            self._wrote(res.keys, res.namespace, res.spec, agent)
+            self.locality.wrote(res.keys, res.namespace, res.spec, agent)
         return done
-
-    def abort_put(self, reservation: str, owner: str) -> None:
-        self._reserved.abort(reservation, owner)
 
     def lookup(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
         """Tokens of the longest stored prefix of ``tokens``, from the index alone.
@@ -409,14 +368,9 @@ class KVStore:
         """
         self._check_open()
         spec = _check_spec(spec)
-        self._core.count(lookup_calls=1)
-        spec_fp = spec.fingerprint()
+        self.core.count(lookup_calls=1)
         keys = block_hashes(spec, tokens, namespace)
-        n = 0
-        for key in keys:
-            if not is_current(self._core.entry(key), namespace, spec_fp):
-                break
-            n += 1
+        n = len(self.core.current_prefix(keys, namespace, spec.fingerprint()))
         if n < len(keys) and self._shared is not None:  # other nodes may have stored the rest
             n += self._shared.count_prefix(keys[n:])
         return n * spec.block_tokens
@@ -436,13 +390,8 @@ class KVStore:
         """
         self._check_open()
         spec = _check_spec(spec)
-        spec_fp = spec.fingerprint()
-        n = 0
-        for key in block_hashes(spec, tokens, namespace):
-            entry = self._core.entry(key)
-            if not is_current(entry, namespace, spec_fp) or entry.tier not in self.durable_tiers:
-                break
-            n += 1
+        n = len(self.core.current_prefix(iter_block_hashes(spec, tokens, namespace), namespace,
+                                         spec.fingerprint(), tiers=self.core.durable_tiers))
         return n * spec.block_tokens
 
     def delete(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
@@ -456,8 +405,8 @@ class KVStore:
         spec_fp = spec.fingerprint()
         removed = 0
         for key in block_hashes(spec, tokens, namespace):
-            if is_current(self._core.entry(key), namespace, spec_fp):
-                removed += self._core.delete_key(key)
+            if is_current(self.core.entry(key), namespace, spec_fp):
+                removed += self.core.delete_key(key)
         return removed
 
     def delete_blocks(self, keys: Sequence[BlockHash], *, reason: str = "deleted") -> int:
@@ -467,102 +416,17 @@ class KVStore:
             checked = [check_key(key) for key in keys]  # all or nothing: validate before deleting
         except TypeError as exc:
             raise InvalidInput(f"keys must be a list of 32-byte block keys: {exc}") from exc
-        return sum(self._core.delete_key(key, reason=reason) for key in checked)
-
-    def codec_of(self, tier: str) -> Codec:
-        """The codec new frames get in ``tier`` (cold tiers default to int8).
-
-        Raises:
-            InvalidInput: an unknown tier.
-        """
-        self._core.tier(tier)
-        return self._core.codec_of(tier)
+        return sum(self.core.delete_key(key, reason=reason) for key in checked)
 
     def entry(self, key: BlockHash) -> IndexEntry | None:
         """The index entry of ``key`` (a live object: read, do not change)."""
-        return self._core.entry(check_key(key))
-
-    def entries_of(self, keys: Sequence[BlockHash]) -> list[IndexEntry | None]:
-        """``entry`` for each key, read in one pass over the index."""
-        return self._core.entries_of([check_key(key) for key in keys])
+        return self.core.entry(check_key(key))
 
     def entries(self) -> list[IndexEntry]:
         """Copies of every index entry."""
-        return self._core.snapshot()
+        return self.core.snapshot()
 
     # -- for services that read and write frames themselves ---------------------------
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
-    def touch(self, keys: Sequence[BlockHash], counts: Sequence[int] | None = None, *, tally: bool = True) -> None:
-        """Count reads that bypassed ``get_kv`` (a co-located client, a block route) as accesses.
-
-        Args:
-            counts: reads of each key (default one each).
-            tally: count them in ``reads_by_tier`` too; False for reads whose tokens no get counted
-                (another protocol's), which would otherwise skew the per-tier hit ratio.
-        """
-        keys = list(keys)
-        if counts is not None and len(counts) != len(keys):
-            raise InvalidInput(f"touch: {len(counts)} counts for {len(keys)} keys")
-        self._core.touch(keys, counts, tally=tally)
-
-    def drop_entry(self, entry: IndexEntry, *, corrupt: bool) -> None:
-        """Unpublish a block a reader outside ``get_kv`` found damaged (``corrupt``: its frame is
-        deleted, counted in ``corrupt_blocks``) or gone from its tier (``stale_blocks``), as
-        ``get_kv`` does with its own; a block rewritten meanwhile is left alone."""
-        self._core.drop(entry, corrupt=corrupt)
-
-    def count_lookup(self) -> None:
-        """Count a lookup a service answered from its own index walk."""
-        self._core.count(lookup_calls=1)
-
-    def count_get(self, tokens_requested: int, tokens_hit: int, calls: int = 1) -> None:
-        """Count gets a service served without ``get_kv`` (e.g. through shm handles)."""
-        self._core.count(get_calls=calls, tokens_requested=tokens_requested, tokens_hit=tokens_hit)
-
-    def put_frame(self, key: BlockHash, frame: Any, namespace: str, *, make_room: bool = False) -> IndexEntry:
-        """Store an already encoded frame under ``key`` (``kvstore.engine.frames.Frames.put``).
-
-        Raises:
-            FrameError: the frame does not verify or has no kvstore metadata.
-            InvalidInput: its namespace is not ``namespace``.
-            TierFull: no tier has room. TierError: every tier with room failed.
-        """
-        self._check_open()
-        return self._frames.put(check_key(key), frame, namespace, make_room=make_room)
-
-    def put_frame_with(self, key: BlockHash, namespace: str, size: int, writer: FrameWriter, *,
-                       make_room: bool = False) -> IndexEntry:
-        """Store a frame that ``writer`` writes in place (``kvstore.engine.frames.Frames.put_with``).
-
-        Raises:
-            whatever ``writer`` raises: nothing is stored.
-            FrameError, InvalidInput: the frame is not a kvstore frame of ``namespace``.
-            TierFull: no tier has room. TierError: the tier failed.
-        """
-        self._check_open()
-        return self._frames.put_with(check_key(key), namespace, size, writer, make_room=make_room)
-
-    def read_frame(self, key: BlockHash, namespaces: frozenset[str] | None) -> tuple[Any, IndexEntry] | None:
-        """``key``'s frame and entry, a read counted (``kvstore.engine.frames.Frames.read``)."""
-        return self._frames.read(check_key(key), namespaces)
-
-    def read_frame_with(self, key: BlockHash, namespaces: frozenset[str] | None,
-                        reader: Callable[[memoryview, Any, IndexEntry], T], *, tally: bool = True) -> T | None:
-        """``reader`` over ``key``'s verified frame, lent in place (``kvstore.engine.frames.Frames.read_with``)."""
-        return self._frames.read_with(check_key(key), namespaces, reader, tally=tally)
-
-    def block_entry(self, key: BlockHash, namespaces: frozenset[str] | None) -> IndexEntry | None:
-        """What ``read_frame`` would serve, without counting a read."""
-        return self._frames.block_entry(check_key(key), namespaces)
-
-    def current_entry(self, key: BlockHash, namespaces: frozenset[str] | None) -> IndexEntry | None:
-        """``key``'s entry if its namespace is one of ``namespaces`` (None: any); a block of
-        another namespace is reported exactly like an absent one."""
-        return self._frames.current_entry(check_key(key), namespaces)
 
     def prefix_blocks(self, spec: KVSpec, tokens: Any, namespace: str, *,
                       agent: str | None = None) -> list[PrefixBlock]:
@@ -572,45 +436,16 @@ class KVStore:
         spec = _check_spec(spec)
         toks = normalize_tokens(tokens)
         keys = block_hashes(spec, toks, namespace)
-        found = self._frames.local_prefix(keys, namespace, spec.fingerprint())
+        found = self.frames.local_prefix(keys, namespace, spec.fingerprint())
         if agent is not None and found:
-            self.handoffs.read(found, namespace, agent, key=_KEY_OF)
+            self.locality.handoffs.read(found, namespace, agent, key=_KEY_OF)
         if len(found) == len(keys):
-            self._core.count(lookup_calls=1)
+            self.core.count(lookup_calls=1)
             return found
         n = self.lookup(spec, toks, namespace) // spec.block_tokens  # counts the call
-        return self._frames.extend_prefix(found, keys[:n], namespace, spec.fingerprint())
-
-    def durable_blocks(self, blocks: Sequence[PrefixBlock]) -> int:
-        """How many of ``blocks``, from the first, sit on durable tiers in this store's index
-        (as ``durable_tokens`` counts, without walking the keys again)."""
-        n = 0
-        for b in blocks:
-            if b.entry is None or b.tier not in self.durable_tiers:
-                break
-            n += 1
-        return n
-
-    @property
-    def shared_tier(self) -> Tier | None:
-        """The tier other stores write to (Redis), where this store's index may be behind."""
-        return self._frames.shared_tier
-
-    def tier_named(self, name: str) -> Tier | None:
-        """The tier called ``name``, or None."""
-        return self._core.tier(name) if self._core.has_tier(name) else None
+        return self.frames.extend_prefix(found, keys[:n], namespace, spec.fingerprint())
 
     # -- events (``kvstore.engine.events``) -------------------------------------------------------
-
-    @property
-    def events(self) -> EventLog:
-        """Every block stored, moved, removed, and every clear, numbered."""
-        return self._core.events
-
-    def events_snapshot(self, namespaces: frozenset[str] | None = None) -> tuple[int, list[IndexEntry]]:
-        """(the event number the copy is valid at, copies of the entries of ``namespaces`` (None: all)).
-        Replaying the events after that number onto the copy gives the index."""
-        return self._core.events_snapshot(namespaces)
 
     # -- locality: prefetch, hand-off, retention (``kvstore.engine.prefetch``, placement rule 5) ----------
 
@@ -636,25 +471,8 @@ class KVStore:
         """
         self._check_open()
         spec = _check_spec(spec)
-        toks = normalize_tokens(tokens)
-        keys = block_hashes(spec, toks, namespace)
-        spec_fp = spec.fingerprint()
-        n = len(self._core.current_prefix(keys, namespace, spec_fp))
-        if n < len(keys) and self._shared is not None:
-            n += self._shared.count_prefix(keys[n:])
-        if n:
-            self._prefetcher.submit(Job(keys[:n], namespace, spec_fp, trigger, reason, hold_s=hold_s,
-                                        policy_version=self.policy_for(namespace)[0],
-                                        block_tokens=spec.block_tokens))
-        return n * spec.block_tokens
-
-    def prefetch_idle(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued prefetch is done (tests and benches); False on timeout."""
-        return self._prefetcher.idle(timeout_s)
-
-    def prefetch_log(self, limit: int = 100) -> list[dict[str, Any]]:
-        """The latest prefetch decisions, newest last: trigger, reason, source tiers, what moved."""
-        return self._prefetcher.log(limit)
+        keys = block_hashes(spec, normalize_tokens(tokens), namespace)
+        return self.locality.prefetch(spec, keys, namespace, reason=reason, trigger=trigger, hold_s=hold_s)
 
     def retain(self, spec: KVSpec, tokens: Any, namespace: str = "default", *, ttl_s: float,
                priority: int = 0, owner: str | None = None, quota_bytes: int | None = None) -> dict[str, Any]:
@@ -677,21 +495,10 @@ class KVStore:
             InvalidInput: ``ttl_s`` not in (0, 86400] or ``priority`` not an int in 0..9.
             RetainQuotaExceeded: over ``quota_bytes``; nothing new is retained.
         """
-        _check_retention(ttl_s, priority)
-        owner = namespace if owner is None else owner
+        check_retention(ttl_s, priority)
         keys = self._current_keys(spec, tokens, namespace)
-        n, nbytes, total = self.placement.retain(keys, float(ttl_s), owner=owner, priority=priority,
-                                                 quota_bytes=quota_bytes)
-        spec = _check_spec(spec)
-        top = self._core.tiers[0].name
-        below = [k for k in keys if (e := self._core.entry(k)) is not None and e.tier != top]
-        if below:  # the mover would promote them too, but only at its next round and within its budget
-            self._prefetcher.submit(Job(keys, namespace, spec.fingerprint(), "retain",
-                                        f"retained by {owner!r} for {ttl_s:g} s",
-                                        policy_version=self.policy_for(namespace)[0],
-                                        block_tokens=spec.block_tokens))
-        return {"tokens": n * spec.block_tokens, "blocks": n, "bytes": nbytes, "expires_in_s": float(ttl_s),
-                "priority": priority, "owner": owner, "retained_bytes": total, "quota_bytes": quota_bytes}
+        return self.locality.retain(spec, keys, namespace, ttl_s=ttl_s, priority=priority,
+                                    owner=namespace if owner is None else owner, quota_bytes=quota_bytes)
 
     def release(self, spec: KVSpec, tokens: Any, namespace: str = "default", *, owner: str | None = None) -> int:
         """End the retention of the stored prefix of ``tokens`` (only ``owner``'s, when given);
@@ -721,53 +528,9 @@ class KVStore:
         """
         if not isinstance(to, str) or not to or len(to) > 256:
             raise InvalidInput(f"to must be 'here', 'shared' or a node name (at most 256 characters), got {to!r}")
-        spec = _check_spec(spec)
         keys = self._current_keys(spec, tokens, namespace)
-        out = {"tokens": len(keys) * spec.block_tokens, "blocks": len(keys), "held": 0, "shared": 0, "to": to}
-        if to == "here":
-            ttl = 120.0 if ttl_s is None else ttl_s
-            _check_retention(ttl, 0)
-            out["held"] = self.placement.retain(keys, float(ttl), owner=namespace if owner is None else owner,
-                                                quota_bytes=quota_bytes)[0]
-            return out
-        if self._shared is None:
-            raise InvalidInput(f"a hand-off to {to!r} needs a shared tier (KVSTORE_REDIS_URL) that both nodes "
-                               "use; this store has none")
-        shared = 0
-        for key in keys:
-            entry = self._core.entry(key)
-            if entry is None:
-                break
-            if entry.tier == self._shared.name or self._shared.replica(key) is not None \
-                    or self._shared.replicate(entry):
-                shared += 1
-        out["shared"] = shared
-        return out
-
-    def retention_of(self, key: BlockHash) -> dict[str, Any] | None:
-        """``key``'s retention (owner, priority, expires_in_s), or None."""
-        return self.placement.retention(check_key(key))
-
-    def retained_bytes(self) -> dict[str, int]:
-        """Bytes each owner retains now."""
-        return self.placement.retained_bytes()
-
-    def _wrote(self, keys: Sequence[BlockHash], namespace: str, spec: KVSpec, agent: str) -> None:
-        """An agent stored ``keys``: remember it for hand-off learning, and when this namespace has
-        shown hand-offs (and its policy lets it), hold the chain in the top tier for its reader."""
-        self.handoffs.wrote(keys, namespace, agent)
-        learned = self.handoffs.pattern(namespace)
-        if learned is None or not keys:
-            return
-        version, allowed = self.policy_for(namespace)
-        if not allowed:
-            return
-        count, gap = learned
-        hold = min(600.0, max(10.0, 2 * gap))
-        self._prefetcher.submit(Job(list(keys), namespace, spec.fingerprint(), "hand-off",
-                                    f"{namespace!r} showed {count} hand-offs in {self.handoffs.window_s:g} s "
-                                    f"(median gap {gap:.1f} s): held {hold:.0f} s for the next agent",
-                                    hold_s=hold, policy_version=version, block_tokens=spec.block_tokens))
+        return self.locality.handoff(spec, keys, namespace, to=to, ttl_s=ttl_s, owner=owner,
+                                     quota_bytes=quota_bytes)
 
     # -- placement ------------------------------------------------------------------
 
@@ -801,7 +564,7 @@ class KVStore:
 
     def explain(self, key: BlockHash) -> dict[str, Any] | None:
         """Where a block is, what it is, how hot, its pins and its last moves; None if absent."""
-        entry = self._core.entry(check_key(key))
+        entry = self.core.entry(check_key(key))
         if entry is None:
             return None
         info = self.placement.explain(key) or {}
@@ -817,8 +580,8 @@ class KVStore:
             InvalidInput: an unknown tier.
         """
         self._check_open()
-        self._core.tier(tier)  # InvalidInput naming the tiers when there is no such tier
-        entry = self._core.entry(check_key(key))
+        self.core.tier(tier)  # InvalidInput naming the tiers when there is no such tier
+        entry = self.core.entry(check_key(key))
         if entry is None or entry.tier == tier:
             return False
         return self._mover.execute(MoveOrder(key, entry.tier, tier, entry.size, reason))
@@ -836,104 +599,38 @@ class KVStore:
     def _current_keys(self, spec: KVSpec, tokens: Any, namespace: str) -> list[BlockHash]:
         self._check_open()
         spec = _check_spec(spec)
-        spec_fp = spec.fingerprint()
-        keys = []
-        for key in iter_block_hashes(spec, tokens, namespace):
-            if not is_current(self._core.entry(key), namespace, spec_fp):
-                break
-            keys.append(key)
-        return keys
-
-    def _put_block(self, key: BlockHash, block: torch.Tensor, namespace: str, spec_fp: str, depth: int,
-                   now: float, heat_now: float, held: list[BlockHash], *, parent: BlockHash | None,
-                   tokens: bytes | None) -> bool:
-        """Write one block of a put where admission places it, with room made there; False if
-        another put wrote it meanwhile. A written block is leased and added to ``held`` (making
-        room for the rest of its chain must not push it out).
-
-        A write the tier refuses although room was made and held (a reader still holds a range
-        it freed, or its disk is fuller than its capacity says) is tried once more, with room
-        forced.
-        """
-        top = self._core.tiers[0]
-        size = codec_mod.frame_size(block.shape, block.dtype, self._core.codec_of(top.name), meta_len=_META_BUDGET)
-        for force in (False, True):
-            with self._take_room(size, force=force) as room:  # outside any claim: it moves other keys
-                with self._core.claim(key):
-                    if is_current(self._core.entry(key), namespace, spec_fp):  # written while we waited
-                        return False
-                    try:
-                        entry = self._write(key, block, namespace, spec_fp, depth, now,
-                                            stored_tokens=depth * block.shape[3], first=room.tier)
-                    except TierFull:
-                        if force:
-                            raise
-                        continue
-                    self._core.publish(entry, now=heat_now, parent=parent, tokens=tokens)
-                    if self._shared is not None:
-                        self._shared.after_put(entry, block, block_meta(namespace, spec_fp, depth))
-                    if self.placement.lease(key):
-                        held.append(key)
-                    return True
-        raise AssertionError("unreachable: the forced try returns or raises")
-
-    def _take_room(self, size: int, *, force: bool = False) -> RoomHold:
-        """Room for a new frame of ``size`` bytes in the tier admission picks, made now (colder
-        entries demoted or evicted) and held until the hold is released, after the write."""
-        target = self.placement.place_new(size)
-        if force:
-            self._room_forced(target)
-        room = self.placement.hold_room(target, size, force=force)
-        try:
-            for order in room.orders:
-                self._mover.execute(order)
-        except BaseException:
-            room.release()
-            raise
-        return room
-
-    def _room_forced(self, tier: str) -> None:
-        self._core.count(room_forced=1)
-        now = time.monotonic()
-        if now - self._forced_warned.get(tier, -math.inf) >= 60:  # at most once a minute per tier
-            self._forced_warned[tier] = now
-            log.warning("tier %s refused a write although placement had made room (a reader holds a freed "
-                        "range, or its disk holds less than its capacity): freeing room by force; "
-                        "counter room_forced", tier)
+        found = self.core.current_prefix(iter_block_hashes(spec, tokens, namespace), namespace, spec.fingerprint())
+        return [e.key for e in found]
 
     def _moved(self, order: MoveOrder, new_size: int) -> None:
-        self._core.count(**{f"blocks_{order.reason.split(':', 1)[0]}": 1})
+        self.core.count(**{f"blocks_{order.reason.split(':', 1)[0]}": 1})
 
     def stats(self) -> StoreStats:
-        blocks, frame_bytes, raw_bytes = self._core.totals()
-        counters = self._core.counters()
+        blocks, frame_bytes, raw_bytes = self.core.totals()
+        counters = self.core.counters()
         return StoreStats(
             blocks=blocks,
             frame_bytes=frame_bytes,
             raw_bytes=raw_bytes,
             codec_bytes_saved=raw_bytes - frame_bytes,
             counters=counters,
-            tiers=[t.stats() for t in self._core.tiers],
+            tiers=[t.stats() for t in self.core.tiers],
             moves=self.placement.counters(),
             heat=self.placement.scorer_state(),
             shared=self._shared.stats() if self._shared is not None else {},
-            reads_by_tier=self._core.reads_by_tier(),
+            reads_by_tier=self.core.reads_by_tier(),
         )
-
-    def read_counters(self) -> tuple[StoreCounters, dict[str, int]]:
-        """The counters and block reads by tier, without asking any tier (cheap: for sampling)."""
-        return self._core.counters(), self._core.reads_by_tier()
 
     def close(self) -> None:
         """Close every tier. Idempotent; the store refuses calls afterwards."""
-        if self._core.closed:
+        if self.core.closed:
             return
-        self._prefetcher.close()
+        self.prefetcher.close()
         self._mover.stop()  # no move may start against tiers that are closing
-        self._reserved.close()
-        self._core.closed = True
-        self._core.clear()
-        for tier in self._core.tiers:
+        self.reservations.close()
+        self.core.closed = True
+        self.core.clear()
+        for tier in self.core.tiers:
             try:
                 tier.close()
             except TierError as exc:  # close the rest regardless
@@ -947,50 +644,8 @@ class KVStore:
 
     # -- internals --------------------------------------------------------------
 
-    def _write(
-        self, key: BlockHash, block: torch.Tensor, namespace: str, spec_fp: str, depth: int,
-        now: float, *, stored_tokens: int, first: int = 0,
-    ) -> IndexEntry:
-        """Encode ``block`` straight into the first tier with room, from tier ``first`` down.
-
-        Runs under ``claim(key)``.
-        """
-        meta = block_meta(namespace, spec_fp, depth)
-        failure: TierError | None = None
-        for tier in self._core.tiers[first:]:
-            codec = self._core.codec_of(tier.name)
-            try:
-                try:
-                    n, header = _encode_into_tier(tier, key, block, codec, meta)
-                except InvalidKV:
-                    if codec is Codec.RAW or self._put_codecs_lossy:
-                        raise
-                    # int8 cannot hold it (NaN or Inf): keep it exact, as a demotion would
-                    n, header = _encode_into_tier(tier, key, block, Codec.RAW, meta)
-                    self._core.count(blocks_kept_raw=1)
-            except TierFull as exc:
-                failure = failure or exc
-                continue
-            except TierError as exc:  # down or failing: degrade to the next tier
-                self._core.count(tier_errors=1)
-                log.warning("tier %s failed a put (%s); trying the next tier", tier.name, exc)
-                failure = exc if failure is None or isinstance(failure, TierFull) else failure
-                continue
-            return IndexEntry(
-                key=key, tier=tier.name, size=n, codec=header.codec, checksum=header.body_checksum,
-                raw_bytes=header.raw_nbytes, namespace=namespace, spec_fp=spec_fp, depth=depth,
-                created_s=now, last_access_s=now,
-            )
-        if isinstance(failure, TierFull) or failure is None:
-            raise TierFull(
-                f"no tier has room for a block ({', '.join(self._core.tier_names)} are full); "
-                f"{stored_tokens} tokens are stored",
-                stored_tokens=stored_tokens,
-            ) from failure
-        raise failure
-
     def _check_open(self) -> None:
-        if self._core.closed:
+        if self.core.closed:
             raise StoreClosed("the store is closed")
 
 
@@ -1036,51 +691,14 @@ def _frame_buffer(n: int) -> memoryview:
 _FRAMES = Scratch(_frame_buffer, len, grow=2.0)
 
 
-MAX_RETAIN_S = 86400.0
-"""The longest retention the engine takes (a day); a server may allow less."""
-
-
-def _check_retention(ttl_s: Any, priority: Any) -> None:
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_RETAIN_S:
-        raise InvalidInput(f"ttl_s must be a number of seconds in (0, {MAX_RETAIN_S:g}], got {ttl_s!r}")
-    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
-        raise InvalidInput(f"priority must be an int in 0..9, got {priority!r}")
-
-
 def _check_spec(spec: Any) -> KVSpec:
     if not isinstance(spec, KVSpec):
         raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
     return spec
 
 
-def _encode_into_tier(tier: Tier, key: BlockHash, block: torch.Tensor, codec: Codec,
-                      meta: bytes) -> tuple[int, codec_mod.FrameHeader]:
-    """Encode ``block`` in ``codec`` straight into ``tier``'s slot for ``key``: (frame bytes, its header)."""
-    headers: list[codec_mod.FrameHeader] = []
-
-    def writer(view: memoryview) -> int:
-        n = codec_mod.encode_into(block, view, codec, meta=meta)
-        headers.append(codec_mod.read_header(view[:n]))
-        return n
-
-    n = tier.put_with(key, codec_mod.frame_size(block.shape, block.dtype, codec, meta_len=len(meta)), writer)
-    return n, headers[-1]
-
-
-def _check_finite(kv: torch.Tensor) -> None:
-    # aminmax propagates NaN and Inf and runs ~20x faster than isfinite().all() on fp16
-    # (13 ms against 265 ms for 128 MiB here): a tenth of the int8 encode it protects.
-    if kv.numel() == 0:
-        return
-    lo, hi = torch.aminmax(kv)
-    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
-        raise InvalidKV("kv holds NaN or Inf values; the int8 codec cannot store them (nothing was stored)")
-
-
 COLD_KINDS = ("nvme", "redis")
 """Tier kinds whose frames are int8 by default: slow media, where halving bytes pays."""
-
-_META_BUDGET = 256  # bytes reserved for frame metadata when sizing a block ahead of encoding
 
 
 def _kind(tier: Tier) -> str:

@@ -58,14 +58,14 @@ def test_quota_exceeded_comes_back_as_its_own_class(srv, spec):
     assert isinstance(err.value, QuotaExceeded) and err.value.status == 507
     assert err.value.quota_bytes == SHM_BYTES // 4 and err.value.retained_bytes == 0
     assert "KVSTORE_RETAIN_QUOTA_BYTES" in str(err.value)
-    assert srv.store.retained_bytes() == {}
+    assert srv.store.placement.retained_bytes() == {}
 
 
 def test_put_kv_with_a_handoff_places_the_blocks_after_the_put(srv, spec):
     tokens = list(range(48))
     with KVClient(srv.url, token=ACME, namespace="acme", retries=0) as c:
         assert c.put_kv(spec, tokens, make_kv(spec, 48), handoff="here") == 48
-        assert all(srv.store.retention_of(k)["owner"] == "acme" for k in block_hashes(spec, tokens, "acme"))
+        assert all(srv.store.placement.retention(k)["owner"] == "acme" for k in block_hashes(spec, tokens, "acme"))
         with pytest.raises(InvalidInput, match="wait=True"):
             c.put_kv(spec, list(range(500, 548)), make_kv(spec, 48), handoff="here", wait=False)
         with pytest.raises(InvalidInput):  # the put is made first; the hand-off then says why it failed
@@ -86,7 +86,7 @@ def test_another_tenants_namespace_is_forbidden_from_the_sdk(srv, spec):
                      lambda: c.release(spec, tokens), lambda: c.handoff(spec, tokens)):
             with pytest.raises(Forbidden):
                 call()
-    assert srv.store.retained_bytes() == {}
+    assert srv.store.placement.retained_bytes() == {}
 
 
 def test_async_client_has_the_same_calls(srv, spec):
@@ -108,5 +108,5 @@ def test_async_client_has_the_same_calls(srv, spec):
                 await c.retain(spec, long, 60)
 
     asyncio.run(main())
-    expires = srv.store.retention_of(block_hashes(spec, tokens, "acme")[0])["expires_in_s"]
+    expires = srv.store.placement.retention(block_hashes(spec, tokens, "acme")[0])["expires_in_s"]
     assert 0 < expires <= 15

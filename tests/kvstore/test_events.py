@@ -91,7 +91,7 @@ def test_snapshot_plus_events_is_exact_under_concurrent_churn():
         t.start()
     snaps = []
     for _ in range(5):
-        seq, entries = store.events_snapshot()
+        seq, entries = store.core.events_snapshot()
         snaps.append((seq, {e.key: e.tier for e in entries}))
         threading.Event().wait(0.05)
     stop.set()
@@ -106,7 +106,7 @@ def test_snapshot_plus_events_is_exact_under_concurrent_churn():
         assert replay(dict(blocks), events) == final
     kinds = {e.kind for e in store.events.read(0, 1_000_000)[0]}
     assert {"stored", "moved", "removed"} <= kinds  # the churn did move and remove blocks
-    ns_seq, ns_entries = store.events_snapshot(frozenset({"ns1"}))
+    ns_seq, ns_entries = store.core.events_snapshot(frozenset({"ns1"}))
     assert {e.namespace for e in ns_entries} <= {"ns1"}
     store.close()
     assert store.events.read(store.events.last_seq - 1)[0][-1].kind == "cleared"

@@ -38,9 +38,9 @@ def test_prefetch_brings_a_sunk_prefix_to_shm_and_logs_why(spec, tmp_path):
             assert store.migrate(key, "nvme")
         assert set(tiers_of(store, spec, toks, "a")) == {"nvme"}
         assert store.prefetch(spec, toks + [1, 2, 3], "a") == 64
-        assert store.prefetch_idle()
+        assert store.prefetcher.idle()
         assert set(tiers_of(store, spec, toks, "a")) == {"shm"}
-        record = store.prefetch_log()[-1]
+        record = store.prefetcher.log()[-1]
         assert record["trigger"] == "requested" and record["from"] == {"nvme": 4} and record["moved"] == 4
         why = store.explain(store._current_keys(spec, toks, "a")[0])["moves"][-1]["reason"]
         assert why.startswith("promoted: prefetched (requested)")
@@ -63,7 +63,7 @@ def test_retention_survives_churn_that_evicts_everything_else(spec, tmp_path):
         assert info["retained"]["owner"] == "tenant-a" and info["retained"]["priority"] == 2
         assert store.release(spec, convo, "a", owner="someone-else") == 0
         assert store.release(spec, convo, "a", owner="tenant-a") == 4
-        assert store.retention_of(store._current_keys(spec, convo, "a")[0]) is None
+        assert store.placement.retention(store._current_keys(spec, convo, "a")[0]) is None
 
 
 def test_retention_expires_by_the_clock(spec, tmp_path):
@@ -72,10 +72,10 @@ def test_retention_expires_by_the_clock(spec, tmp_path):
         convo = list(range(32))
         store.put_kv(spec, convo, make_kv(spec, 32), "a")
         store.retain(spec, convo, "a", ttl_s=30)
-        assert store.retained_bytes() == {"a": store.retain(spec, convo, "a", ttl_s=30)["bytes"]}
+        assert store.placement.retained_bytes() == {"a": store.retain(spec, convo, "a", ttl_s=30)["bytes"]}
         clock.advance(31)
-        assert store.retention_of(store._current_keys(spec, convo, "a")[0]) is None
-        assert store.retained_bytes() == {}
+        assert store.placement.retention(store._current_keys(spec, convo, "a")[0]) is None
+        assert store.placement.retained_bytes() == {}
 
 
 def test_quota_is_per_owner_and_named(spec, tmp_path):
@@ -87,7 +87,7 @@ def test_quota_is_per_owner_and_named(spec, tmp_path):
         with pytest.raises(RetainQuotaExceeded, match="KVSTORE_RETAIN_QUOTA_BYTES") as err:
             store.retain(spec, two, "a", ttl_s=60, quota_bytes=size + 10)
         assert err.value.quota_bytes == size + 10 and err.value.retained_bytes == size
-        assert all(store.retention_of(k) is None for k in store._current_keys(spec, two, "a"))
+        assert all(store.placement.retention(k) is None for k in store._current_keys(spec, two, "a"))
         # renewing what one holds costs nothing more; another owner has its own quota
         store.retain(spec, one, "a", ttl_s=90, quota_bytes=size)
         store.retain(spec, two, "a", ttl_s=60, owner="b", quota_bytes=size)
@@ -101,7 +101,7 @@ def test_bad_ttls_and_priorities_are_refused(spec, tmp_path, ttl):
             store.retain(spec, list(range(16)), "a", ttl_s=ttl)
         with pytest.raises(InvalidInput, match="priority"):
             store.retain(spec, list(range(16)), "a", ttl_s=5, priority=10)
-        assert store.retained_bytes() == {}
+        assert store.placement.retained_bytes() == {}
 
 
 def test_sooner_expiring_retention_of_the_same_owner_yields(spec, tmp_path):
@@ -117,7 +117,7 @@ def test_sooner_expiring_retention_of_the_same_owner_yields(spec, tmp_path):
         store.put_kv(spec, mine_new, make_kv(spec, 64), "a")  # lands below: the top is all retained
         assert set(tiers_of(store, spec, mine_new, "a")) == {"low"}
         store.retain(spec, mine_new, "a", ttl_s=300, owner="t1")
-        store.prefetch_idle()
+        store.prefetcher.idle()
         for _ in range(3):
             store.run_placement()
         assert tiers_of(store, spec, mine_new, "a") == ["shm"] * 4
@@ -131,7 +131,7 @@ def test_handoff_here_holds_and_to_another_node_needs_a_shared_tier(spec, tmp_pa
         store.put_kv(spec, toks, make_kv(spec, 48), "a")
         out = store.handoff(spec, toks, "a", to="here", ttl_s=30, owner="t")
         assert out == {"tokens": 48, "blocks": 3, "held": 3, "shared": 0, "to": "here"}
-        assert store.retention_of(store._current_keys(spec, toks, "a")[0])["owner"] == "t"
+        assert store.placement.retention(store._current_keys(spec, toks, "a")[0])["owner"] == "t"
         with pytest.raises(InvalidInput, match="shared tier"):
             store.handoff(spec, toks, "a", to="node-b")
         with pytest.raises(InvalidInput, match="to must be"):
@@ -145,24 +145,24 @@ def test_learned_handoffs_hold_new_puts_unless_the_policy_says_no(spec, tmp_path
             toks = ctx + list(range(100 * (i + 1), 100 * (i + 1) + 16))
             store.put_kv(spec, toks, make_kv(spec, len(toks)), "team", agent="planner")
             store.get_kv(spec, toks, "team", agent="coder")
-        assert store.handoffs.describe()["team"]["handoffs"] == 2
+        assert store.locality.handoffs.describe()["team"]["handoffs"] == 2
         store.get_kv(spec, ctx, "team", agent="planner")  # the writer reading is no hand-off
-        assert store.handoffs.describe()["team"]["handoffs"] == 2
+        assert store.locality.handoffs.describe()["team"]["handoffs"] == 2
         store.policy_for = lambda ns: (7, False)
         nxt = ctx + list(range(900, 916))
         store.put_kv(spec, nxt, make_kv(spec, len(nxt)), "team", agent="planner")
-        assert store.prefetch_idle() and store.prefetch_log() == []
+        assert store.prefetcher.idle() and store.prefetcher.log() == []
         store.policy_for = lambda ns: (8, True)
         nxt = ctx + list(range(950, 966))
         store.put_kv(spec, nxt, make_kv(spec, len(nxt)), "team", agent="planner")
-        assert store.prefetch_idle()
-        record = store.prefetch_log()[-1]
+        assert store.prefetcher.idle()
+        record = store.prefetcher.log()[-1]
         assert record["trigger"] == "hand-off" and record["policy_version"] == 8 and record["held"] == 3
         assert "2 hand-offs" in record["reason"]
         key = store._current_keys(spec, nxt, "team")[-1]
-        assert store.retention_of(key)["owner"] == "_prefetch"
+        assert store.placement.retention(key)["owner"] == "_prefetch"
         store.get_kv(spec, nxt, "team", agent="reviewer")  # the reader came: the hold ends
-        assert store.retention_of(key) is None
+        assert store.placement.retention(key) is None
 
 
 def test_a_prefetch_into_a_full_top_tier_does_not_push_itself_out(spec, tmp_path):
@@ -180,11 +180,11 @@ def test_a_prefetch_into_a_full_top_tier_does_not_push_itself_out(spec, tmp_path
             for _ in range(5):
                 store.get_kv(spec, toks, "b")
         assert store.prefetch(spec, convo, "a") == len(convo)
-        assert store.prefetch_idle()
+        assert store.prefetcher.idle()
         assert tiers_of(store, spec, convo, "a") == ["shm"] * 8
-        assert store.prefetch_log()[-1]["held"] == 4  # the leading blocks that fit a quarter of the tier
+        assert store.prefetcher.log()[-1]["held"] == 4  # the leading blocks that fit a quarter of the tier
         for _ in range(3):
             store.run_placement()
         assert tiers_of(store, spec, convo, "a")[:4] == ["shm"] * 4  # held for its reader
         store.get_kv(spec, convo, "a")
-        assert store.retention_of(store._current_keys(spec, convo, "a")[0]) is None  # the reader came
+        assert store.placement.retention(store._current_keys(spec, convo, "a")[0]) is None  # the reader came

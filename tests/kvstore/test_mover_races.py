@@ -96,7 +96,7 @@ def test_a_put_frame_racing_a_move_keeps_the_new_frame():
     key = block_hashes(SPEC, TOKENS)[0]
     newer = make_kv(SPEC, 16, seed=9)
     frame = codec_mod.encode(newer, "raw", meta=block_meta("default", SPEC.fingerprint(), 0))
-    cold.on_put = lambda: s.put_frame(key, frame, "default")
+    cold.on_put = lambda: s.frames.put(key, frame, "default")
     s.migrate(key, "cold")
     cold.join()
     got, n = s.get_kv(SPEC, TOKENS)

@@ -313,7 +313,7 @@ def test_settings_from_env(monkeypatch):
     monkeypatch.setenv("KVSTORE_CODEC", "int8")
     with EmbeddedStore() as store:
         assert store.tiers[0].capacity_bytes == 3 * MiB
-        assert store.codec_of("memory") is Codec.INT8
+        assert store.core.codec_of("memory") is Codec.INT8
     monkeypatch.setenv("KVSTORE_MEMORY_BYTES", "lots")
     with pytest.raises(InvalidInput, match="KVSTORE_MEMORY_BYTES"):
         EmbeddedStore()
@@ -486,19 +486,19 @@ def test_put_frame_stores_a_verified_frame_and_refuses_another_namespace(spec):
     frame = codec_mod.encode(kv, "raw", meta=_frame_meta("acme", spec.fingerprint(), 0))
     with KVStore([MemoryTier(16 * MiB)], background=False) as store:
         with pytest.raises(InvalidInput, match="namespace"):
-            store.put_frame(key, frame, namespace="other")
+            store.frames.put(key, frame, namespace="other")
         with pytest.raises(CorruptFrame):
-            store.put_frame(key, bytes(frame[:-1]), namespace="acme")
-        entry = store.put_frame(key, frame, namespace="acme")
-        assert entry.namespace == "acme" and store.put_frame(key, frame, namespace="acme") == entry
+            store.frames.put(key, bytes(frame[:-1]), namespace="acme")
+        entry = store.frames.put(key, frame, namespace="acme")
+        assert entry.namespace == "acme" and store.frames.put(key, frame, namespace="acme") == entry
         got, n = store.get_kv(spec, TOKENS[:16], namespace="acme")
         assert n == 16 and torch.equal(got, kv)
-        store.touch([key])
-        store.count_get(16, 16)
-        store.count_lookup()
+        store.core.touch([key])
+        store.core.count(get_calls=1, tokens_requested=16, tokens_hit=16)
+        store.core.count(lookup_calls=1)
         counters = store.stats().counters
         assert counters.get_calls == 2 and counters.lookup_calls == 1 and store.entry(key).hits == 2
-    assert store.closed
+    assert store.core.closed
 
 
 def test_get_kv_into_a_reused_buffer(spec):
@@ -534,12 +534,12 @@ def test_put_frame_with_writes_in_place_and_fails_cleanly(spec, tmp_path):
 
     key = named_key("ns", "test", "a")
     with KVStore([ShmTier(1 * MiB), MemoryTier(4 * MiB)], background=False) as store:
-        entry = store.put_frame_with(key, "ns", at + 4096, writer_of(b"q" * 4096))
+        entry = store.frames.put_with(key, "ns", at + 4096, writer_of(b"q" * 4096))
         assert entry.tier == "shm" and entry.raw_bytes == 4096 and store.entry(key) == entry
         got = store.tiers[0].read_with(key, lambda v: bytes(codec_mod.decode(v).numpy()))
         assert got == b"q" * 4096
         # Too big for shm, and shm refuses before the writer runs: the next tier takes it.
-        big = store.put_frame_with(named_key("ns", "test", "b"), "ns", at + 2 * MiB, writer_of(b"z" * 2 * MiB))
+        big = store.frames.put_with(named_key("ns", "test", "b"), "ns", at + 2 * MiB, writer_of(b"z" * 2 * MiB))
         assert big.tier == "memory"
 
         def failing(view: memoryview) -> int:  # a peer that goes away part-way
@@ -547,14 +547,14 @@ def test_put_frame_with_writes_in_place_and_fails_cleanly(spec, tmp_path):
             raise ConnectionResetError("peer left")
 
         with pytest.raises(ConnectionResetError):
-            store.put_frame_with(named_key("ns", "test", "c"), "ns", at + 4096, failing)
+            store.frames.put_with(named_key("ns", "test", "c"), "ns", at + 4096, failing)
         assert store.entry(named_key("ns", "test", "c")) is None and len(store.entries()) == 2
         assert store.tiers[0].stats().used_bytes == entry.size  # the reservation was given back
         with pytest.raises(InvalidInput, match="namespace"):
-            store.put_frame_with(named_key("other", "test", "d"), "other", at + 16, writer_of(b"w" * 16))
+            store.frames.put_with(named_key("other", "test", "d"), "other", at + 16, writer_of(b"w" * 16))
         assert store.entry(named_key("other", "test", "d")) is None
         with pytest.raises(TierFull):
-            store.put_frame_with(named_key("ns", "test", "e"), "ns", at + 8 * MiB, writer_of(b"y"),
+            store.frames.put_with(named_key("ns", "test", "e"), "ns", at + 8 * MiB, writer_of(b"y"),
                                  make_room=False)
 
 
@@ -568,12 +568,12 @@ def test_a_given_clock_stamps_entries_and_ages_heat_pins_and_moves(spec):
         assert store.clock is clock and store.placement.clock is clock  # one clock for entries and heat
         keys = block_hashes(spec, TOKENS[:32])
         store.put_kv(spec, TOKENS[:32], make_kv(spec, 32))
-        assert [(e.created_s, e.last_access_s) for e in store.entries_of(keys)] == [(1_000.0, 1_000.0)] * 2
+        assert [(e.created_s, e.last_access_s) for e in store.core.entries_of(keys)] == [(1_000.0, 1_000.0)] * 2
         clock.advance(30)
         store.get_kv(spec, TOKENS[:16])  # reads the first block only
-        first, second = store.entries_of(keys)
+        first, second = store.core.entries_of(keys)
         assert (first.created_s, first.last_access_s, second.last_access_s) == (1_000.0, 1_030.0, 1_000.0)
-        store.touch([keys[1]])  # a read that bypassed get_kv
+        store.core.touch([keys[1]])  # a read that bypassed get_kv
         assert store.entry(keys[1]).last_access_s == 1_030.0
         info = store.explain(keys[0])
         assert info["created_s"] == 1_000.0 and info["last_access_age_s"] == 0.0
@@ -599,10 +599,10 @@ def test_a_given_clock_stamps_frames_put_and_blocks_recovered(spec, tmp_path):
     key = block_hashes(spec, TOKENS[:16], "acme")[0]
     frame = codec_mod.encode(make_kv(spec, 16), "raw", meta=block_meta("acme", spec.fingerprint(), 0))
     with KVStore([NVMeTier(str(tmp_path), 64 * MiB)], background=False, clock=clock) as store:
-        entry = store.put_frame(key, frame, namespace="acme")
+        entry = store.frames.put(key, frame, namespace="acme")
         assert (entry.created_s, entry.last_access_s) == (50.0, 50.0)
         clock.advance(10)
-        assert store.read_frame(key, None) is not None and store.entry(key).last_access_s == 60.0
+        assert store.frames.read(key, None) is not None and store.entry(key).last_access_s == 60.0
     clock.advance(1_000)
     with KVStore([NVMeTier(str(tmp_path), 64 * MiB)], background=False, clock=clock) as again:
         assert again.recovered.entries == 1
