@@ -37,7 +37,7 @@ import torch
 
 from bench.report import header, publish
 from bench.sampling import timed
-from bench.service import _rate  # the service bench's GB/s summary
+from bench.service import rate_of  # the service bench's GB/s summary
 from bench.serving import free_port, kvstore_serve
 
 __all__ = ["measure", "run", "format_table"]
@@ -121,7 +121,7 @@ def measure(url: str, flight_port: int, *, repeats: int = 9, block_tokens: int =
         http.delete_blocks(keys)
         fli.close()
         http.close()
-    rates = {name: _rate(rows[name][0], ts) for name, ts in times.items()}
+    rates = {name: rate_of(rows[name][0], ts) for name, ts in times.items()}
     med = {name: r["median"] for name, r in rates.items()}
     ratios = {f"{op} flight / http {what}": med[f"{op} flight {what}"] / med[f"{op} http {what}"]
               for op in ("get", "put") for what in ("frames", "kv")}

@@ -128,7 +128,7 @@ def _spec(size_name: str):
     return KVSpec("bench-service", 32, 8, 128, "float16", bt, fingerprint="bench-1"), tokens
 
 
-def _rate(nbytes: int, seconds: list[float]) -> dict[str, float]:
+def rate_of(nbytes: int, seconds: list[float]) -> dict[str, float]:
     rates = [nbytes / s / 1e9 for s in seconds]
     return {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
 
@@ -213,7 +213,7 @@ def _measure_size(size_name: str, repeats: int, url: str, bare_port: int, workdi
     shm_stats = shm.stats.to_dict()
     shm.close()
     http.close()
-    rates = {name: _rate(nbytes, ts) for name, ts in times.items()}
+    rates = {name: rate_of(nbytes, ts) for name, ts in times.items()}
     med = {name: r["median"] for name, r in rates.items()}
     ratios = {
         "shm put / memcpy": med["shm put"] / med["memcpy put"],

@@ -21,7 +21,7 @@ Quantization runs in chunks through a per-thread float32 scratch buffer that is
 reused across calls: whole-tensor torch ops allocate temporaries and run ~10x
 slower on this machine (0.2 GB/s against ~2 GB/s).
 
-This module is one unit, longer than most: it is the frame format. The header
+This module is longer than most (a named exemption in tests/test_package.py): it is the frame format. The header
 layout, the encoders and the decoders read and write the same offsets and flags,
 and keeping them in one file is what lets a change to the format be checked
 whole (``tests/kvstore/test_codec.py`` round-trips and damages every codec).

@@ -4,6 +4,8 @@ import ast
 import pathlib
 import sys
 
+import pytest
+
 import kvstore
 import tiers
 
@@ -241,11 +243,76 @@ def test_no_module_reads_another_modules_private_names():
     assert not bad, bad
 
 
-def test_no_shipped_module_over_600_lines_unless_it_says_why():
+LONG_MODULES: dict[str, str] = {
+    "kvstore/codec.py": "the frame format: header, raw/int8/int8+lz4 encode and decode, and their "
+                        "in-place forms, which must change together when the format does",
+}
+"""Modules allowed past 600 lines, each with its reason. A docstring's say-so is not enough: the
+list is here, where a reviewer sees it grow."""
+
+LARGE_CLASSES: dict[str, str] = {
+    "tiers/arena.py:ArenaTier": "the Tier contract (16 methods) plus the arena's lent reads, reserved "
+                                "slots and stamps, which share one lock and one slot table",
+}
+"""Classes allowed past 40 methods (every ``def`` in the class body), each with its reason."""
+
+
+def test_no_shipped_module_over_600_lines_without_a_named_exemption():
     long = []
     for path in _sources():
         rel = str(path.relative_to(ROOT))
-        text = path.read_text()
-        if text.count("\n") > 600 and "one unit" not in (ast.get_docstring(ast.parse(text)) or ""):
-            long.append(f"{rel}: {text.count(chr(10))} lines")
+        lines = path.read_text().count("\n")
+        if lines > 600 and rel not in LONG_MODULES:
+            long.append(f"{rel}: {lines} lines")
     assert not long, long
+    stale = [rel for rel in LONG_MODULES if (ROOT / rel).read_text().count("\n") <= 600]
+    assert not stale, f"exempt but short now: take them off LONG_MODULES: {stale}"
+
+
+def test_no_class_over_40_methods_without_a_named_exemption():
+    large, seen = [], set()
+    for path in _sources():
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                n = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
+                name = f"{rel}:{node.name}"
+                seen.add(name)
+                if n > 40 and name not in LARGE_CLASSES:
+                    large.append(f"{name}: {n} methods")
+    assert not large, large
+    assert set(LARGE_CLASSES) <= seen, f"exempt classes that are gone: {set(LARGE_CLASSES) - seen}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    """``from X import _name`` where ``_name`` is a private name of X (not a submodule of a package
+    of ours, which is how a package reaches its own private modules) appears nowhere in the shipped
+    packages, except on lines that say why with ``# noqa: SLF001`` (a third party's internal)."""
+    mods = _modules()
+    bad = []
+    for path in _sources():
+        rel = str(path.relative_to(ROOT))
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level:
+                continue
+            for alias in node.names:
+                name = alias.name
+                if name.startswith("_") and not name.startswith("__") and f"{node.module}.{name}" not in mods \
+                        and "noqa: SLF001" not in lines[node.lineno - 1]:
+                    bad.append(f"{rel}:{node.lineno} from {node.module} import {name}")
+    assert not bad, bad
+
+
+def test_the_private_import_check_finds_one(tmp_path, monkeypatch):
+    """The check itself: a module taking another's private helper is caught; a package's own
+    private module is not."""
+    pkg = tmp_path / "leaky"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_inner.py").write_text("def _helper():\n    pass\n")
+    (pkg / "a.py").write_text("from leaky import _inner\nfrom leaky._inner import _helper\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ["leaky"])
+    with pytest.raises(AssertionError, match=r"leaky/a.py:2 from leaky._inner import _helper"):
+        test_no_module_imports_another_modules_private_names()

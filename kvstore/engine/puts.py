@@ -26,16 +26,41 @@ from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.placement import MoveOrder, PlacementManager, RoomHold
 from kvstore.engine.shared import SharedTier
-from kvstore.errors import InvalidKV, TierError, TierFull
+from kvstore.errors import InvalidInput, InvalidKV, TierError, TierFull
 from kvstore.keys import BlockHash, block_meta
 from kvstore.tier import Tier
 
-__all__ = ["Puts", "check_finite", "META_BUDGET"]
+__all__ = ["Puts", "check_finite", "tier_codecs_of", "COLD_KINDS", "META_BUDGET"]
 
 log = logging.getLogger("kvstore.engine.store")
 
 META_BUDGET = 256
 """Bytes reserved for frame metadata when sizing a block ahead of encoding."""
+
+COLD_KINDS = ("nvme", "redis")
+"""Tier kinds whose frames are int8 by default: slow media, where halving bytes pays."""
+
+
+def tier_codecs_of(tiers: list[Tier], default: Codec, overrides: dict) -> tuple[dict[str, Codec], set[str]]:
+    """(the codec of new frames in each tier, the names of the cold tiers): hot tiers keep the
+    store's codec, cold ones hold int8 unless told otherwise.
+
+    Raises:
+        InvalidInput: ``overrides`` names a tier the store does not have.
+    """
+    names = [t.name for t in tiers]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise InvalidInput(f"tier_codecs names unknown tier(s) {unknown}; tiers are {names}")
+    cold = {t.name for t in tiers if _kind(t) in COLD_KINDS}
+    codecs = {t.name: Codec.parse(overrides.get(t.name, Codec.INT8 if t.name in cold and default is Codec.RAW
+                                                else default)) for t in tiers}
+    return codecs, cold
+
+
+def _kind(tier: Tier) -> str:
+    kind = getattr(tier, "kind", None)
+    return kind if isinstance(kind, str) else tier.stats().kind
 
 
 class Puts:

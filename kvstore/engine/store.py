@@ -1,22 +1,15 @@
-"""KVStore: put_kv / get_kv / lookup / delete / stats over an ordered list of tiers.
+"""KVStore: the engine's facade, and its public data API over an ordered list of tiers.
 
-A sequence's KV is cut into full blocks of ``spec.block_tokens`` tokens; block
-``i`` is stored under the chained key ``h_i`` (see ``kvstore.keys``), so a
-stored block also vouches for every token before it and ``get_kv`` can return
-the longest stored prefix by walking the chain.
+A sequence's KV is cut into full blocks of ``spec.block_tokens`` tokens; block ``i`` is stored
+under the chained key ``h_i`` (``kvstore.keys``), so a stored block vouches for every token
+before it and ``get_kv`` returns the longest stored prefix by walking the chain. A frame that
+fails to decode, or that the index names but its tier no longer has, is dropped and read as a
+miss: fewer tokens, never wrong KV.
 
-Writes go to the tier placement's admission picks and fall through to slower tiers
-when it is full. Reads come from wherever the index says
-the block is. A frame that fails to decode, or that the index says exists but
-the tier no longer has, is dropped and treated as a miss: the caller gets fewer
-tokens, never wrong KV.
-
-This module is one unit, longer than most: ``KVStore`` is the engine's whole
-public surface (the data calls, frames by key, placement, stats and lifecycle),
-so that what the engine offers reads in one file. Each call checks its input and
-then works through the parts that own the state: the index, tiers and counters
-are ``kvstore.engine.core``'s, frames by key ``kvstore.engine.frames``', moves the mover's,
-copies to the shared tier ``kvstore.engine.shared``'s.
+Each call checks its input and works through the part that owns the state; callers that need a
+part itself reach it directly: ``core`` (the index, tiers, counters), ``frames`` (frames by key),
+``reservations`` (reserved puts), ``prefetcher`` and ``locality`` (prefetch, hand-offs, retention),
+``placement``. The put path is ``kvstore.engine.puts``', the get's decoding ``kvstore.engine.reads``'.
 """
 
 from __future__ import annotations
@@ -24,17 +17,15 @@ from __future__ import annotations
 import logging
 import time
 import operator
-from dataclasses import asdict, dataclass, field
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.config import Settings
-from kvstore.errors import FrameError, InvalidInput, InvalidKV, StoreClosed, TierError
-from kvstore.engine.core import EngineCore, StoreCounters, is_current
+from kvstore.errors import InvalidInput, InvalidKV, StoreClosed, TierError
+from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.events import DEFAULT_CAPACITY, EventLog
 from kvstore.engine.frames import Frames, PrefixBlock
 from kvstore.engine.heat import Scorer
@@ -43,61 +34,21 @@ from kvstore.engine.locality import PREFETCH_HOLD_S, Locality, check_retention
 from kvstore.engine.mover import Mover
 from kvstore.engine.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
 from kvstore.engine.prefetch import HandoffLearner, Prefetcher
-from kvstore.engine.puts import Puts, check_finite
+from kvstore.engine.puts import Puts, check_finite, tier_codecs_of
 from kvstore.engine.recovery import recover
 from kvstore.engine.reserved import Reservation, ReservedPuts
+from kvstore.engine.reads import decode_chain
 from kvstore.engine.shared import SharedTier, WritePolicy, find_shared
+from kvstore.engine.stats import StoreStats
 from kvstore.keys import BlockHash, block_hashes, check_key, iter_block_hashes, normalize_tokens
-from kvstore.memory.buffers import Scratch
 from kvstore.spec import KVSpec
-from kvstore.tier import Tier, TierStats
+from kvstore.tier import Tier
 
 __all__ = ["KVStore", "EmbeddedStore", "StoreStats"]
 
 log = logging.getLogger("kvstore.engine.store")
 
 _KEY_OF = operator.attrgetter("key")
-
-@dataclass(slots=True)
-class StoreStats:
-    """A snapshot for operators and ``/admin/stats``."""
-
-    blocks: int
-    frame_bytes: int
-    """Bytes of frames held, across tiers."""
-    raw_bytes: int
-    """Bytes the same KV takes decoded."""
-    codec_bytes_saved: int
-    counters: StoreCounters
-    tiers: list[TierStats] = field(default_factory=list)
-    moves: dict[str, int] = field(default_factory=dict)
-    """Placement moves by kind (promoted, demoted, evicted, migrated) and bytes moved."""
-    shared: dict[str, Any] = field(default_factory=dict)
-    """The shared tier's write policy, bytes written and blocks adopted from other nodes."""
-    heat: dict[str, Any] = field(default_factory=dict)
-    """The heat scorer; for ``adaptive-rate``, the memory it follows and its shadow hits."""
-    reads_by_tier: dict[str, int] = field(default_factory=dict)
-    """Block reads served from each tier since start, on every read path (gets, shm handles,
-    block routes, co-located reads reported back): with ``tokens_hit`` it splits hits by tier.
-    The one account of reads by tier: ``/admin/stats``, ``/admin/tiers``, ``/metrics``
-    (``kvstore_tier_reads_total``), the dashboard and ``kvstore stats`` all report this."""
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["tiers"] = [self.tier_dict(t, self.reads_by_tier) for t in self.tiers]
-        return data
-
-    @staticmethod
-    def tier_dict(tier: TierStats, reads_by_tier: Mapping[str, int]) -> dict[str, Any]:
-        """``tier`` as the JSON routes show it: ``reads``, the block reads it served (from
-        ``reads_by_tier``, however the bytes travelled), and ``backend_counters``, the tier's
-        own operation counters (``TierCounters``). Those count only what went through the tier's
-        methods (the server's reads and writes, placement's moves), never a co-located client's
-        read of an shm slot: a tier that served every token can show 0 backend hits."""
-        data = tier.to_dict()
-        data["reads"] = reads_by_tier.get(tier.name, 0)
-        data["backend_counters"] = data.pop("counters")
-        return data
 
 
 class KVStore:
@@ -150,22 +101,10 @@ class KVStore:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise InvalidInput(f"tier names must be unique, got {names}")
-        overrides = dict(tier_codecs or {})
-        unknown = sorted(set(overrides) - set(names))
-        if unknown:
-            raise InvalidInput(f"tier_codecs names unknown tier(s) {unknown}; tiers are {names}")
-        default = Codec.parse(codec)
-        kinds = {t.name: _kind(t) for t in tiers}
-        cold = {name for name, kind in kinds.items() if kind in COLD_KINDS}
-        # Hot tiers keep the store's codec; cold ones hold int8 unless told otherwise.
-        codecs = {
-            t.name: Codec.parse(overrides.get(t.name, Codec.INT8 if t.name in cold and default is Codec.RAW else default))
-            for t in tiers
-        }
-        # NaN and Inf are refused up front only where a put writes into a non-raw tier
-        # by design: the top tier, or the next one (admission). A put that falls
-        # through to a cold tier, and a demotion, keep such a block raw instead.
-        # The scan costs 2 ms per 32 MiB; a raw top tier does not need it.
+        codecs, cold = tier_codecs_of(tiers, Codec.parse(codec), dict(tier_codecs or {}))
+        # NaN and Inf are refused up front only where a put writes into a non-raw tier by design:
+        # the top tier, or the next one (admission). A put that falls through to a cold tier, and a
+        # demotion, keep such a block raw instead. The scan costs 2 ms per 32 MiB.
         lossy = any(codecs[t.name] is not Codec.RAW for t in tiers[:2])
         policies = dict(tier_policies or {})
         unknown = sorted(set(policies) - set(names))
@@ -285,48 +224,7 @@ class KVStore:
         bt = spec.block_tokens
         given = out is not None
         out = out[:, :, :, : len(found) * bt] if given else spec.empty_kv(len(found) * bt)
-        # One reused frame buffer per thread: a fresh buffer per block would page-fault
-        # at a fraction of copy speed (see kvstore.memory.buffers).
-        scratch = _FRAMES.get(max((e.size for e in found), default=0))
-        good = 0
-        for i, entry in enumerate(found):
-            key = entry.key
-            part = out[:, :, :, i * bt : (i + 1) * bt]
-            frame = adopted.pop(key, None)
-            if frame is None and self.core.tier(entry.tier).lends_frames:
-                # Decoded straight out of the slot, hashed on its first read only.
-                try:
-                    done = self.core.decode_into(entry, part)
-                except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
-                    log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(),
-                                entry.tier, exc)
-                    self.core.drop(entry, corrupt=True)
-                    break
-                if done is not None:
-                    good += 1
-                    continue
-                # gone from that tier meanwhile (moved?): the copy path below looks once more
-            if frame is not None:
-                n = len(memoryview(frame).cast("B"))
-                scratch[:n] = memoryview(frame).cast("B")
-            else:
-                n = self.core.read_into(entry, scratch)
-            if n is None:  # moved between our index read and the copy: look once more
-                again = self.core.entry(key)
-                if again is None or again is entry or not is_current(again, namespace, spec_fp):
-                    break
-                entry = again
-                n = self.core.read_into(entry, scratch)
-                if n is None:
-                    break
-            try:
-                # expect_checksum: a sound frame that is not the one indexed (a tier mix-up) is refused
-                codec_mod.decode(scratch[:n], out=part, expect_checksum=entry.checksum)
-            except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
-                log.warning("block %s in tier %s failed to decode (%s); dropped as a miss", key.hex(), entry.tier, exc)
-                self.core.drop(entry, corrupt=True)
-                break
-            good += 1
+        good = decode_chain(self.core, found, adopted, out, bt, namespace, spec_fp)
         hits = [e.key for e in found[:good]]
         self.core.touch(hits)
         if agent is not None:
@@ -683,27 +581,7 @@ class EmbeddedStore(KVStore):
 # -- helpers ---------------------------------------------------------------------
 
 
-def _frame_buffer(n: int) -> memoryview:
-    return memoryview(bytearray(n))
-
-
-# One frame buffer per thread, grown (at least doubling) to the largest frame read so far.
-_FRAMES = Scratch(_frame_buffer, len, grow=2.0)
-
-
 def _check_spec(spec: Any) -> KVSpec:
     if not isinstance(spec, KVSpec):
         raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
     return spec
-
-
-COLD_KINDS = ("nvme", "redis")
-"""Tier kinds whose frames are int8 by default: slow media, where halving bytes pays."""
-
-
-def _kind(tier: Tier) -> str:
-    kind = getattr(tier, "kind", None)
-    return kind if isinstance(kind, str) else tier.stats().kind
-
-
-

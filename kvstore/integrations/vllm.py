@@ -214,7 +214,7 @@ def _unverified_layout(vllm_config: "VllmConfig") -> str | None:
         return None
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: SLF001 (the CPU ISA vLLM picks)
 
         isa = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
     except Exception:  # a vLLM without that helper: not checked either
