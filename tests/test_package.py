@@ -316,3 +316,60 @@ def test_the_private_import_check_finds_one(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ["leaky"])
     with pytest.raises(AssertionError, match=r"leaky/a.py:2 from leaky._inner import _helper"):
         test_no_module_imports_another_modules_private_names()
+
+
+# -- claims docs/architecture.md makes about the engine ------------------------------------------
+
+
+def _engine_sources():
+    return sorted((ROOT / "kvstore" / "engine").glob("*.py"))
+
+
+def test_only_the_core_holds_the_index():
+    """``EngineCore`` owns the index: no other module of the engine or the server builds an
+    ``Index`` or reaches another object's ``_index``."""
+    bad = []
+    for path in [*_engine_sources(), *sorted((ROOT / "server").glob("*.py"))]:
+        rel = str(path.relative_to(ROOT))
+        if rel in ("kvstore/engine/core.py", "kvstore/engine/index.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Index":
+                bad.append(f"{rel}:{node.lineno} builds an Index")
+            if isinstance(node, ast.Attribute) and node.attr == "_index" and \
+                    not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                bad.append(f"{rel}:{node.lineno} reads _index")
+    assert not bad, bad
+
+
+def _prefix_walks(tree: ast.AST):
+    """Functions with a loop that stops (``break``) at the first key whose entry is not current:
+    a prefix walk written by hand."""
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for loop in ast.walk(fn):
+            if not isinstance(loop, ast.For) or not isinstance(loop.target, ast.Name):
+                continue  # a walk goes key by key; ``for i, entry in enumerate(found)`` reads a walk's result
+            for node in ast.walk(loop):
+                if isinstance(node, ast.If) and any(isinstance(b, ast.Break) for b in node.body) and any(
+                        isinstance(c, ast.Call) and getattr(c.func, "id", None) == "is_current"
+                        for c in ast.walk(node.test)):
+                    yield fn.name
+                    break
+
+
+def test_one_prefix_walk():
+    """``EngineCore.current_prefix`` is the one prefix walk (with its adoption hook): no other
+    function in the engine or the server stops a loop at the first key that is not current."""
+    walks = []
+    for path in [*_engine_sources(), *sorted((ROOT / "server").glob("*.py"))]:
+        rel = str(path.relative_to(ROOT))
+        walks += [f"{rel}:{name}" for name in _prefix_walks(ast.parse(path.read_text()))]
+    assert walks == ["kvstore/engine/core.py:current_prefix"]
+
+
+def test_the_walk_check_finds_a_hand_written_walk():
+    code = ("def lookup(keys):\n    n = 0\n    for key in keys:\n"
+            "        if not is_current(entry(key), 'ns', 'fp'):\n            break\n        n += 1\n")
+    assert list(_prefix_walks(ast.parse(code))) == ["lookup"]

@@ -328,22 +328,20 @@ class KVStore:
 
     def prefix_blocks(self, spec: KVSpec, tokens: Any, namespace: str, *,
                       agent: str | None = None) -> list[PrefixBlock]:
-        """The blocks of the longest stored prefix of ``tokens`` (``kvstore.engine.frames.Frames.prefix``);
-        ``agent``: a reader about to read them (a co-located get), for learning hand-offs."""
+        """The blocks of the longest stored prefix of ``tokens``: this index's (``Frames.local_prefix``),
+        then those only the shared tier holds (another node's), counted as one lookup. ``agent``: a
+        reader about to read them (a co-located get), for learning hand-offs."""
         self._check_open()
         spec = _check_spec(spec)
-        toks = normalize_tokens(tokens)
-        keys = block_hashes(spec, toks, namespace)
+        keys = block_hashes(spec, normalize_tokens(tokens), namespace)
         found = self.frames.local_prefix(keys, namespace, spec.fingerprint())
         if agent is not None and found:
             self.locality.handoffs.read(found, namespace, agent, key=_KEY_OF)
-        if len(found) == len(keys):
-            self.core.count(lookup_calls=1)
+        self.core.count(lookup_calls=1)
+        if len(found) == len(keys) or self._shared is None:
             return found
-        n = self.lookup(spec, toks, namespace) // spec.block_tokens  # counts the call
+        n = len(found) + self._shared.count_prefix(keys[len(found):])
         return self.frames.extend_prefix(found, keys[:n], namespace, spec.fingerprint())
-
-    # -- events (``kvstore.engine.events``) -------------------------------------------------------
 
     # -- locality: prefetch, hand-off, retention (``kvstore.engine.prefetch``, placement rule 5) ----------
 
