@@ -10,7 +10,7 @@ Stamps. Each publish of a slot (a put, a move by compaction) takes a new stamp f
 tier-wide count, never reused, so a slot whose stamp is unchanged holds the bytes it
 held then. A reader that checked those bytes may ``vouch`` for them at that stamp, and
 ``read_vouched`` tells the next reader so: the store then skips hashing a frame again
-(``kvstore/frames.py``). The note lives on the slot and goes with its publication.
+(``kvstore/engine/frames.py``). The note lives on the slot and goes with its publication.
 
 Concurrency. One lock guards the maps; bytes move outside it. A put reserves
 its range under the lock, fills it unlocked and publishes under the lock, so an

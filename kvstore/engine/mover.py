@@ -12,7 +12,7 @@ A move never leaves a window in which the index names a frame that is gone:
    claim (the move gives up) or waits for it (and finds the move complete).
 
 A crash inside step 3 leaves two copies and loses nothing: a durable tier's
-copy is re-indexed at the next start (``kvstore/recovery.py``). A reader that
+copy is re-indexed at the next start (``kvstore/engine/recovery.py``). A reader that
 looked the entry up before step 3 may find the source gone; it looks again
 (``KVStore.get_kv`` re-reads the index once on a miss).
 
