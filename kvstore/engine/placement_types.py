@@ -1,0 +1,130 @@
+"""What placement's parts share: the tier policies and knobs they read, the record they keep per
+entry (``Resident``), the orders they give and the moves they log.
+
+They live apart from ``kvstore.engine.placement`` so that ``room`` and ``retention``, which it
+imports, can name them without importing it back; callers import them from ``placement``, which
+re-exports all but ``Resident`` (placement's own bookkeeping).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidInput
+from kvstore.engine.heat import Heat
+
+__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "Resident"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """How placement treats one tier."""
+
+    name: str
+    capacity_bytes: int
+    high_watermark_frac: float = 0.95
+    """Above this share of capacity, the coldest entries go down."""
+    low_watermark_frac: float = 0.90
+    """... until the tier is back under this share."""
+    cold: bool = False
+    """Frames demoted into a cold tier are re-encoded int8 (nvme and redis by default)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark_frac <= self.high_watermark_frac <= 1:
+            raise InvalidInput(f"tier {self.name!r}: need 0 < low_watermark_frac <= high_watermark_frac <= 1, "
+                               f"got {self.low_watermark_frac}, {self.high_watermark_frac}")
+        if self.capacity_bytes <= 0:
+            raise InvalidInput(f"tier {self.name!r}: capacity_bytes must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """Placement knobs, with units in their names."""
+
+    half_life_s: float = 60.0
+    """Heat's short memory halves after this long without access."""
+    heat_max_count: float = 4.0
+    """Decayed accesses at which the short memory saturates, so a cooled-off hot set yields soon."""
+    long_half_life_s: float | None = 300.0
+    """Heat's long memory (``AdaptiveRate``); None keeps only the short one (``DecayedRate``)."""
+    long_max_count: float = 16.0
+    """Decayed accesses at which the long memory saturates."""
+    admission: bool = True
+    """New blocks enter the top tier only past a colder resident (``place_new``); else one tier down."""
+    margin_frac: float = 0.2
+    """A promotion needs this much more heat than the resident it displaces."""
+    min_residency_s: float = 5.0
+    """An entry stays this long in a tier before placement moves it again."""
+    promote: bool = True
+    hysteresis: bool = True
+    """False turns off the margin and the residency time (the bench's control)."""
+    move_bytes_per_s: int = 512 * 2**20
+    """Budget of the background mover."""
+    interval_s: float = 0.25
+    """How often the background mover plans."""
+    entry_log: int = 8
+    """Moves remembered per entry, for explain."""
+    store_log: int = 10_000
+    """Moves remembered store-wide."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveOrder:
+    """A decision: move ``key`` from ``src`` to ``dst`` (``None``: evict)."""
+
+    key: bytes
+    src: str
+    dst: str | None
+    size: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRecord:
+    """A move that happened."""
+
+    time_s: float
+    key: bytes
+    src: str
+    dst: str | None
+    size: int
+    reason: str
+
+    def to_dict(self, now: float | None = None) -> dict:
+        """With ``now`` (a reading of the same clock), also ``age_s``: ``time_s`` is placement's
+        clock (monotonic in a store), not wall time."""
+        out = {"time_s": self.time_s, "key": self.key.hex(), "src": self.src, "dst": self.dst,
+               "bytes": self.size, "reason": self.reason}
+        if now is not None:
+            out["age_s"] = now - self.time_s
+        return out
+
+
+@dataclass(slots=True)
+class Resident:
+    """What placement knows of one entry; one per key, shared by the manager and its parts."""
+
+    tier: int
+    size: int
+    since_s: float
+    """When it arrived in its current tier (residency starts here)."""
+    came: int = 0
+    """How it arrived: +1 promoted, -1 demoted, 0 written. Residency only blocks going back."""
+    heat: Heat = field(default_factory=Heat)
+    pinned_until: float = 0.0
+    leases: int = 0
+    moves: deque = field(default_factory=deque)
+    depth: int = 0
+    """Position in its chain: breaks ties between equally hot blocks, deepest first."""
+    retained_until: float = 0.0
+    """Retained (a soft pin) until then; 0: not retained."""
+    retain_priority: int = 0
+    retain_owner: str | None = None
+
+    def held(self, now: float) -> bool:
+        """Pinned or leased: it must not go down or out."""
+        return bool(self.leases) or self.pinned_until > now
+
+    def retained(self, now: float) -> bool:
+        return self.retained_until > now

@@ -1,0 +1,200 @@
+"""Room making: which residents go down so that a tier has room, for a put or for a promotion.
+
+Rules 2 and 3 of ``kvstore.engine.placement`` are carried out here: a put that found its tier full
+(``make_room``, ``hold_room``) and a tier above its high watermark (``PlacementManager.plan``) send
+the coldest residents one tier down, looking past pinned, leased and retained ones, and a promotion
+displaces residents it beats by the scorer's margin, or, for a retained entry, unretained residents
+and the same owner's lesser retentions (rule 5).
+
+A ``PlacementManager`` holds one ``RoomMaker`` over its own per-tier members and byte counts (the
+same objects, not copies) and its lock: ``make`` and a hold's release take that lock, every other
+method runs with the manager holding it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from typing import Callable, Iterator, Sequence
+
+from kvstore.engine.heat import Scorer
+from kvstore.engine.placement_types import MoveOrder, PlacementConfig, Resident, TierPolicy
+
+__all__ = ["RoomHold", "RoomMaker"]
+
+
+class RoomHold:
+    """Room made in a tier for one write on its way (``PlacementManager.hold_room``).
+
+    Until ``release`` (or the end of a ``with`` block), placement counts ``nbytes`` as
+    already in ``tier`` and the entries ``orders`` send out of it as already gone, so a
+    concurrent put asks for room of its own. Release it once the write has been indexed
+    or has failed; releasing twice is harmless.
+    """
+
+    __slots__ = ("tier", "nbytes", "orders", "_maker")
+
+    def __init__(self, maker: "RoomMaker", tier: int, nbytes: int, orders: list[MoveOrder]) -> None:
+        self.tier = tier
+        """Position of the tier in placement's (and the store's) tier list."""
+        self.nbytes = nbytes
+        self.orders = orders
+        self._maker: RoomMaker | None = maker
+
+    def release(self) -> None:
+        maker, self._maker = self._maker, None
+        if maker is not None:
+            maker._release(self)
+
+    def __enter__(self) -> "RoomHold":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class RoomMaker:
+    """Victim choice and room making over a ``PlacementManager``'s records.
+
+    Args:
+        members: the manager's residents of each tier, by key.
+        used: the bytes the manager counts in each tier.
+        incoming: the bytes of held writes not yet indexed, per tier (``hold_room``).
+        leaving: keys a held ``make_room`` or ``plan`` ordered out and not moved yet: not picked again.
+        lock: the manager's lock.
+    """
+
+    __slots__ = ("tiers", "config", "scorer", "clock", "lock", "pos", "members", "used", "incoming", "leaving")
+
+    def __init__(self, tiers: Sequence[TierPolicy], config: PlacementConfig, scorer: Scorer,
+                 clock: Callable[[], float], lock: threading.Lock, *, members: list[dict[bytes, Resident]],
+                 used: list[int], incoming: list[int], leaving: set[bytes]) -> None:
+        self.tiers = tiers
+        self.config = config
+        self.scorer = scorer
+        self.clock = clock
+        self.lock = lock
+        self.pos = {t.name: i for i, t in enumerate(tiers)}
+        self.members = members
+        self.used = used
+        self.incoming = incoming
+        self.leaving = leaving
+
+    def make(self, tier: str, nbytes: int, *, force: bool, hold: bool) -> RoomHold:
+        """Room for ``nbytes`` in ``tier``, as ``PlacementManager.hold_room`` makes it; without ``hold``,
+        as ``make_room`` does (a hold that holds nothing: its orders only)."""
+        now = self.clock()
+        with self.lock:
+            i = self.pos[tier]
+            t = self.tiers[i]
+            need = self.used[i] + self.incoming[i] + nbytes - t.capacity_bytes
+            if force:
+                need = max(need, nbytes)
+            orders: list[MoveOrder] = []
+            if need > 0:
+                reason = f"demoted: {t.name} full for a {nbytes}-byte put"
+                orders = self.demote(i, need, now, list(self.used), set(self.leaving), reason,
+                                     respect_residency=False)
+            room = RoomHold(self, i, nbytes, orders)
+            if not hold:
+                room._maker = None
+                return room
+            self.incoming[i] += nbytes
+            self.leaving.update(order.key for order in orders)
+            return room
+
+    def _release(self, room: RoomHold) -> None:
+        with self.lock:
+            self.incoming[room.tier] -= room.nbytes
+            self.leaving.difference_update(order.key for order in room.orders)  # gone, or refused: it stays
+
+    def settling(self, r: Resident, now: float, up: bool) -> bool:
+        """Residency forbids this move: it would send ``r`` back the way it came
+        within ``min_residency_s``. That is the ping-pong; a fresh write may go
+        down at once, and a demoted entry may go further down."""
+        return (self.config.hysteresis and r.came == (-1 if up else 1)
+                and now - r.since_s < self.config.min_residency_s)
+
+    def beats(self, a: float, b: float) -> bool:
+        return self.scorer.beats(a, b) if self.config.hysteresis else a > b
+
+    def coldest(self, i: int, ordered: set[bytes]) -> Iterator[tuple[float, bytes, Resident]]:
+        """Residents of tier ``i`` not yet ordered, coldest first (a heap popped lazily: O(n + k log n))."""
+        heap = [(r.heat.score, -r.depth, key) for key, r in self.members[i].items() if key not in ordered]
+        heapq.heapify(heap)
+        while heap:
+            score, _, key = heapq.heappop(heap)
+            yield score, key, self.members[i][key]
+
+    def demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],
+               reason: str, *, respect_residency: bool) -> list[MoveOrder]:
+        dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) else None
+        why = reason if dst else reason.replace("demoted:", "evicted:", 1)
+        orders = []
+        freed = 0
+        for _, key, r in self.coldest(i, ordered):
+            if freed >= need:
+                break
+            if r.held(now) or r.retained(now):
+                continue  # pinned, leased or retained: look past it
+            if respect_residency and self.settling(r, now, up=False):
+                break  # the coldest must stay a while: sending hotter ones down instead would be worse
+            orders.append(self.order_down(i, key, r, why, projected, ordered))
+            freed += r.size
+        return orders
+
+    def order_down(self, i: int, key: bytes, r: Resident, reason: str, projected: list[int],
+                   ordered: set[bytes]) -> MoveOrder:
+        dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) else None
+        ordered.add(key)
+        projected[i] -= r.size
+        if dst is not None:
+            projected[i + 1] += r.size
+        return MoveOrder(key, self.tiers[i].name, dst, r.size, reason)
+
+    def displace(self, score: float, need: int, victims, now: float, projected: list[int],
+                 ordered: set[bytes]) -> tuple[list[MoveOrder], int, float] | None:
+        """Demotions of top-tier residents colder than ``score`` (by the margin, with
+        hysteresis) that free ``need`` bytes; None, and nothing ordered, when there are not enough."""
+        picked = []
+        freed = 0
+        while freed < need:
+            victim = next(victims, None)
+            if victim is None or not self.beats(score, victim[0]):
+                return None  # an unbeaten victim ends the search: the ones after it are hotter
+            picked.append(victim)
+            freed += victim[2].size
+        reason = f"demoted: displaced from {self.tiers[0].name} by a hotter entry"
+        orders = [self.order_down(0, key, r, f"{reason} (score {s:.3g} < {score:.3g})", projected, ordered)
+                  for s, key, r in picked]
+        return orders, freed, picked[-1][0]
+
+    def displace_for_retained(self, r: Resident, need: int, now: float, projected: list[int],
+                              ordered: set[bytes]) -> tuple[list[MoveOrder], int] | None:
+        """Demotions that free ``need`` bytes of the top tier for retained ``r``: unretained
+        residents first, coldest first, whatever their heat; then retentions of the same owner
+        that rank below it (lower priority, then sooner expiry). None, and nothing ordered,
+        when those are not enough."""
+        picked: list[tuple[str, bytes, Resident]] = []
+        freed = 0
+        for _, key, v in self.coldest(0, ordered):
+            if freed >= need:
+                break
+            if v.held(now) or v.retained(now):
+                continue
+            picked.append(("demoted: made room for a retained entry", key, v))
+            freed += v.size
+        if freed < need:
+            rank = (r.retain_priority, r.retained_until)
+            same = sorted(((v.retain_priority, v.retained_until), key, v) for key, v in self.members[0].items()
+                          if key not in ordered and v.retain_owner == r.retain_owner and v.retained(now)
+                          and not v.held(now))
+            for vrank, key, v in same:
+                if freed >= need or vrank >= rank:
+                    break
+                picked.append((f"demoted: {r.retain_owner!r}'s sooner-expiring retention yields", key, v))
+                freed += v.size
+        if freed < need:
+            return None
+        orders = [self.order_down(0, key, v, why, projected, ordered) for why, key, v in picked]
+        return orders, freed
