@@ -82,26 +82,6 @@ def _request_head(ep: Endpoint, method: str, path: str, headers: Mapping[str, st
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def _take_head(conn, buf: bytearray) -> tuple["Head | None", bytearray]:
-    """The answer head at the front of ``buf`` (skipping ``100 Continue``), leaving the rest in
-    ``conn._buf``; ``(None, buf)`` while more bytes are needed.
-
-    Raises:
-        BrokenConnection: the head runs over 64 KiB.
-    """
-    while True:
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > _HEAD_LIMIT:
-                raise BrokenConnection("answer head over 64 KiB")
-            return None, buf
-        conn._buf = buf[end + 4:]
-        head = _parse_head(bytes(buf[:end]))
-        if head.status != 100:
-            return head, buf
-        buf = conn._buf
-
-
 def _parse_head(raw: bytes) -> Head:
     lines = raw.decode("latin-1").split("\r\n")
     try:
@@ -135,20 +115,80 @@ def _writes(head: bytes, views: list[memoryview]) -> list[Any]:
     return [b"".join(first), *views[i:]]
 
 
-class Connection:
-    """One blocking keep-alive connection; not thread-safe (the client keeps one per thread)."""
+class _Wire:
+    """What both connections keep and decide without touching the socket: the endpoint and
+    timeouts, the bytes read past an answer's head, the head of the answer being read, and
+    when to hang up."""
 
-    def __init__(self, ep: Endpoint, *, connect_timeout_s: float, timeout_s: float | None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, ep: Endpoint, connect_timeout_s: float, timeout_s: float | None) -> None:
         self.ep = ep
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
-        self._ssl = ssl_context or (ssl.create_default_context() if ep.tls else None)
         self._sock: socket.socket | None = None
         self._buf = bytearray()  # bytes read past the head
         self._head: Head | None = None
         self.used = False
         """Whether a request already went over this socket (a reused socket may have been closed by the peer)."""
+
+    def _take_head(self) -> Head | None:
+        """The answer head at the front of the bytes read (skipping ``100 Continue``), the rest
+        left for the body; None while more bytes are needed.
+
+        Raises:
+            BrokenConnection: the head runs over 64 KiB.
+        """
+        while True:
+            buf = self._buf
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _HEAD_LIMIT:
+                    raise BrokenConnection("answer head over 64 KiB")
+                return None
+            self._buf = buf[end + 4:]
+            head = _parse_head(bytes(buf[:end]))
+            if head.status != 100:
+                return head
+
+    def _buffered_into(self, out: memoryview) -> int:
+        """Copy the body bytes that came with the head into ``out``; how many."""
+        n = min(len(self._buf), len(out))
+        out[:n] = self._buf[:n]
+        del self._buf[:n]
+        return n
+
+    @staticmethod
+    def _filled(n: int, got: int) -> int:
+        """Body bytes in after a receive of ``got`` (0: the peer hung up)."""
+        if not got:
+            raise BrokenConnection("connection closed mid-body")
+        return n + got
+
+    def _lost(self, exc: OSError) -> BrokenConnection:
+        """Hang up after a failed read: where the rest of the body starts is not known any more."""
+        self.close()
+        return BrokenConnection(f"reading the body: {exc}")
+
+    def _done(self) -> None:
+        if self._head is not None and not self._head.keep_alive:
+            self.close()
+        self._head = None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+        self._buf = bytearray()
+
+
+class Connection(_Wire):
+    """One blocking keep-alive connection; not thread-safe (the client keeps one per thread)."""
+
+    def __init__(self, ep: Endpoint, *, connect_timeout_s: float, timeout_s: float | None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        super().__init__(ep, connect_timeout_s, timeout_s)
+        self._ssl = ssl_context or (ssl.create_default_context() if ep.tls else None)
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.ep.host, self.ep.port), timeout=self.connect_timeout_s)
@@ -184,30 +224,22 @@ class Connection:
             raise BrokenConnection(f"{method} {path}: {exc}") from exc
 
     def _read_head(self) -> Head:
-        buf = bytearray()
-        while True:
-            head, buf = _take_head(self, buf)
-            if head is not None:
-                return head
+        self._buf = bytearray()
+        while (head := self._take_head()) is None:
             chunk = self._sock.recv(_RECV)  # type: ignore[union-attr]
             if not chunk:
                 raise BrokenConnection("connection closed before an answer")
-            buf += chunk
+            self._buf += chunk
+        return head
 
     def read_into(self, out: memoryview) -> None:
         """Read exactly ``len(out)`` body bytes into ``out`` (Content-Length answers)."""
-        n = min(len(self._buf), len(out))
-        out[:n] = self._buf[:n]
-        del self._buf[:n]
+        n = self._buffered_into(out)
         try:
             while n < len(out):
-                got = self._sock.recv_into(out[n:])  # type: ignore[union-attr]
-                if not got:
-                    raise BrokenConnection("connection closed mid-body")
-                n += got
+                n = self._filled(n, self._sock.recv_into(out[n:]))  # type: ignore[union-attr]
         except OSError as exc:
-            self.close()
-            raise BrokenConnection(f"reading the body: {exc}") from exc
+            raise self._lost(exc) from exc
         self._done()
 
     def read_body(self) -> bytes:
@@ -226,8 +258,7 @@ class Connection:
                 self.close()
                 return body
         except OSError as exc:
-            self.close()
-            raise BrokenConnection(f"reading the body: {exc}") from exc
+            raise self._lost(exc) from exc
         self._done()
         return body
 
@@ -264,34 +295,15 @@ class Connection:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _done(self) -> None:
-        if self._head is not None and not self._head.keep_alive:
-            self.close()
-        self._head = None
 
-    def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
-        self._buf = bytearray()
-
-
-class AsyncConnection:
+class AsyncConnection(_Wire):
     """The same protocol on the event loop (plain TCP); one request at a time."""
 
     def __init__(self, ep: Endpoint, *, connect_timeout_s: float, timeout_s: float | None) -> None:
         if ep.tls:
             raise ValueError("AsyncConnection is plain TCP; use httpx for https")
-        self.ep = ep
-        self.connect_timeout_s = connect_timeout_s
-        self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
-        self._buf = bytearray()
-        self._head: Head | None = None
+        super().__init__(ep, connect_timeout_s, timeout_s)
         self.lock = asyncio.Lock()
-        self.used = False
 
     async def _connect(self) -> socket.socket:
         loop = asyncio.get_running_loop()
@@ -329,33 +341,23 @@ class AsyncConnection:
 
     async def _read_head(self) -> Head:
         loop = asyncio.get_running_loop()
-        buf = bytearray()
-        while True:
-            head, buf = _take_head(self, buf)
-            if head is not None:
-                return head
+        self._buf = bytearray()
+        while (head := self._take_head()) is None:
             chunk = await loop.sock_recv(self._sock, _RECV)  # type: ignore[arg-type]
             if not chunk:
                 raise BrokenConnection("connection closed before an answer")
-            buf += chunk
+            self._buf += chunk
+        return head
 
     async def read_into(self, out: memoryview) -> None:
         loop = asyncio.get_running_loop()
-        n = min(len(self._buf), len(out))
-        out[:n] = self._buf[:n]
-        del self._buf[:n]
+        n = self._buffered_into(out)
         try:
             while n < len(out):
-                got = await loop.sock_recv_into(self._sock, out[n:])  # type: ignore[arg-type]
-                if not got:
-                    raise BrokenConnection("connection closed mid-body")
-                n += got
+                n = self._filled(n, await loop.sock_recv_into(self._sock, out[n:]))  # type: ignore[arg-type]
         except OSError as exc:
-            self.close()
-            raise BrokenConnection(f"reading the body: {exc}") from exc
-        if self._head is not None and not self._head.keep_alive:
-            self.close()
-        self._head = None
+            raise self._lost(exc) from exc
+        self._done()
 
     async def read_body(self) -> bytes:
         head = self._head
@@ -365,9 +367,3 @@ class AsyncConnection:
         out = bytearray(head.length)
         await self.read_into(memoryview(out))
         return bytes(out)
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        self._buf = bytearray()

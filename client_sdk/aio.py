@@ -11,8 +11,9 @@ co-located, else HTTP. Puts that do not wait queue in ``client_sdk.pending``
 ``tests/client_sdk/test_surface.py`` checks that both clients have the same
 public methods with the same arguments.
 
-Layer streams (``get_kv_layers``) read with the blocking client's sockets in a
-worker thread: a layer is megabytes, a thread hop microseconds.
+Layer streams (``get_kv_layers``) are ``client_sdk.layers``' flows too: over
+HTTP each layer is received by the loop's socket calls, over shm each is copied
+out of the arena (in a worker thread when over 1 MiB).
 """
 
 from __future__ import annotations
@@ -29,15 +30,13 @@ from client_sdk._common import BlockSink, BlockWriter
 from client_sdk.aio_media import AsyncHttpMedium, AsyncMedium, AsyncShmMedium, AsyncShmPath
 from client_sdk.aio_planning import AsyncClientPlanner
 from client_sdk.calls import put_layout
-from client_sdk.client import KVClient
-from client_sdk.colocated import Colocation
-from client_sdk.layers import LayerStream
+from client_sdk.layers import AsyncLayerStream, aget_kv_layers
 from client_sdk.pending import MAX_PENDING_BYTES, AsyncPutHandle, AsyncPutQueue
-from client_sdk.surface import AdminClient, DataCalls
-from client_sdk.transport import AsyncHttpTransport, RetryPolicy
+from client_sdk.shell import ClientShell
+from client_sdk.transport import AsyncHttpTransport
 from kvstore.errors import KVStoreError
-from kvstore.keys import BlockHash, check_key, validate_namespace
-from kvstore.planner import Decision, Planner
+from kvstore.keys import BlockHash, check_key
+from kvstore.planner import Planner
 from kvstore.spec import KVSpec
 
 log = logging.getLogger("kvstore.client")
@@ -45,14 +44,14 @@ log = logging.getLogger("kvstore.client")
 __all__ = ["AsyncKVClient", "AsyncLayerStream"]
 
 
-class AsyncKVClient(DataCalls):
+class AsyncKVClient(ClientShell):
     """The asynchronous client. Arguments as ``KVClient``'s; ``max_connections`` bounds the socket pool.
 
     ``plan`` (default on) lets the transfer planner pick shm or HTTP per transfer, or answer
     "recompute" (``client_sdk.aio_planning``); ``wrap_media`` wraps each of its media (tests and
     benchmarks inject a slow link with ``AsyncThrottled``). ``inproc`` and ``redis_url`` are
-    accepted for ``KVClient``'s signature and used by its layer streams only: the in-process and
-    direct-Redis media block, and a thread hop per transfer would cost what they save.
+    accepted for ``KVClient``'s signature only: the in-process and direct-Redis media block, and
+    a thread hop per transfer would cost what they save.
     """
 
     def __init__(self, url: str, token: str | None = None, namespace: str = "default", *,
@@ -63,28 +62,10 @@ class AsyncKVClient(DataCalls):
                  slo_s: float | None = None, max_pending_bytes: int = MAX_PENDING_BYTES,
                  agent: str | None = None,
                  max_connections: int = 8) -> None:
-        self.url = url.rstrip("/")
-        self.token = token
-        self.namespace = validate_namespace(namespace)
-        self.agent = c.agent_id(agent)
-        """Sent with every request (``x-kv-agent``): the server learns hand-offs between agents."""
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.colocated = colocated
-        self.plan = plan
-        self.slo_s = slo_s
-        self.redis_url = redis_url
-        self.stats = c.ClientStats()
-        self.http = AsyncHttpTransport(self.url, token, self.namespace, timeout_s=timeout_s,
-                                       connect_timeout_s=connect_timeout_s, retry=RetryPolicy(retries, backoff_s),
-                                       stats=self.stats, max_connections=max_connections,
-                                       agent=self.agent)
-        self._run = self.http.run
-        self.admin = AdminClient(self.http.run, self.namespace)
-        self.colocation = Colocation(self.url, colocated)
-        self.pool = c.TensorPool(buffer_pool_bytes)
+        super().__init__(AsyncHttpTransport, url, token, namespace, timeout_s=timeout_s,
+                         connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
+                         colocated=colocated, buffer_pool_bytes=buffer_pool_bytes, plan=plan, slo_s=slo_s,
+                         redis_url=redis_url, agent=agent, max_connections=max_connections)
         self.shm = AsyncShmPath(self.http, self.colocation, self.pool, self._report_soon)
         self._http_medium = AsyncHttpMedium(self.http, self.pool)
         self._wrap_media = wrap_media
@@ -97,21 +78,13 @@ class AsyncKVClient(DataCalls):
         self._report_wanted = False
         self._closing = False
         self.puts = AsyncPutQueue(self._put, self.pool, self.namespace, max_pending_bytes)
-        self._blocking: KVClient | None = None
-        self._blocking_args = dict(token=token, namespace=namespace, timeout_s=timeout_s,
-                                   connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
-                                   colocated=colocated, plan=False, inproc=inproc, redis_url=redis_url)
 
     # -- data API ------------------------------------------------------------------------------
 
     async def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, durable: bool = False,
                      wait: bool = True, handoff: str | None = None) -> int | AsyncPutHandle:
         """As ``KVClient.put_kv``; with ``wait=False``, an ``AsyncPutHandle`` (``await handle``)."""
-        self.puts.raise_failed()
-        spec = c.check_spec(spec)
-        toks = c.tokens_of(tokens)
-        kv = c.validate_put(spec, toks, kv)
-        calls.check_handoff(handoff, wait)
+        spec, toks, kv = self._put_input(spec, tokens, kv, wait, handoff)
         if not wait:
             return await self.puts.submit(spec, toks, kv, durable)
         stored = await self._put(spec, toks, kv, durable)
@@ -138,12 +111,9 @@ class AsyncKVClient(DataCalls):
             return await (await self._planned()).get_kv(spec, toks, out, self.slo_s if slo_s is None else slo_s)
         return await self.shm.get_kv(spec, toks, out)
 
-    async def get_kv_layers(self, spec: KVSpec, tokens: Any) -> "AsyncLayerStream":
+    async def get_kv_layers(self, spec: KVSpec, tokens: Any) -> AsyncLayerStream:
         """As ``KVClient.get_kv_layers``: ``async for layer, kv_layer in await client.get_kv_layers(...)``."""
-        spec = c.check_spec(spec)
-        if self._blocking is None:
-            self._blocking = KVClient(self.url, **self._blocking_args)
-        return AsyncLayerStream(await asyncio.to_thread(self._blocking.get_kv_layers, spec, tokens))
+        return await aget_kv_layers(self.shm, c.check_spec(spec), tokens)
 
     # -- blocks by key: the co-located paths ------------------------------------------------------
 
@@ -167,11 +137,6 @@ class AsyncKVClient(DataCalls):
     def set_prefill_rate(self, spec: KVSpec, tokens_per_s: float) -> None:
         """The caller's prefill speed for ``spec``: the planner answers "recompute" when that is faster."""
         self._decider.model.set_prefill_rate(c.check_spec(spec).fingerprint(), tokens_per_s)
-
-    @property
-    def last_decision(self) -> Decision | None:
-        """The planner's latest decision (inputs, candidates, choice, reason, actual cost)."""
-        return None if self._planner is None else self._planner.last
 
     def decisions(self, limit: int = 100) -> list[dict]:
         """This client's newest decision records, oldest first."""
@@ -261,45 +226,10 @@ class AsyncKVClient(DataCalls):
             log.debug("the last report failed", exc_info=True)
         if self._planner is not None:
             self._planner.close()
-        if self._blocking is not None:
-            await asyncio.to_thread(self._blocking.close)
         await self.shm.run(self.colocation.close_flow())
         await self.http.aclose()
 
     async def __aenter__(self) -> "AsyncKVClient":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-
-class AsyncLayerStream:
-    """A ``LayerStream`` drained from the event loop: ``async for layer, kv_layer in stream``.
-
-    Each layer is received (or copied out of the arena) in a worker thread.
-    """
-
-    def __init__(self, stream: LayerStream) -> None:
-        self.stream = stream
-        self.n_tokens = stream.n_tokens
-        self.kv = stream.kv
-
-    def __aiter__(self) -> "AsyncLayerStream":
-        return self
-
-    async def __anext__(self) -> tuple[int, torch.Tensor]:
-        got = await asyncio.to_thread(next, self.stream, None)
-        if got is None:
-            raise StopAsyncIteration
-        return got
-
-    async def read_all(self) -> tuple[torch.Tensor, int]:
-        return await asyncio.to_thread(self.stream.read_all)
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.stream.close)
-
-    async def __aenter__(self) -> "AsyncLayerStream":
         return self
 
     async def __aexit__(self, *exc: object) -> None:

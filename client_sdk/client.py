@@ -1,7 +1,8 @@
 """``KVClient``: put_kv / get_kv / lookup against a kvstore server, over shm or HTTP.
 
 A thin shell. The requests and their answers are ``client_sdk.calls`` (shared with
-``AsyncKVClient``, with the simple calls themselves in ``client_sdk.surface``);
+``AsyncKVClient``, with the simple calls themselves in ``client_sdk.surface``, and
+the settings and state both clients keep in ``client_sdk.shell``);
 the sockets and the one retry policy are ``client_sdk.transport.HttpTransport``;
 the co-located path is ``client_sdk.rest_media.ShmPath`` driving
 ``client_sdk.colocated``'s flows; the planner (``client_sdk.planning``) picks a
@@ -34,17 +35,16 @@ import torch
 from client_sdk import _common as c
 from client_sdk import calls
 from client_sdk._common import BlockSink, BlockWriter
-from client_sdk.colocated import Colocation, drive
+from client_sdk.colocated import drive
 from client_sdk.layers import LayerStream, get_kv_layers
 from client_sdk.media import Medium
 from client_sdk.pending import MAX_PENDING_BYTES, PutHandle, PutQueue
 from client_sdk.planning import ClientPlanner
 from client_sdk.rest_media import HttpMedium, InprocMedium, ShmMedium, ShmPath, side_media
-from client_sdk.surface import AdminClient, DataCalls
-from client_sdk.transport import HttpTransport, RetryPolicy
+from client_sdk.shell import ClientShell
+from client_sdk.transport import HttpTransport
 from kvstore.errors import KVStoreError
-from kvstore.keys import BlockHash, check_key, validate_namespace
-from kvstore.planner import Decision
+from kvstore.keys import BlockHash, check_key
 from kvstore.spec import KVSpec
 
 log = logging.getLogger("kvstore.client")
@@ -52,7 +52,7 @@ log = logging.getLogger("kvstore.client")
 __all__ = ["KVClient"]
 
 
-class KVClient(DataCalls):
+class KVClient(ClientShell):
     """A blocking client; safe to share between threads (one socket per thread).
 
     Args:
@@ -93,27 +93,10 @@ class KVClient(DataCalls):
                  redis_url: str | None = None, wrap_media: Callable[[Medium], Medium] | None = None,
                  slo_s: float | None = None, max_pending_bytes: int = MAX_PENDING_BYTES,
                  agent: str | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.token = token
-        self.namespace = validate_namespace(namespace)
-        self.agent = c.agent_id(agent)
-        """Sent with every request (``x-kv-agent``): the server learns hand-offs between agents."""
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.colocated = colocated
-        self.plan = plan
-        self.slo_s = slo_s
-        self.redis_url = redis_url
-        self.stats = c.ClientStats()
-        self.http = HttpTransport(self.url, token, self.namespace, timeout_s=timeout_s,
-                                  connect_timeout_s=connect_timeout_s, retry=RetryPolicy(retries, backoff_s),
-                                  stats=self.stats, agent=self.agent)
-        self._run = self.http.run
-        self.admin = AdminClient(self.http.run, self.namespace)
-        self.colocation = Colocation(self.url, colocated)
-        self.pool = c.TensorPool(buffer_pool_bytes)
+        super().__init__(HttpTransport, url, token, namespace, timeout_s=timeout_s,
+                         connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
+                         colocated=colocated, buffer_pool_bytes=buffer_pool_bytes, plan=plan, slo_s=slo_s,
+                         redis_url=redis_url, agent=agent)
         self._reporter = _Reporter(self)
         self.shm = ShmPath(self.http, self.colocation, self.pool, c.OutViews(), self._reporter.soon)
         self._http_medium = HttpMedium(self.http, self.pool)
@@ -154,11 +137,7 @@ class KVClient(DataCalls):
             ConnectionFailed: the server could not be reached after the retries.
             StoreClosed: ``wait=False`` on a closed client.
         """
-        self.puts.raise_failed()
-        spec = c.check_spec(spec)
-        toks = c.tokens_of(tokens)
-        kv = c.validate_put(spec, toks, kv)
-        calls.check_handoff(handoff, wait)
+        spec, toks, kv = self._put_input(spec, tokens, kv, wait, handoff)
         if not wait:
             return self.puts.submit(spec, toks, kv, durable)
         stored = self._put(spec, toks, kv, durable)
@@ -252,11 +231,6 @@ class KVClient(DataCalls):
     def set_prefill_rate(self, spec: KVSpec, tokens_per_s: float) -> None:
         """The caller's prefill speed for ``spec``: the planner answers "recompute" when that is faster."""
         self._planned().set_prefill_rate(c.check_spec(spec), tokens_per_s)
-
-    @property
-    def last_decision(self) -> Decision | None:
-        """The planner's latest decision (inputs, candidates, choice, reason, actual cost)."""
-        return None if self._planner is None else self._planner.last
 
     def decisions(self, limit: int = 100) -> list[dict]:
         """This client's newest decision records, oldest first."""

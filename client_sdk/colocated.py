@@ -8,7 +8,9 @@ lease expired or the server restarted) is the same for ``KVClient`` and
 each operation here is a generator (a *flow*) that yields steps: a
 ``client_sdk.calls.Call`` to send, or a ``Copy`` to run, and gets the answer back
 (an error answer is thrown into it). ``drive`` runs a flow with a blocking
-transport; ``adrive`` with an async one, running large copies off the event loop.
+transport; ``adrive`` with an async one, running large copies off the event loop. Both
+step through a flow with ``Steps``, which the planner's transfers (``client_sdk.planning``)
+and the layer streams (``client_sdk.layers``) are run with too.
 
 ``Colocation`` is the state both clients keep: whether the server's arena can be
 mapped here, the mapping, and arenas retired after a server restart (another
@@ -34,8 +36,8 @@ from kvstore.keys import BlockHash
 from kvstore.spec import KVSpec
 from kvstore.wire.rest import KV_MEDIA, host_id
 
-__all__ = ["Copy", "Colocation", "drive", "adrive", "get_flow", "cached_get", "put_flow", "staged_flow",
-           "frames_flow", "blocks_exist_flow", "get_blocks_into_flow", "put_blocks_flow"]
+__all__ = ["Copy", "Steps", "Colocation", "drive", "adrive", "get_flow", "missing_flow", "cached_get", "put_flow",
+           "staged_flow", "frames_flow", "blocks_exist_flow", "get_blocks_into_flow", "put_blocks_flow"]
 
 log = logging.getLogger("kvstore.client")
 
@@ -54,45 +56,64 @@ class Copy:
 Flow = Generator["Call[Any] | Copy", Any, T]
 
 
+class Steps:
+    """A flow run one step at a time, the loop written once for every driver.
+
+    Iterating yields the flow's steps; the driver runs each (its own way: blocking,
+    awaited, in a thread) and sets ``answer`` to what it gave, or ``error`` to what it
+    raised, before asking for the next (an error is thrown into the flow, which may
+    handle it). ``result`` is the flow's return value once the iteration ends.
+    """
+
+    __slots__ = ("flow", "answer", "error", "result")
+
+    def __init__(self, flow: Generator[Any, Any, Any]) -> None:
+        self.flow = flow
+        self.answer: Any = None
+        self.error: BaseException | None = None
+        self.result: Any = None
+
+    def __iter__(self) -> "Steps":
+        return self
+
+    def __next__(self) -> Any:
+        error, self.error = self.error, None
+        try:
+            return self.flow.send(self.answer) if error is None else self.flow.throw(error)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise
+
+
 def drive(flow: Flow[T], run: Callable[[Call[Any]], Any]) -> T:
     """Run ``flow`` to its result, sending its calls with ``run`` and its copies inline."""
-    answer: Any = None
-    error: Exception | None = None
+    steps = Steps(flow)
     try:
-        while True:
+        for step in steps:
             try:
-                step = flow.send(answer) if error is None else flow.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            error = None
-            try:
-                answer = run(step) if type(step) is Call else step.fn(*step.args)
+                steps.answer = run(step) if type(step) is Call else step.fn(*step.args)
             except Exception as exc:  # the flow decides: it may handle it (an expired lease) or not
-                answer, error = None, exc
+                steps.error = exc
     except BaseException:
         flow.close()  # a flow stopped early (KeyboardInterrupt...) still gives back what it holds
         raise
+    return steps.result
 
 
 async def adrive(flow: Flow[T], run: Callable[[Call[Any]], Awaitable[Any]],
                  off_loop: Callable[..., Awaitable[Any]]) -> T:
     """``drive`` with an async transport; each copy goes through ``off_loop(nbytes, fn, *args)``."""
-    answer: Any = None
-    error: Exception | None = None
+    steps = Steps(flow)
     try:
-        while True:
+        for step in steps:
             try:
-                step = flow.send(answer) if error is None else flow.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            error = None
-            try:
-                answer = await run(step) if type(step) is Call else await off_loop(step.nbytes, step.fn, *step.args)
+                steps.answer = await (run(step) if type(step) is Call else off_loop(step.nbytes, step.fn, *step.args))
             except Exception as exc:
-                answer, error = None, exc
+                steps.error = exc
     except BaseException:  # cancelled: the flow gives back what it holds
         flow.close()
         raise
+    return steps.result
 
 
 class Colocation:
@@ -206,18 +227,25 @@ def get_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, out: Any, 
         arena.handles.remember(blocks)
         missing = yield Copy(spec.bytes_per_token * len(blocks) * bt, arena.fill_from_handles, blocks, kv, bt, stats)
     good = len(blocks)
-    if missing:
-        want = {blocks[i]["key"]: i for i in missing}
-        body = yield calls.raw_blocks(list(want))
-        arrived = c.fill_from_batch(body, want, kv, bt, {})
-        stats.shm_blocks_fetched_over_http += len(arrived)
-        lost = sorted(set(missing) - arrived)
-        good = lost[0] if lost else good
+    if missing:  # rare: a nested flow only then
+        good = yield from missing_flow(blocks, missing, kv, bt, stats)
     stats.shm_gets += 1
     stats.last_medium = "shm"
     if good < len(blocks):
         kv = kv[:, :, :, :good * bt].clone() if out is None else c.result_tensor(spec, good * bt, out)
     return kv, good * bt
+
+
+def missing_flow(blocks: Sequence[dict], missing: Sequence[int], kv: torch.Tensor, bt: int,
+                 stats: c.ClientStats) -> Flow[int]:
+    """The blocks of a co-located read that the arena did not have, over HTTP in one batch, into
+    ``kv``; how many blocks of the prefix are in ``kv`` then (it stops at the first that is gone)."""
+    want = {blocks[i]["key"]: i for i in missing}
+    body = yield calls.raw_blocks(list(want))
+    arrived = c.fill_from_batch(body, want, kv, bt, {})
+    stats.shm_blocks_fetched_over_http += len(arrived)
+    lost = sorted(set(missing) - arrived)
+    return lost[0] if lost else len(blocks)
 
 
 def frames_flow(arena: Arena, keys: Sequence[BlockHash], namespace: str) -> Flow[list[Any]]:

@@ -5,13 +5,16 @@ layer 0 first and layer ``L-1`` last, so a consumer that takes each layer
 ``[2, H, n, D]`` as it lands can compute layer 0 while later layers are in
 flight (LMCache's layerwise mode, AttentionStore's layer-wise preloading).
 ``get_kv_layers`` returns a ``LayerStream``: ``n_tokens`` is known at once,
-and iterating yields ``(layer, kv_layer)`` in order.
+and iterating yields ``(layer, kv_layer)`` in order. ``aget_kv_layers`` is the
+async client's: an ``AsyncLayerStream``, drained with ``async for``.
 
 Over HTTP (``POST /v1/kv/get-layers``) the server sends one layer per write
 and the stream receives each straight into its slice of the result. The
 stream owns a connection of its own, not the calling thread's, so it may be
 drained from another thread (``kvstore.integrations.hf_layers`` does) while
-this thread makes other calls.
+this thread makes other calls; the async stream's is a socket of the event
+loop's, outside the transport's pool (over ``https``, which the loop's sockets
+do not speak, httpx brings the answer whole and the layers are handed out of it).
 
 Over shared memory the stream copies layer ``l`` of every block out of the
 arena when layer ``l`` is asked for. Each raw frame is checked as a full get
@@ -21,23 +24,29 @@ slot's seqlock. Other frames (int8) are decoded whole up front, and blocks
 not in the arena come over HTTP, as ``KVClient.get_kv`` does. A slot that
 changes after layer 0 went out is fetched again by key; a block that left the
 store by then raises ``BlockNotFound`` (the prefix length is already promised).
+That logic is written once, as flows (``client_sdk.colocated``): ``layers_flow``
+places layer 0, ``ShmLayers.layer_flow`` each layer after it; the blocking stream
+drives them, the async one awaits them (copies over 1 MiB in a worker thread).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+import asyncio
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
 import torch
 
 from client_sdk import _common as c
+from client_sdk.aio_media import AsyncShmPath
 from client_sdk.arena import Arena
 from client_sdk._common import VERIFIED_VIEW  # the full get's verified-view slot: both paths share one check per handle
 from client_sdk import calls
-from client_sdk._http import BrokenConnection, Connection
+from client_sdk._http import AsyncConnection, BrokenConnection, Connection, Head
+from client_sdk.colocated import Copy, Flow, drive, missing_flow
 from client_sdk.rest_media import ShmPath
-from client_sdk.transport import HttpTransport
-from kvstore.wire.rest import H_TOKENS, KV_MEDIA
+from client_sdk.transport import AsyncHttpTransport, HttpTransport, kv_answer
+from kvstore.wire.rest import KV_MEDIA
 from kvstore.errors import ConnectionFailed, RequestTimeout, ServiceError
 from kvstore.wire.errors import error_from
 from kvstore import codec as codec_mod
@@ -47,12 +56,33 @@ from kvstore.memory.shm import SlotHandle
 from kvstore.spec import KVSpec
 
 
-__all__ = ["LAYERS_PATH", "LayerStream", "get_kv_layers", "iter_layers_http", "iter_layers_shm"]
+__all__ = ["LAYERS_PATH", "LayerStream", "AsyncLayerStream", "ShmLayers", "get_kv_layers", "aget_kv_layers",
+           "iter_layers_http", "aiter_layers_http", "iter_layers_shm", "aiter_layers_shm", "layers_flow"]
 
 LAYERS_PATH = "/v1/kv/get-layers"
 
 
-class LayerStream:
+class _Stream:
+    """What both layer streams hold: the prefix, the result its layers land in, and how it came."""
+
+    def __init__(self, n_tokens: int, kv: torch.Tensor, layers: Any, medium: str,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.n_tokens = n_tokens
+        self.kv = kv
+        self.medium = medium
+        self._layers = self._nothing() if layers is None else layers
+        self._on_close = on_close
+
+    @staticmethod
+    def _nothing() -> Any:
+        return iter(())
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.kv.shape[0])
+
+
+class LayerStream(_Stream):
     """The layers of one get, in order: iterate for ``(layer_index, kv_layer [2, H, n, D])``.
 
     A miss (``n_tokens == 0``) yields nothing. Each yielded tensor is a view of
@@ -60,23 +90,19 @@ class LayerStream:
     Close it (or leave the ``with`` block) to stop early: the rest is dropped
     and the HTTP connection closed.
 
+    Args:
+        layers: the iterator of ``(layer_index, kv_layer)``; None: a miss, no layer.
+        on_close: called on ``close`` (the stream's own connection).
+
     Attributes:
         n_tokens: tokens of the stored prefix, known before any layer arrives.
         kv: ``[L, 2, H, n_tokens, D]``; layer ``l`` holds data once it was yielded.
         medium: ``"http"`` or ``"shm"``.
     """
 
-    def __init__(self, n_tokens: int, kv: torch.Tensor, layers: Iterator[tuple[int, torch.Tensor]],
+    def __init__(self, n_tokens: int, kv: torch.Tensor, layers: Iterator[tuple[int, torch.Tensor]] | None,
                  medium: str, on_close: Callable[[], None] | None = None) -> None:
-        self.n_tokens = n_tokens
-        self.kv = kv
-        self.medium = medium
-        self._layers = layers
-        self._on_close = on_close
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.kv.shape[0])
+        super().__init__(n_tokens, kv, layers, medium, on_close)
 
     def __iter__(self) -> "LayerStream":
         return self
@@ -104,6 +130,49 @@ class LayerStream:
         self.close()
 
 
+async def _no_layers() -> AsyncIterator[tuple[int, torch.Tensor]]:
+    return
+    yield  # an async generator that yields nothing
+
+
+class AsyncLayerStream(_Stream):
+    """``LayerStream`` on the event loop: ``async for layer, kv_layer in stream``.
+
+    The same attributes; ``read_all`` and ``aclose`` are awaited (``async with`` closes it).
+    """
+
+    _nothing = staticmethod(_no_layers)
+
+    def __init__(self, n_tokens: int, kv: torch.Tensor, layers: AsyncIterator[tuple[int, torch.Tensor]] | None,
+                 medium: str, on_close: Callable[[], None] | None = None) -> None:
+        super().__init__(n_tokens, kv, layers, medium, on_close)
+
+    def __aiter__(self) -> "AsyncLayerStream":
+        return self
+
+    async def __anext__(self) -> tuple[int, torch.Tensor]:
+        return await self._layers.__anext__()
+
+    async def read_all(self) -> tuple[torch.Tensor, int]:
+        """Drain the rest; ``(kv, n_tokens)``, as ``get_kv`` answers."""
+        async for _ in self:
+            pass
+        return self.kv, self.n_tokens
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._layers, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if self._on_close is not None:  # as in LayerStream.close
+            self._on_close()
+
+    async def __aenter__(self) -> "AsyncLayerStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
 def get_kv_layers(shm: ShmPath, spec: KVSpec, tokens: Any) -> LayerStream:
     """The KV of the longest stored prefix, layer by layer, over a client's co-located path
     when it has one (the server's arena is mapped here), HTTP otherwise.
@@ -116,6 +185,13 @@ def get_kv_layers(shm: ShmPath, spec: KVSpec, tokens: Any) -> LayerStream:
     if shm.arena() is not None:
         return iter_layers_shm(shm, spec, tokens)
     return iter_layers_http(shm.http, spec, tokens, shm.pool)
+
+
+async def aget_kv_layers(shm: AsyncShmPath, spec: KVSpec, tokens: Any) -> AsyncLayerStream:
+    """``get_kv_layers`` over an async client's paths, awaited."""
+    if await shm.arena() is not None:
+        return await aiter_layers_shm(shm, spec, tokens)
+    return await aiter_layers_http(shm.http, spec, tokens, shm.pool)
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -134,41 +210,99 @@ def iter_layers_http(http: HttpTransport, spec: KVSpec, tokens: Any, pool: c.Ten
     parts = c.kv_parts(spec, c.tokens_of(tokens), None)
     conn = Connection(http.endpoint, connect_timeout_s=http.connect_timeout_s, timeout_s=http.timeout_s)
     try:
-        def once() -> Any:
+        def once() -> Head:
             head = conn.request("POST", LAYERS_PATH, http.headers(KV_MEDIA), parts)
             if head.status != 200:
                 raise error_from(head.status, conn.read_body())
             return head
         head = http.retry.run(once, http.url, http.stats)
-        n = int(head.headers.get(H_TOKENS, "-1"))
-        if n < 0 or head.length != spec.bytes_per_token * n:
-            raise ServiceError(f"get_kv_layers answer of {head.length} bytes for {n} tokens does not match the spec")
-        kv = c.result_tensor(spec, n, None, pool)
+        kv, n = kv_answer(spec, head, None, pool, conn, "get_kv_layers")
     except BaseException:
         conn.close()
         raise
+    return _http_stream(LayerStream, http, conn, head, kv, n, _receive)
+
+
+async def aiter_layers_http(http: AsyncHttpTransport, spec: KVSpec, tokens: Any,
+                            pool: c.TensorPool | None = None) -> AsyncLayerStream:
+    """``iter_layers_http`` on the event loop: each layer received by the loop's socket calls,
+    within the transport's read timeout (``RequestTimeout`` past it)."""
+    spec = c.check_spec(spec)
+    parts = c.kv_parts(spec, c.tokens_of(tokens), None)
+    if http.endpoint.tls:  # httpx buffers the answer whole: its layers are handed out of it
+        kv, n = await http.get_kv(spec, parts, None, pool, path=LAYERS_PATH, what="get_kv_layers")
+        return AsyncLayerStream(n, kv, _held(kv) if n else None, "http")
+    conn = AsyncConnection(http.endpoint, connect_timeout_s=http.connect_timeout_s, timeout_s=http.timeout_s)
+    try:
+        async def once() -> Head:
+            head = await conn.request("POST", LAYERS_PATH, http.headers(KV_MEDIA), parts)
+            if head.status != 200:
+                raise error_from(head.status, await conn.read_body())
+            return head
+        head = await http.retry.arun(once, http.url, http.stats)
+        kv, n = kv_answer(spec, head, None, pool, conn, "get_kv_layers")
+    except BaseException:
+        conn.close()
+        raise
+    return _http_stream(AsyncLayerStream, http, conn, head, kv, n, _areceive)
+
+
+def _http_stream(stream: type, http: Any, conn: Any, head: Head, kv: torch.Tensor, n: int,
+                 receive: Callable[..., Any]) -> Any:
+    """The stream of an answer whose head is in: its layers received as they are asked for."""
     http.stats.http_gets += 1
     http.stats.last_medium = "http"
     if n == 0:  # a miss: the answer is its head
         conn.close()
-        return LayerStream(0, kv, iter(()), "http")
-    return LayerStream(n, kv, _receive(conn, kv, head.keep_alive, http.url), "http", on_close=conn.close)
+        return stream(0, kv, None, "http")
+    return stream(n, kv, receive(conn, kv, head.keep_alive, http), "http", on_close=conn.close)
 
 
-def _receive(conn: Connection, kv: torch.Tensor, keep_alive: bool, url: str) -> Iterator[tuple[int, torch.Tensor]]:
+def _reads(kv: torch.Tensor, keep_alive: bool) -> Iterator[memoryview | None]:
+    """Per layer, what to receive before it is handed out: its bytes of the Content-Length body;
+    or, of a close-delimited answer (``read_into`` closes it after one call), all of it first."""
+    for layer in range(kv.shape[0]):
+        if keep_alive:
+            yield c.byte_view(kv[layer])
+        else:
+            yield c.byte_view(kv) if layer == 0 else None
+
+
+def _broke(url: str, exc: OSError) -> KVStoreError:
+    if isinstance(exc, BrokenConnection):
+        return ConnectionFailed(f"{url}: the layer stream broke: {exc}")
+    return RequestTimeout(f"{url}: the layer stream stalled past the timeout")
+
+
+def _receive(conn: Connection, kv: torch.Tensor, keep_alive: bool,
+             http: HttpTransport) -> Iterator[tuple[int, torch.Tensor]]:
     try:
-        if not keep_alive:  # read_into closes a close-delimited connection after one call: take it whole
-            conn.read_into(c.byte_view(kv))
-        for layer in range(kv.shape[0]):
-            if keep_alive:
-                conn.read_into(c.byte_view(kv[layer]))  # exactly this layer's bytes of the Content-Length body
+        for layer, view in enumerate(_reads(kv, keep_alive)):
+            if view is not None:
+                conn.read_into(view)
             yield layer, kv[layer]
-    except BrokenConnection as exc:
-        raise ConnectionFailed(f"{url}: the layer stream broke: {exc}") from exc
-    except TimeoutError as exc:
-        raise RequestTimeout(f"{url}: the layer stream stalled past the timeout") from exc
+    except (BrokenConnection, TimeoutError) as exc:
+        raise _broke(http.url, exc) from exc
     finally:
         conn.close()  # a stream's own connection; one stopped early still has body on the wire
+
+
+async def _areceive(conn: AsyncConnection, kv: torch.Tensor, keep_alive: bool,
+                    http: AsyncHttpTransport) -> AsyncIterator[tuple[int, torch.Tensor]]:
+    try:
+        for layer, view in enumerate(_reads(kv, keep_alive)):
+            if view is not None:  # the socket's own timeout, had it one: a stall is not waited out
+                await asyncio.wait_for(conn.read_into(view), http.timeout_s)
+            yield layer, kv[layer]
+    except (BrokenConnection, TimeoutError) as exc:
+        raise _broke(http.url, exc) from exc
+    finally:
+        conn.close()  # as in _receive
+
+
+async def _held(kv: torch.Tensor) -> AsyncIterator[tuple[int, torch.Tensor]]:
+    for layer in range(kv.shape[0]):
+        yield layer, kv[layer]
 
 
 # -- shared memory ---------------------------------------------------------------------------
@@ -188,46 +322,139 @@ def iter_layers_shm(shm: ShmPath, spec: KVSpec, tokens: Any) -> LayerStream:
     toks = c.tokens_of(tokens)
     arena = shm.arena()
     if arena is None:
-        if shm.colocation.decided == "http" or shm.colocation.colocated is False:
-            raise ServiceError("iter_layers_shm: this client does not use the shm path "
-                               "(remote server or colocated=False)")
+        _check_uses_shm(shm)
         return iter_layers_http(shm.http, spec, toks, shm.pool)  # the server restarted without one
+    got = drive(layers_flow(shm, arena, spec, toks), shm.http.run)
+    if got is None:  # a restarted server's slots
+        return iter_layers_http(shm.http, spec, toks, shm.pool)
+    return LayerStream(got.n_tokens, got.kv, _copied(got, shm.http.run) if got.n_tokens else None, "shm")
+
+
+async def aiter_layers_shm(shm: AsyncShmPath, spec: KVSpec, tokens: Any) -> AsyncLayerStream:
+    """``iter_layers_shm`` over an async client's co-located path, awaited."""
+    spec = c.check_spec(spec)
+    toks = c.tokens_of(tokens)
+    arena = await shm.arena()
+    if arena is None:
+        _check_uses_shm(shm)
+        return await aiter_layers_http(shm.http, spec, toks, shm.pool)
+    got = await shm.run(layers_flow(shm, arena, spec, toks))
+    if got is None:
+        return await aiter_layers_http(shm.http, spec, toks, shm.pool)
+    return AsyncLayerStream(got.n_tokens, got.kv, _acopied(got, shm) if got.n_tokens else None, "shm")
+
+
+def _check_uses_shm(shm: ShmPath | AsyncShmPath) -> None:
+    if shm.colocation.decided == "http" or shm.colocation.colocated is False:
+        raise ServiceError("iter_layers_shm: this client does not use the shm path "
+                           "(remote server or colocated=False)")
+
+
+def _copied(layers: "ShmLayers", run: Callable[[Any], Any]) -> Iterator[tuple[int, torch.Tensor]]:
+    for layer in range(layers.kv.shape[0]):
+        yield drive(layers.layer_flow(layer), run)
+
+
+async def _acopied(layers: "ShmLayers", shm: AsyncShmPath) -> AsyncIterator[tuple[int, torch.Tensor]]:
+    for layer in range(layers.kv.shape[0]):
+        yield await shm.run(layers.layer_flow(layer))
+
+
+def layers_flow(shm: ShmPath | AsyncShmPath, arena: Arena, spec: KVSpec, toks: Any) -> Flow["ShmLayers | None"]:
+    """A co-located layer stream up to layer 0: every block checked and layer 0 placed (or a
+    block decoded whole), what the arena lacks over HTTP. None when the server names another
+    arena's slots (it restarted): the caller streams over HTTP.
+
+    Args:
+        shm: the client's co-located path (its colocation, pool, namespace, stats, report).
+    """
     bt = spec.block_tokens
     cached = arena.handles.lookup(spec, toks, shm.namespace)
     if cached is not None:  # every handle remembered: no request unless one went stale
-        got = _prepare(arena, cached, spec, shm.pool, shm.stats)
-        if not got[2]:
+        kv, sources, missing = yield Copy(spec.bytes_per_token * len(cached) * bt, _prepare, arena, cached, spec,
+                                          shm.pool, shm.stats)
+        if not missing:
             arena.served_from_cache(cached, bt, shm.stats)
             if arena.accesses.due():
                 shm.report()
-            return _shm_stream(shm.http, arena, cached, spec, got[0], got[1])
+            return ShmLayers(arena, cached, spec, kv, sources, shm.stats)
         arena.handles.forget(cached)
-    answer = shm.http.run(calls.kv_call("/v1/kv/handles", spec, toks, None))
-    if shm.colocation.changed(arena, answer.get("segment"), "segment"):  # a restarted server's slots
-        return iter_layers_http(shm.http, spec, toks, shm.pool)
+    answer = yield calls.kv_call("/v1/kv/handles", spec, toks, None)
+    if shm.colocation.changed(arena, answer.get("segment"), "segment"):
+        return None
     blocks = answer["blocks"]
     arena.handles.remember(blocks)
-    kv, sources, missing = _prepare(arena, blocks, spec, shm.pool, shm.stats)
-    good = _fill_missing(shm.http, blocks, missing, kv, bt)
+    kv, sources, missing = yield Copy(spec.bytes_per_token * len(blocks) * bt, _prepare, arena, blocks, spec,
+                                      shm.pool, shm.stats)
+    good = (yield from missing_flow(blocks, missing, kv, bt, shm.stats)) if missing else len(blocks)
     shm.stats.shm_gets += 1
     shm.stats.last_medium = "shm"
     if good < len(blocks):  # rare: a block vanished; keep the result one contiguous tensor
         kv = kv[:, :, :, :good * bt].clone()
         sources = sources[:good]
-    return _shm_stream(shm.http, arena, blocks[:good], spec, kv, sources)
+    return ShmLayers(arena, blocks[:good], spec, kv, sources, shm.stats)
 
 
-def _fill_missing(http: HttpTransport, blocks: Sequence[dict], missing: Sequence[int], kv: torch.Tensor,
-                  bt: int) -> int:
-    """Fetch over HTTP the blocks the arena did not have; returns how many blocks of the prefix
-    are now in ``kv`` (it stops at the first that is gone)."""
-    if not missing:
-        return len(blocks)
-    want = {blocks[i]["key"]: i for i in missing}
-    arrived = c.fill_from_batch(http.run(calls.raw_blocks(list(want))), want, kv, bt, {})
-    http.stats.shm_blocks_fetched_over_http += len(arrived)
-    lost = sorted(set(missing) - arrived)
-    return lost[0] if lost else len(blocks)
+class ShmLayers:
+    """A co-located layer stream once layer 0 is placed; ``layer_flow`` copies each layer after it.
+
+    Args:
+        arena: the arena the handles came from, read to the end even if the client has moved
+            on since (a server restart).
+        blocks: the prefix's blocks (the server's handle answers). sources: per block, its
+            verified payload in the arena, or None when it is in place already (decoded whole).
+    """
+
+    def __init__(self, arena: Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor, sources: _Sources,
+                 stats: c.ClientStats) -> None:
+        self.arena = arena
+        self.blocks = blocks
+        self.spec = spec
+        self.kv = kv
+        self.stats = stats
+        self.n_tokens = len(blocks) * spec.block_tokens
+        self._live = {i: src for i, src in enumerate(sources) if src is not None}
+        """Block -> its source, while its layers are still copied from the arena."""
+        self._ints: np.ndarray | None = None
+
+    def layer_flow(self, layer: int) -> Flow[tuple[int, torch.Tensor]]:
+        """``(layer, kv_layer)`` once every block's part of ``layer`` is in place."""
+        if layer:  # layer 0 was placed with the checks
+            stale = yield Copy(self.kv[layer].nbytes, self._copy, layer)
+            for i in stale:
+                yield from self._refetch(i, layer)
+        return layer, self.kv[layer]
+
+    def _copy(self, layer: int) -> list[int]:
+        """``layer`` of every live block, each under its slot's seqlock; the blocks whose slot changed."""
+        if self._ints is None:
+            self._ints = int_view(self.kv)
+        reader, ints = self.arena.reader, self._ints
+        bt = self.spec.block_tokens
+        stale = []
+        for i, src in self._live.items():
+            h = self.blocks[i]["handle"]
+            if not reader.copy_current(h["index"], h["gen"], ints[layer, :, :, i * bt:(i + 1) * bt], src[layer]):
+                stale.append(i)
+        return stale
+
+    def _refetch(self, i: int, layer: int) -> Flow[None]:
+        """Layers ``layer..`` of block ``i``, whose slot changed mid-stream, fetched again by key.
+
+        Raises:
+            BlockNotFound: the block is no longer stored (or its frame fails), so the layers cannot be completed.
+        """
+        block = self.blocks[i]
+        self.arena.handles.forget([block])
+        key = block["key"]
+        bt = self.spec.block_tokens
+        whole = torch.empty(self.spec.kv_shape(bt), dtype=self.spec.torch_dtype)
+        body = yield calls.raw_blocks([key])
+        if not c.fill_from_batch(body, {key: 0}, whole, bt, {}):
+            raise BlockNotFound(f"block {key} left the store while its layers streamed (at layer {layer})")
+        self.kv[layer:, :, :, i * bt:(i + 1) * bt].copy_(whole[layer:])
+        self.stats.shm_blocks_fetched_over_http += 1
+        del self._live[i]  # its remaining layers are in place
 
 
 _Sources = list["np.ndarray | None"]
@@ -293,43 +520,3 @@ def _place_first(arena: Arena, b: dict, spec: KVSpec, part: torch.Tensor, part_i
     stats.shm_frames_verified += 1
     b[VERIFIED_VIEW] = src
     return src
-
-
-def _shm_stream(http: HttpTransport, arena: Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
-                sources: _Sources) -> LayerStream:
-    n = len(blocks) * spec.block_tokens
-    return LayerStream(n, kv, _copy_layers(http, arena, blocks, spec, kv, sources) if n else iter(()), "shm")
-
-
-def _copy_layers(http: HttpTransport, arena: Arena, blocks: list[dict], spec: KVSpec, kv: torch.Tensor,
-                 sources: _Sources) -> Iterator[tuple[int, torch.Tensor]]:
-    reader = arena.reader  # the arena the handles came from, even if the client has moved on since
-    ints = int_view(kv)
-    bt = spec.block_tokens
-    live = {i: src for i, src in enumerate(sources) if src is not None}
-    yield 0, kv[0]
-    for layer in range(1, kv.shape[0]):
-        for i, src in list(live.items()):
-            h = blocks[i]["handle"]
-            cut = slice(i * bt, (i + 1) * bt)
-            if not reader.copy_current(h["index"], h["gen"], ints[layer, :, :, cut], src[layer]):
-                _refetch(http, arena, blocks[i], spec, kv[layer:, :, :, cut], layer)
-                del live[i]  # its remaining layers are in place
-        yield layer, kv[layer]
-
-
-def _refetch(http: HttpTransport, arena: Arena, block: dict, spec: KVSpec, rest: torch.Tensor,
-             layer: int) -> None:
-    """Layers ``layer..`` of a block whose slot changed mid-stream, fetched again by key.
-
-    Raises:
-        BlockNotFound: the block is no longer stored (or its frame fails), so the layers cannot be completed.
-    """
-    arena.handles.forget([block])
-    key = block["key"]
-    whole = torch.empty(spec.kv_shape(spec.block_tokens), dtype=spec.torch_dtype)
-    body = http.run(calls.raw_blocks([key]))
-    if not c.fill_from_batch(body, {key: 0}, whole, spec.block_tokens, {}):
-        raise BlockNotFound(f"block {key} left the store while its layers streamed (at layer {layer})")
-    rest.copy_(whole[layer:])
-    http.stats.shm_blocks_fetched_over_http += 1

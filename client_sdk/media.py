@@ -29,12 +29,13 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from client_sdk import calls
 from kvstore import codec as codec_mod
 from kvstore.errors import FrameError
 from kvstore.keys import BlockHash, block_hashes, block_meta, normalize_tokens
 from kvstore.spec import KVSpec
 
-__all__ = ["Medium", "Throttled", "decode_prefix", "encode_blocks"]
+__all__ = ["Medium", "RestPuts", "Throttled", "decode_prefix", "encode_blocks"]
 
 
 class Medium(ABC):
@@ -85,6 +86,24 @@ class Medium(ABC):
 
     def close(self) -> None:
         """Release the transport; idempotent."""
+
+
+class RestPuts(Medium):
+    """A medium whose writes go through the server's REST routes over ``http`` (an
+    ``HttpTransport``): frames in one batch, KV as one raw body. The HTTP medium's own
+    puts, and those a read-only medium (direct Redis) forwards to the server, which keeps
+    the index and the quotas."""
+
+    http: Any
+
+    def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
+        return self.http.run(calls.put_blocks(items))
+
+    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
+        stored = self.http.run(calls.put_kv_http(spec, normalize_tokens(tokens), kv))
+        self.http.stats.http_puts += 1
+        self.http.stats.last_medium = "http"
+        return stored
 
 
 def decode_prefix(spec: KVSpec, frames: Sequence[Any], out: Any = None) -> tuple[torch.Tensor, int]:

@@ -19,10 +19,12 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from functools import partial
+from typing import Any, Callable, Generator, Iterator
 
 import torch
 
+from client_sdk.colocated import Steps
 from client_sdk.media import Medium
 from kvstore.errors import ConnectionFailed
 from kvstore.errors import InvalidInput, KVStoreError, QuotaExceeded, TierFull
@@ -63,7 +65,8 @@ def free_memory_bytes() -> int | None:
 
 class PlanCore:
     """What the sync and async planners share: policies, options, set-aside media, the
-    bookkeeping of decisions and reports. No I/O: the subclasses fetch, probe and transfer.
+    bookkeeping of decisions and reports, and a transfer itself (``_transfer``: a flow whose
+    steps do the I/O; ``ClientPlanner`` calls them, ``AsyncClientPlanner`` awaits them).
 
     Args:
         media: what this client can reach, by name (``Medium``s, or the async client's media:
@@ -74,6 +77,14 @@ class PlanCore:
         report: called (it must not block) when finished decisions should go to the server:
             every ``report_every`` of them, or ``report_after_s`` after the last report.
     """
+
+    policy: Callable[[], Any]
+    """The policy a transfer runs under now (fetched again every ``refresh_s``)."""
+    fetch_policies: Callable[[], Any] | None
+    _timed: Callable[..., Any]
+    """``_timed(probe, nbytes)``: the seconds ``probe(nbytes)`` took."""
+    _probing: Any
+    """Held while a transfer probes: a ``threading.Lock``, or an ``asyncio.Lock``."""
 
     def __init__(self, media: dict[str, Any], *, routing_key: str = "default", locality: str = "remote",
                  refresh_s: float = 5.0, planner: Planner | None = None, report: Callable[[], None] | None = None,
@@ -106,6 +117,13 @@ class PlanCore:
             return False
         self._fetched_s = time.monotonic()
         return True
+
+    def _fresh_policy(self) -> Policy | None:
+        """The policy a transfer runs under, when no refresh is due (most transfers: no I/O);
+        None when one is (``policy()`` fetches)."""
+        if self.fetch_policies is None or time.monotonic() - self._fetched_s < self.refresh_s:
+            return self.policies.for_key(self.routing_key)
+        return None
 
     def _apply_policies(self, data: Any) -> None:
         """The server's ``/v1/policy`` answer; a malformed one keeps the last good policies."""
@@ -159,6 +177,28 @@ class PlanCore:
     def _probe_wire(option: Option, policy: Policy) -> int:
         """A probe moves filler the way a get does; it seeds a put's estimate too, until real puts refine it."""
         return policy.probe_bytes if option.codec == "raw" else policy.probe_bytes // 2
+
+    def _probes(self, op: str, options: list[Option], policy: Policy) -> Generator[Callable[[], Any], Any, None]:
+        """Probe every option whose estimate for ``op`` is missing or older than ``explore_after_s``:
+        one empty round trip (the least of three: the first may pay for a connect), then one
+        bounded transfer. Steps of ``_transfer``; one transfer probes at a time, and one that
+        waited for it finds the estimates fresh.
+        """
+        yield self._probing.acquire
+        try:
+            for option in self._stale(op, options, policy):
+                medium = self.media[option.medium]
+                try:
+                    rtt = []
+                    for _ in range(3):
+                        rtt.append((yield partial(self._timed, medium.probe, 0)))
+                    wire = self._probe_wire(option, policy)
+                    took = (yield partial(self._timed, medium.probe, wire)) if wire else 0.0
+                    self._probed(op, option, policy, min(rtt), wire, took)
+                except KVStoreError as exc:
+                    self._probe_failed(option, policy, exc)
+        finally:
+            self._probing.release()
 
     def _calibrate_codecs(self) -> None:
         """Seed int8 encode/decode seconds per byte from a small block (the server encodes alike).
@@ -231,6 +271,43 @@ class PlanCore:
         if not up:
             raise ConnectionFailed(f"every medium the policy allows failed its probe: {sorted(self._down)}")
         return up
+
+    def _transfer(self, op: str, decide: Callable[[Policy, list[Option]], Decision], move: Callable[[Any, Option], Any],
+                  done: Callable[[Decision, Policy, Option, Any, float], None],
+                  recomputed: Callable[[], Any] | None = None) -> Generator[Callable[[], Any], Any, Any]:
+        """One planned transfer: decide, move it over the chosen medium, learn what it cost.
+
+        A medium that fails is set aside and the transfer tried once more over the next best.
+        Written once for both planners: the steps that do I/O (the policy, probes of stale
+        estimates, the move) are yielded as callables, which ``ClientPlanner`` calls and
+        ``AsyncClientPlanner`` awaits (``_drive``); what one raised is thrown back in.
+        """
+        for attempt in range(2):
+            policy = self._fresh_policy()
+            if policy is None:
+                policy = yield self.policy
+            up = self._up(op, policy)
+            if self._stale(op, up, policy):
+                yield from self._probes(op, up, policy)
+            d = decide(policy, self._still_up(up))
+            if d.choice == RECOMPUTE:
+                assert recomputed is not None
+                return recomputed()
+            option = d.option
+            assert option is not None
+            t0 = time.perf_counter()
+            try:
+                with self._in_flight(option, d.nbytes):
+                    got = yield partial(move, self.media[option.medium], option)
+            except KVStoreError as exc:
+                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
+                continue
+            except BaseException as exc:  # cancelled, or a bug: recorded, and raised as it is
+                self._abandoned(d, policy, t0, exc)
+                raise
+            done(d, policy, option, got, time.perf_counter() - t0)
+            return got
+        raise AssertionError("unreachable: the second failure raises")
 
     def _decide_get(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None, policy: Policy,
                     options: list[Option]) -> Decision:
@@ -339,72 +416,35 @@ class ClientPlanner(PlanCore):
             return
         self._apply_policies(data)
 
-    def _explore(self, op: str, options: list[Option], policy: Policy) -> None:
-        """Probe every option whose estimate for ``op`` is missing or older than ``explore_after_s``."""
-        with self._probing:
-            for option in self._stale(op, options, policy):
-                medium = self.media[option.medium]
-                try:
-                    rtt = []
-                    for _ in range(3):  # the least of three: the first may pay for a connect
-                        t0 = time.perf_counter()
-                        medium.probe(0)
-                        rtt.append(time.perf_counter() - t0)
-                    wire, took = self._probe_wire(option, policy), 0.0
-                    if wire:
-                        t0 = time.perf_counter()
-                        medium.probe(wire)
-                        took = time.perf_counter() - t0
-                    self._probed(op, option, policy, min(rtt), wire, took)
-                except KVStoreError as exc:
-                    self._probe_failed(option, policy, exc)
-
-    def _usable(self, op: str, policy: Policy) -> list[Option]:
-        up = self._up(op, policy)
-        self._explore(op, up, policy)
-        return self._still_up(up)
-
     def get_kv(self, spec: KVSpec, toks: Any, out: Any, slo_s: float | None) -> tuple[torch.Tensor, int]:
-        return self._run(
+        return self._drive(self._transfer(
             "get", lambda policy, options: self._decide_get(spec, toks, out, slo_s, policy, options),
             lambda medium, option: medium.get_kv(spec, toks, out, codec=None if option.codec == "raw" else option.codec),
             lambda d, policy, option, got, took: self._finish_get(d, policy, option, spec, got[1], took),
-            lambda: (spec.empty_kv(0), 0))
+            lambda: (spec.empty_kv(0), 0)))
 
     def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor, slo_s: float | None) -> int:
-        return self._run(
+        return self._drive(self._transfer(
             "put", lambda policy, options: self._decide_put(spec, toks, slo_s, policy, options),
             lambda medium, option: medium.put_kv(spec, toks, kv),
-            lambda d, policy, option, got, took: self._finish_put(d, policy, spec, got, took))
+            lambda d, policy, option, got, took: self._finish_put(d, policy, spec, got, took)))
 
-    def _run(self, op: str, decide: Callable[[Policy, list[Option]], Decision], move: Callable[[Medium, Option], Any],
-             done: Callable[[Decision, Policy, Option, Any, float], None],
-             recomputed: Callable[[], Any] | None = None) -> Any:
-        """One planned transfer: decide, move it over the chosen medium, learn what it cost.
+    @staticmethod
+    def _timed(probe: Callable[[int], None], nbytes: int) -> float:
+        t0 = time.perf_counter()
+        probe(nbytes)
+        return time.perf_counter() - t0
 
-        A medium that fails is set aside and the transfer tried once more over the next best.
-        """
-        for attempt in range(2):
-            policy = self.policy()
-            d = decide(policy, self._usable(op, policy))
-            if d.choice == RECOMPUTE:
-                assert recomputed is not None
-                return recomputed()
-            option = d.option
-            assert option is not None
-            t0 = time.perf_counter()
+    @staticmethod
+    def _drive(transfer: Generator[Callable[[], Any], Any, Any]) -> Any:
+        """Run a transfer (``PlanCore._transfer``), calling each of its steps here."""
+        steps = Steps(transfer)
+        for step in steps:
             try:
-                with self._in_flight(option, d.nbytes):
-                    got = move(self.media[option.medium], option)
-            except KVStoreError as exc:
-                self._failed(d, policy, option, t0, exc, retry=attempt == 0)
-                continue
-            except BaseException as exc:  # cancelled, or a bug: recorded, and raised as it is
-                self._abandoned(d, policy, t0, exc)
-                raise
-            done(d, policy, option, got, time.perf_counter() - t0)
-            return got
-        raise AssertionError("unreachable: the second failure raises")
+                steps.answer = step()
+            except BaseException as exc:  # the transfer records it, then raises it or tries the next medium
+                steps.error = exc
+        return steps.result
 
 
 def _capacity(out: Any) -> int | None:

@@ -24,7 +24,7 @@ from redis.exceptions import RedisClusterException
 
 from client_sdk import _common as c
 from client_sdk import calls
-from client_sdk.media import Medium, decode_prefix
+from client_sdk.media import RestPuts, decode_prefix
 from client_sdk.transport import HttpTransport
 from kvstore.errors import TierIOError, TierUnavailable
 from kvstore.keys import BlockHash, check_key, from_hex
@@ -37,8 +37,8 @@ __all__ = ["RedisDirectMedium"]
 _PROBE_TTL_MS = 60_000
 
 
-class RedisDirectMedium(Medium):
-    """Reads of the server's Redis tier from this process.
+class RedisDirectMedium(RestPuts):
+    """Reads of the server's Redis tier from this process; puts go to the server (``RestPuts``).
 
     Args:
         http: the transport to the server that indexes the blocks (lookups, puts, fallbacks).
@@ -71,9 +71,6 @@ class RedisDirectMedium(Medium):
         frames = [read.result() for read in reads]
         return [f if f is not None and c.frame_in_namespace(f, self.namespace) else None for f in frames]
 
-    def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
-        return self.http.run(calls.put_blocks(items))
-
     def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
                codec: str | None = None) -> tuple[torch.Tensor, int]:
         blocks = self.http.run(calls.lookup_blocks(spec, tokens))["blocks"]
@@ -87,12 +84,6 @@ class RedisDirectMedium(Medium):
             for i, frame in zip(rest, self.http.run(calls.get_blocks([keys[i] for i in rest]))):
                 frames[i] = frame
         return decode_prefix(spec, frames, out)
-
-    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
-        stored = self.http.run(calls.put_kv_http(spec, c.tokens_of(tokens), kv))
-        self.http.stats.http_puts += 1
-        self.http.stats.last_medium = "http"
-        return stored
 
     def probe(self, nbytes: int) -> None:
         """A PING, or a GET of this client's own probe value.

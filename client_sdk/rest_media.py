@@ -26,7 +26,7 @@ from client_sdk.arena import Arena
 from client_sdk import calls
 from client_sdk.colocated import (Colocation, blocks_exist_flow, cached_get, drive, frames_flow, get_blocks_into_flow,
                                   get_flow, put_blocks_flow, put_flow)
-from client_sdk.media import Medium
+from client_sdk.media import Medium, RestPuts
 from client_sdk.transport import HttpTransport
 from kvstore.errors import KVStoreError, ServiceError
 from kvstore.keys import BlockHash, check_key
@@ -37,7 +37,7 @@ log = logging.getLogger("kvstore.client")
 __all__ = ["HttpMedium", "ShmPath", "ShmMedium", "InprocMedium", "side_media", "shm_probe"]
 
 
-class HttpMedium(Medium):
+class HttpMedium(RestPuts):
     """Streamed REST over one ``HttpTransport``.
 
     Args:
@@ -56,20 +56,11 @@ class HttpMedium(Medium):
     def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
         return self.http.run(calls.get_blocks(keys, codec))
 
-    def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
-        return self.http.run(calls.put_blocks(items))
-
     def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
                codec: str | None = None) -> tuple[torch.Tensor, int]:
         if codec not in (None, "raw"):
             return super().get_kv(spec, tokens, out, codec=codec)
         return self.http.get_kv(spec, c.kv_parts(spec, c.tokens_of(tokens), None), out, self.pool)
-
-    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
-        stored = self.http.run(calls.put_kv_http(spec, c.tokens_of(tokens), kv))
-        self.http.stats.http_puts += 1
-        self.http.stats.last_medium = "http"
-        return stored
 
     def probe(self, nbytes: int) -> None:
         self.http.probe(nbytes)
@@ -197,18 +188,14 @@ class InprocMedium(Medium):
         self._src: torch.Tensor | None = None
 
     def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
-        out: list[Any] = []
-        tiers = {t.name: t for t in self.store.tiers}
-        for entry, key in zip(self.store.entries_of([check_key(k) for k in keys]), keys):
-            frame = None
-            if entry is not None and entry.namespace == self.namespace and entry.tier in tiers:
-                frame = tiers[entry.tier].get(key)
-            out.append(frame)
-        return out
+        # The store's frames by key verify what they serve and count the read, as a server does.
+        namespaces = frozenset({self.namespace})
+        return [None if (got := self.store.frames.read(check_key(k), namespaces)) is None else got[0]
+                for k in keys]
 
     def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
         for key, frame in items:
-            self.store.put_frame(key, frame, self.namespace)
+            self.store.frames.put(key, frame, self.namespace)
         return len(items)
 
     def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
@@ -225,7 +212,7 @@ class InprocMedium(Medium):
 
     def probe(self, nbytes: int) -> None:
         """An index read, then a copy of ``nbytes`` (what decoding a raw block costs here)."""
-        self.store.entries_of([])
+        self.store.core.entries_of([])
         if nbytes:
             src = torch.empty(nbytes, dtype=torch.uint8) if self._src is None or len(self._src) < nbytes else self._src
             self._src = src

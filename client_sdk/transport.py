@@ -3,10 +3,11 @@
 ``HttpTransport`` (blocking; one keep-alive socket per thread) and
 ``AsyncHttpTransport`` (a bounded pool of sockets driven by the event loop's
 ``sock_*`` calls; httpx for ``https``) carry ``client_sdk.calls.Call``s, and
-receive a get's raw KV straight into the result tensor. Both retry under one
-``RetryPolicy``: a dropped connection is retried with jittered exponential
-backoff (every call is idempotent: a put of stored blocks is a no-op); a timeout
-is not (the request may be running). A plain socket is used rather than httpx
+receive a get's raw KV straight into the result tensor (``kv_answer`` reads its
+head, for layer streams too). Both retry under one ``RetryPolicy``: a dropped
+connection is retried with jittered exponential backoff (every call is
+idempotent: a put of stored blocks is a no-op); a timeout is not (the request
+may be running). A plain socket is used rather than httpx
 because httpx moves 0.7-0.85 GB/s where a socket moves 3 GB/s here
 (``docs/design.md``, "Figures this design rests on").
 """
@@ -23,14 +24,14 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import torch
 
 from client_sdk import _common as c
-from client_sdk._http import AsyncConnection, BrokenConnection, Connection, Endpoint
+from client_sdk._http import AsyncConnection, BrokenConnection, Connection, Endpoint, Head
 from client_sdk.calls import Call
 from kvstore.errors import ConnectionFailed, KVStoreError, RequestTimeout, ServiceError
 from kvstore.spec import KVSpec
 from kvstore.wire.errors import error_from
 from kvstore.wire.rest import H_TOKENS, KV_MEDIA
 
-__all__ = ["RetryPolicy", "HttpTransport", "AsyncHttpTransport"]
+__all__ = ["RetryPolicy", "HttpTransport", "AsyncHttpTransport", "kv_answer"]
 
 T = TypeVar("T")
 
@@ -58,6 +59,19 @@ class RetryPolicy:
             raise ConnectionFailed(f"{where}: {failure} (after {self.retries} retries)") from failure
         return self.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random())
 
+    def after(self, attempt: int, where: str, failure: OSError, stats: c.ClientStats) -> float:
+        """The wait before retry ``attempt`` after ``failure`` of an attempt, counted as a retry.
+
+        Raises:
+            ConnectionFailed: every attempt dropped. RequestTimeout: ``failure`` is no answer in
+                time, never retried (the request may be running).
+        """
+        if not isinstance(failure, BrokenConnection):
+            raise RequestTimeout(f"no answer from {where} in time") from failure
+        delay = self.delay_s(attempt, where, failure)
+        stats.retries += 1
+        return delay
+
     def run(self, once: Callable[[], T], where: str, stats: c.ClientStats) -> T:
         """``once()`` until it does not drop the connection, at most ``retries`` + 1 times.
 
@@ -68,12 +82,9 @@ class RetryPolicy:
         while True:
             try:
                 return once()
-            except BrokenConnection as exc:
+            except (BrokenConnection, TimeoutError) as exc:
                 attempt += 1
-                delay = self.delay_s(attempt, where, exc)
-            except TimeoutError as exc:
-                raise RequestTimeout(f"no answer from {where} in time") from exc
-            stats.retries += 1
+                delay = self.after(attempt, where, exc, stats)
             time.sleep(delay)
 
     async def arun(self, once: Callable[[], Awaitable[T]], where: str, stats: c.ClientStats) -> T:
@@ -82,12 +93,9 @@ class RetryPolicy:
         while True:
             try:
                 return await once()
-            except BrokenConnection as exc:
+            except (BrokenConnection, TimeoutError) as exc:
                 attempt += 1
-                delay = self.delay_s(attempt, where, exc)
-            except TimeoutError as exc:
-                raise RequestTimeout(f"no answer from {where} in time") from exc
-            stats.retries += 1
+                delay = self.after(attempt, where, exc, stats)
             await asyncio.sleep(delay)
 
 
@@ -99,13 +107,30 @@ def _answer(call: Call[T], status: int, body: bytes) -> T:
     return call.parse(body)
 
 
-def _check_kv_head(spec: KVSpec, n: int, length: int | None) -> None:
+def _check_kv_head(spec: KVSpec, n: int, length: int | None, what: str = "get_kv") -> None:
     if n < 0 or length != spec.bytes_per_token * n:
-        raise ServiceError(f"get_kv answer of {length} bytes for {n} tokens does not match the spec")
+        raise ServiceError(f"{what} answer of {length} bytes for {n} tokens does not match the spec")
 
 
-class HttpTransport:
-    """Blocking HTTP to one server: a keep-alive socket per thread (safe to share between threads).
+def kv_answer(spec: KVSpec, head: Head, out: Any, pool: c.TensorPool | None, conn: Connection | AsyncConnection,
+              what: str = "get_kv") -> tuple[torch.Tensor, int]:
+    """Where a raw KV answer (``/v1/kv/get``, ``/v1/kv/get-layers``) lands, and its tokens, from its head.
+
+    Raises:
+        ServiceError: the head's length does not fit the spec; ``conn`` is closed then (the
+            body is still on the wire). InvalidInput: ``out`` cannot hold it (likewise).
+    """
+    n = int(head.headers.get(H_TOKENS, "-1"))
+    try:
+        _check_kv_head(spec, n, head.length, what)
+        return c.result_tensor(spec, n, out, pool), n
+    except KVStoreError:
+        conn.close()
+        raise
+
+
+class _Transport:
+    """What both transports are: one server, the headers every request carries, one retry policy.
 
     Args:
         url: ``http(s)://host:port``.
@@ -113,6 +138,7 @@ class HttpTransport:
         timeout_s, connect_timeout_s: per-request read timeout and TCP connect timeout.
         retry: the retry policy.
         stats: where retries and HTTP transfers are counted.
+        agent: sent with every request (``x-kv-agent``).
     """
 
     def __init__(self, url: str, token: str | None, namespace: str, *, timeout_s: float | None,
@@ -127,14 +153,27 @@ class HttpTransport:
         self.connect_timeout_s = connect_timeout_s
         self.retry = retry
         self.stats = stats
-        self._local = threading.local()
-        self._conns: list[Connection] = []
-        self._lock = threading.Lock()
         self._headers = {ct: c.headers_for(token, namespace, ct, agent) for ct in (None, KV_MEDIA)}
 
     def headers(self, content_type: str | None = None) -> dict[str, str]:
         got = self._headers.get(content_type)
         return got if got is not None else c.headers_for(self.token, self.namespace, content_type, self.agent)
+
+
+class HttpTransport(_Transport):
+    """Blocking HTTP to one server: a keep-alive socket per thread (safe to share between threads).
+
+    Arguments as ``_Transport``'s.
+    """
+
+    def __init__(self, url: str, token: str | None, namespace: str, *, timeout_s: float | None,
+                 connect_timeout_s: float, retry: RetryPolicy, stats: c.ClientStats,
+                 agent: str | None = None) -> None:
+        super().__init__(url, token, namespace, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                         retry=retry, stats=stats, agent=agent)
+        self._local = threading.local()
+        self._conns: list[Connection] = []
+        self._lock = threading.Lock()
 
     def conn(self) -> Connection:
         """This thread's connection (opened on first use)."""
@@ -170,13 +209,7 @@ class HttpTransport:
             head = conn.request("POST", "/v1/kv/get", self.headers(KV_MEDIA), parts)
             if head.status != 200:
                 raise error_from(head.status, conn.read_body())
-            n = int(head.headers.get(H_TOKENS, "-1"))
-            try:
-                _check_kv_head(spec, n, head.length)
-                kv = c.result_tensor(spec, n, out, pool)
-            except KVStoreError:
-                conn.close()  # the body is still on the wire
-                raise
+            kv, n = kv_answer(spec, head, out, pool, conn)
             if n:
                 conn.read_into(c.byte_view(kv))
             else:
@@ -210,7 +243,7 @@ class HttpTransport:
             self._conns.clear()
 
 
-class AsyncHttpTransport:
+class AsyncHttpTransport(_Transport):
     """HTTP to one server from an event loop: at most ``max_connections`` sockets, reused.
 
     Plain ``http`` runs on the loop's own socket calls (no thread, no copy of a body);
@@ -221,21 +254,11 @@ class AsyncHttpTransport:
     def __init__(self, url: str, token: str | None, namespace: str, *, timeout_s: float | None,
                  connect_timeout_s: float, retry: RetryPolicy, stats: c.ClientStats, max_connections: int,
                  agent: str | None = None) -> None:
-        self.url = url
-        self.endpoint = Endpoint.parse(url)
-        self.token = token
-        self.namespace = namespace
-        self.agent = agent
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.retry = retry
-        self.stats = stats
+        super().__init__(url, token, namespace, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                         retry=retry, stats=stats, agent=agent)
         self._idle: list[AsyncConnection] = []
         self._slots = asyncio.Semaphore(max_connections)
         self._httpx: Any = None
-
-    def headers(self, content_type: str | None = None) -> dict[str, str]:
-        return c.headers_for(self.token, self.namespace, content_type, self.agent)
 
     async def _with_conn(self, use: Callable[[AsyncConnection], Awaitable[T]]) -> T:
         async with self._slots:
@@ -278,32 +301,27 @@ class AsyncHttpTransport:
             return _answer(call, head.status, await conn.read_body())
         return await self.retry.arun(lambda: self._with_conn(use), self.url, self.stats)
 
-    async def get_kv(self, spec: KVSpec, parts: Sequence[Any], out: Any,
-                     pool: c.TensorPool | None) -> tuple[torch.Tensor, int]:
-        """``HttpTransport.get_kv``, awaited."""
+    async def get_kv(self, spec: KVSpec, parts: Sequence[Any], out: Any, pool: c.TensorPool | None, *,
+                     path: str = "/v1/kv/get", what: str = "get_kv") -> tuple[torch.Tensor, int]:
+        """``HttpTransport.get_kv``, awaited. ``path``: another route with the same answer (a layer
+        stream over https, whose body httpx buffers whole anyway); ``what`` names it in errors."""
         if self.endpoint.tls:
             async def tls_once() -> tuple[torch.Tensor, int]:
-                status, resp = await self._tls("POST", "/v1/kv/get", parts, KV_MEDIA)
+                status, resp = await self._tls("POST", path, parts, KV_MEDIA)
                 if status != 200:
                     raise error_from(status, resp.content)
                 n = int(resp.headers.get(H_TOKENS, "-1"))
-                _check_kv_head(spec, n, len(resp.content))
+                _check_kv_head(spec, n, len(resp.content), what)
                 kv = c.result_tensor(spec, n, out, pool)
                 c.byte_view(kv)[:] = resp.content
                 return kv, n
             kv, n = await self.retry.arun(tls_once, self.url, self.stats)
         else:
             async def use(conn: AsyncConnection) -> tuple[torch.Tensor, int]:
-                head = await conn.request("POST", "/v1/kv/get", self.headers(KV_MEDIA), parts)
+                head = await conn.request("POST", path, self.headers(KV_MEDIA), parts)
                 if head.status != 200:
                     raise error_from(head.status, await conn.read_body())
-                n = int(head.headers.get(H_TOKENS, "-1"))
-                try:
-                    _check_kv_head(spec, n, head.length)
-                    kv = c.result_tensor(spec, n, out, pool)
-                except KVStoreError:
-                    conn.close()  # the body is still on the wire
-                    raise
+                kv, n = kv_answer(spec, head, out, pool, conn, what)
                 if n:
                     await conn.read_into(c.byte_view(kv))
                 else:
