@@ -15,32 +15,26 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from kvstore.errors import MalformedRequest
-from kvstore.errors import BlockNotFound, InvalidInput
 from kvstore.engine.evict import coldest_first, evict
-from kvstore.keys import BlockHash
 from kvstore.engine.store import StoreStats
-from server.auth import Authenticator, Principal
-from server.blocks import _key
+from kvstore.errors import BlockNotFound, InvalidInput, MalformedRequest
+from kvstore.keys import BlockHash
+from server.data import eviction_answer, eviction_query
 from server.errors import field_error
-from server.data import eviction_answer, eviction_query, principal, svc_of
+from server.requests import admin_caller, admin_only, parse_key, parse_keys, svc_of
 from server.service import Service, json_body, parse_spec, parse_tokens, require
 
-__all__ = ["router"]
+__all__ = ["router", "heat_histogram"]
 
-
-async def admin(request: Request, p: Principal = Depends(principal)) -> Principal:
-    return Authenticator.require_admin(p)
-
-
-router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
+router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
+"""Every route: the admin token (401, then 403), before FastAPI validates a route's parameters."""
 
 
 @router.post("/evict")
-async def admin_evict(request: Request, p: Principal = Depends(admin)) -> dict:
+async def admin_evict(request: Request) -> dict:
     """Evict by keys, prefix (spec + tokens [+ namespace]), namespace, fingerprint, tier,
     ``older_than_s`` or ``watermark: {tier, frac}``; ``dry_run`` removes nothing."""
-    svc = svc_of(request)
+    svc, p = admin_caller(request)
     data = await json_body(request)
     known = {"keys", "prefix", "namespace", "fingerprint", "tier", "older_than_s", "watermark", "include_pinned",
              "limit", "dry_run"}
@@ -61,7 +55,7 @@ async def admin_evict(request: Request, p: Principal = Depends(admin)) -> dict:
 def _pin_keys(svc: Service, data: dict[str, Any]) -> list[BlockHash]:
     """Keys from ``{"keys": [...]}`` or ``{"spec", "tokens", "namespace"}`` (the stored prefix)."""
     if "keys" in data:
-        return [_key(k, "keys") for k in require(data, "keys", list)]
+        return parse_keys(require(data, "keys", list))
     if "spec" in data:
         spec = parse_spec(require(data, "spec", dict))
         tokens = parse_tokens(require(data, "tokens", list))
@@ -71,9 +65,9 @@ def _pin_keys(svc: Service, data: dict[str, Any]) -> list[BlockHash]:
 
 
 @router.post("/pin")
-async def admin_pin(request: Request, p: Principal = Depends(admin)) -> dict:
+async def admin_pin(request: Request) -> dict:
     """Pin blocks (``ttl_s`` seconds, or until unpinned): placement will not move them down or out."""
-    svc = svc_of(request)
+    svc, p = admin_caller(request)
     data = await json_body(request)
     ttl = require(data, "ttl_s", (int, float), default=None)
     keys = await svc.run(_pin_keys, svc, data)
@@ -84,8 +78,8 @@ async def admin_pin(request: Request, p: Principal = Depends(admin)) -> dict:
 
 
 @router.delete("/pin")
-async def admin_unpin(request: Request, p: Principal = Depends(admin)) -> dict:
-    svc = svc_of(request)
+async def admin_unpin(request: Request) -> dict:
+    svc, p = admin_caller(request)
     data = await json_body(request)
     keys = await svc.run(_pin_keys, svc, data)
     n = await svc.run(svc.store.unpin_keys, keys)
@@ -94,11 +88,11 @@ async def admin_unpin(request: Request, p: Principal = Depends(admin)) -> dict:
 
 
 @router.post("/migrate")
-async def admin_migrate(request: Request, p: Principal = Depends(admin)) -> dict:
+async def admin_migrate(request: Request) -> dict:
     """Move one block to a tier now: ``{"key": hex, "tier": name}``."""
-    svc = svc_of(request)
+    svc, p = admin_caller(request)
     data = await json_body(request)
-    key = _key(require(data, "key", str))
+    key = parse_key(require(data, "key", str))
     tier = require(data, "tier", str)
     before = svc.store.entry(key)
     if before is None:
@@ -144,7 +138,7 @@ async def admin_tiers(request: Request) -> dict:
         placement = svc.store.placement
         usage = placement.usage()
         policies = {p.name: p for p in placement.tiers}
-        _, reads = svc.store.read_counters()
+        reads = svc.store.core.reads_by_tier()
         out = []
         for t in svc.store.tiers:
             s = StoreStats.tier_dict(t.stats(), reads)
@@ -207,7 +201,7 @@ async def admin_entries(request: Request, sort: str = Query("heat"), order: str 
                          "depth": e.depth, "hits": e.hits, "age_s": now - e.created_s,
                          "last_access_age_s": now - e.last_access_s, "heat_score": info.get("heat_score"),
                          "heat_per_s": info.get("heat_per_s"), "pinned": info.get("pinned", False),
-                         "retained": svc.store.retention_of(e.key)})
+                         "retained": svc.store.placement.retention(e.key)})
         return len(entries), rows
 
     total, rows = await svc.run(page)
@@ -219,11 +213,17 @@ async def admin_explain(hex_key: str, request: Request) -> dict:
     """Where a block is, what it is, how hot, its pins, its retention (``retained``: owner,
     priority, expires_in_s, or null) and its last moves."""
     svc = svc_of(request)
-    key = _key(hex_key)
-    info = svc.store.explain(key)
+    key = parse_key(hex_key)
+    info = await svc.run(_explain, svc, key)  # placement's lock: off the loop
     if info is None:
         raise BlockNotFound(f"block {hex_key} is not stored")
-    info.setdefault("retained", svc.store.retention_of(key))
+    return info
+
+
+def _explain(svc: Service, key: BlockHash) -> dict[str, Any] | None:
+    info = svc.store.explain(key)
+    if info is not None:
+        info.setdefault("retained", svc.store.placement.retention(key))
     return info
 
 
@@ -235,9 +235,10 @@ async def admin_prefetches(request: Request, limit: int = Query(100, ge=1, le=10
     ``/admin/decisions``, whose records are the client planner's transfers."""
     svc = svc_of(request)
     # Filter before the limit: a namespace's few prefetches are not pushed out by others'.
-    rows = [d for d in svc.store.prefetch_log(10_000)
+    rows = [d for d in svc.store.prefetcher.log(10_000)
             if (namespace is None or d.get("namespace") == namespace) and (trigger is None or d.get("trigger") == trigger)]
-    return {"prefetches": rows[-limit:], "total": len(rows), "retained_bytes": svc.store.retained_bytes()}
+    retained = await svc.run(svc.store.placement.retained_bytes)  # placement's lock: off the loop
+    return {"prefetches": rows[-limit:], "total": len(rows), "retained_bytes": retained}
 
 
 @router.get("/audit")
@@ -250,7 +251,8 @@ async def admin_audit(request: Request, limit: int = Query(100, ge=1, le=10_000)
 @router.get("/moves")
 async def admin_moves(request: Request, limit: int = Query(100, ge=1, le=10_000)) -> dict:
     """Placement's latest moves, newest last."""
-    return {"moves": svc_of(request).store.moves(limit)}
+    svc = svc_of(request)
+    return {"moves": await svc.run(svc.store.moves, limit)}  # placement's lock: off the loop
 
 
 @router.get("/heat")

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvstore.wire.rest import BATCH_MEDIA, FRAME_MEDIA, H_CODEC, H_TIER, encode_batch_head, pad64, parse_batch_head
-from kvstore.errors import MalformedRequest
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
-from kvstore.errors import BlockNotFound, FrameError, InvalidInput, InvalidKV
-from kvstore.keys import BlockHash, from_hex
+from kvstore.errors import BlockNotFound, FrameError, InvalidInput, InvalidKV, MalformedRequest
+from kvstore.keys import BlockHash
+from kvstore.wire.rest import BATCH_MEDIA, FRAME_MEDIA, H_CODEC, H_TIER, encode_batch_head, pad64, parse_batch_head
 from server.auth import Principal
-from server.data import colocated_only, principal, svc_of
+from server.colocated import handle_json
 from server.errors import field_error
+from server.requests import authenticate, caller, namespace_of, parse_key, parse_keys, put_frames
 from server.service import Service, json_body, released, require
 
 __all__ = ["router"]
@@ -29,29 +29,23 @@ router = APIRouter()
 _MAX_BATCH_KEYS = 65536
 
 
-def _key(hex_key: str, field: str = "key") -> BlockHash:
-    try:
-        return from_hex(hex_key)
-    except InvalidInput as exc:
-        raise field_error(exc, field) from exc
-
-
 def _keys(data: dict[str, Any]) -> list[BlockHash]:
     keys = require(data, "keys", list)
     if len(keys) > _MAX_BATCH_KEYS:
         raise field_error(InvalidInput(f"at most {_MAX_BATCH_KEYS} keys a batch, got {len(keys)}"), "keys")
-    return [_key(k, "keys") for k in keys]
+    return parse_keys(keys)
 
 
-def _scope(svc: Service, request: Request, p: Principal) -> frozenset[str]:
-    return frozenset({svc.namespace(request, p)})
+def _scope(request: Request, p: Principal) -> frozenset[str]:
+    """The request's namespace, as the one namespace a block may be in to be found."""
+    return frozenset({namespace_of(request, p)})
 
 
 @router.get("/v1/blocks/{hex_key}")
-async def block_get(hex_key: str, request: Request, p: Principal = Depends(principal)) -> Response:
-    svc = svc_of(request)
-    key, scope = _key(hex_key), _scope(svc, request, p)
-    got = await svc.run(svc.store.read_frame, key, scope)
+async def block_get(hex_key: str, request: Request) -> Response:
+    svc, p = authenticate(request)
+    key, scope = parse_key(hex_key), _scope(request, p)
+    got = await svc.run(svc.store.frames.read, key, scope)
     if got is None:
         raise BlockNotFound(f"block {hex_key} is not stored in this namespace")
     frame, entry = got
@@ -61,9 +55,9 @@ async def block_get(hex_key: str, request: Request, p: Principal = Depends(princ
 
 
 @router.head("/v1/blocks/{hex_key}")
-async def block_head(hex_key: str, request: Request, p: Principal = Depends(principal)) -> Response:
-    svc = svc_of(request)
-    entry = await svc.run(svc.store.block_entry, _key(hex_key), _scope(svc, request, p))
+async def block_head(hex_key: str, request: Request) -> Response:
+    svc, p = authenticate(request)
+    entry = await svc.run(svc.store.frames.block_entry, parse_key(hex_key), _scope(request, p))
     if entry is None:
         return Response(status_code=404)
     return Response(status_code=200, headers={"content-length": str(entry.size), H_TIER: entry.tier,
@@ -71,29 +65,21 @@ async def block_head(hex_key: str, request: Request, p: Principal = Depends(prin
 
 
 @router.put("/v1/blocks/{hex_key}")
-async def block_put(hex_key: str, request: Request, p: Principal = Depends(principal)) -> JSONResponse:
+async def block_put(hex_key: str, request: Request) -> JSONResponse:
     """Store a frame under its key. Its metadata must name the request namespace."""
-    svc = svc_of(request)
-    key = _key(hex_key)
-    ns = svc.namespace(request, p)
+    svc, p = authenticate(request)
+    key = parse_key(hex_key)
+    ns = namespace_of(request, p)
     buf, n = await svc.read_body(request)
     with released(svc.buffers, buf):
         frame = bytes(memoryview(buf)[:n])  # the tier keeps it; the pooled buffer goes back
-    await svc.run(_put_frames, svc, p, ns, [(key, frame)])
+    await svc.run(put_frames, svc, p, ns, [(key, frame)])
     svc.metrics.transfer.labels("in", "http").inc(n)
     return JSONResponse({"stored": True}, status_code=201)
 
 
-def _put_frames(svc: Service, p: Principal, ns: str, frames: list[tuple[BlockHash, Any]], *,
-                make_room: bool = False) -> int:
-    svc.quotas.check(p, ns, sum(len(memoryview(f).cast("B")) for _, f in frames))
-    for key, frame in frames:
-        svc.store.put_frame(key, frame, ns, make_room=make_room)
-    return len(frames)
-
-
 @router.post("/v1/blocks/put-staged/{lease_id}")
-async def blocks_put_staged(lease_id: str, request: Request, p: Principal = Depends(principal)) -> JSONResponse:
+async def blocks_put_staged(lease_id: str, request: Request) -> JSONResponse:
     """Many frames the client wrote into its staging lease, stored by key (co-located only).
 
     Body: ``{"blocks": [{"key", "offset", "length"}], "make_room": false}``, offsets into the
@@ -101,9 +87,7 @@ async def blocks_put_staged(lease_id: str, request: Request, p: Principal = Depe
     do. ``make_room`` places them as ``put_kv`` places blocks (colder entries are demoted or
     evicted) instead of falling through full tiers: what a cache backend wants.
     """
-    svc = svc_of(request)
-    colocated_only(svc)
-    ns = svc.namespace(request, p)
+    svc, p, ns = caller(request, colocated=True)
     data = await json_body(request)
     blocks = require(data, "blocks", list)
     if len(blocks) > _MAX_BATCH_KEYS:
@@ -116,12 +100,12 @@ async def blocks_put_staged(lease_id: str, request: Request, p: Principal = Depe
         off, length = (b.get("offset"), b.get("length")) if isinstance(b, dict) else (None, None)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
             raise MalformedRequest(f"blocks[{i}]: offset and length must be non-negative ints")
-        spans.append((_key(b.get("key"), f"blocks[{i}].key"), off, length))
+        spans.append((parse_key(b.get("key"), f"blocks[{i}].key"), off, length))
         end = max(end, off + length)
     with svc.staging.use(lease_id, p.name, end) as view:
         frames = [(key, view[off:off + length]) for key, off, length in spans]
         try:
-            stored = await svc.run(_put_frames, svc, p, ns, frames, make_room=make_room)
+            stored = await svc.run(put_frames, svc, p, ns, frames, make_room=make_room)
         finally:
             del frames
     svc.metrics.colocated.labels("put").inc()
@@ -130,22 +114,22 @@ async def blocks_put_staged(lease_id: str, request: Request, p: Principal = Depe
 
 
 @router.delete("/v1/blocks/{hex_key}")
-async def block_delete(hex_key: str, request: Request, p: Principal = Depends(principal)) -> dict:
-    svc = svc_of(request)
-    key, scope = _key(hex_key), _scope(svc, request, p)
-    if svc.store.current_entry(key, scope) is None:
+async def block_delete(hex_key: str, request: Request) -> dict:
+    svc, p = authenticate(request)
+    key, scope = parse_key(hex_key), _scope(request, p)
+    if svc.store.frames.current_entry(key, scope) is None:
         raise BlockNotFound(f"block {hex_key} is not stored in this namespace")
     return {"deleted": await svc.run(svc.store.delete_blocks, [key])}
 
 
 @router.post("/v1/blocks/get")
-async def blocks_get(request: Request, p: Principal = Depends(principal)) -> Response:
+async def blocks_get(request: Request) -> Response:
     """Many frames in one batch body; absent ones have null offset and length.
 
     ``{"keys": [...], "codec": "int8"}`` asks for the frames in that codec: fewer bytes on a slow link.
     """
-    svc = svc_of(request)
-    scope = _scope(svc, request, p)
+    svc, p = authenticate(request)
+    scope = _scope(request, p)
     data = await json_body(request)
     keys = _keys(data)
     codec = data.get("codec")
@@ -180,9 +164,9 @@ def _read_frames(svc: Service, keys: list[BlockHash], scope: frozenset[str],
     for key in keys:
         # verified here: a damaged frame is dropped from the index (a miss now, and stored anew by
         # the client's next put) instead of being served and refused by every reader in turn
-        got = svc.store.read_frame_with(key, scope, lambda view, _header, entry: (bytes(view), entry))
-        if got is None and svc.store.current_entry(key, scope) is None:
-            got = svc.store.read_frame(key, scope)  # not indexed here: another node's, in the shared tier
+        got = svc.store.frames.read_with(key, scope, lambda view, _header, entry: (bytes(view), entry))
+        if got is None and svc.store.frames.current_entry(key, scope) is None:
+            got = svc.store.frames.read(key, scope)  # not indexed here: another node's, in the shared tier
         if got is not None and codec is not None:
             try:
                 got = (codec_mod.transcode(got[0], codec), got[1])
@@ -195,7 +179,7 @@ def _read_frames(svc: Service, keys: list[BlockHash], scope: frozenset[str],
 
 
 @router.post("/v1/blocks/handles")
-async def blocks_handles(request: Request, p: Principal = Depends(principal)) -> JSONResponse:
+async def blocks_handles(request: Request) -> JSONResponse:
     """Slot handles of ``keys`` in the shm arena, for a co-located client that reads them itself.
 
     Body ``{"keys": [...], "count": true}``; answer ``{"segment", "blocks": [{"key", "checksum",
@@ -204,40 +188,37 @@ async def blocks_handles(request: Request, p: Principal = Depends(principal)) ->
     ``count: false`` asks where blocks are without counting reads (a lookup): the client then
     reports the reads it makes through ``/v1/kv/touch``.
     """
-    svc = svc_of(request)
-    colocated_only(svc)
-    scope = _scope(svc, request, p)
+    svc, p = authenticate(request, colocated=True)
+    scope = _scope(request, p)
     data = await json_body(request)
     keys = _keys(data)
     count = data.get("count", True)
     if not isinstance(count, bool):
         raise field_error(InvalidInput(f"must be true or false, got {count!r}"), "count")
-    blocks = await svc.run_index(_block_handles, svc, keys, scope, count)
-    if count:
-        svc.metrics.colocated.labels("get").inc()
-    return JSONResponse({"segment": svc.shm.segment, "blocks": blocks})
-
-
-def _block_handles(svc: Service, keys: list[BlockHash], scope: frozenset[str], count: bool) -> list[dict]:
+    entries = await svc.run_index(_entries, svc, keys, scope)
+    shm = svc.shm.name
+    handles = iter(await svc.slot_handles([k for k, e in zip(keys, entries) if e is not None and e.tier == shm]))
     out, read_here = [], []
-    for key in keys:
-        entry = svc.store.current_entry(key, scope)
-        handle = svc.shm.handle(key) if entry is not None and entry.tier == svc.shm.name else None
+    for key, entry in zip(keys, entries):
+        handle = next(handles) if entry is not None and entry.tier == shm else None
         out.append({"key": key.hex(), "checksum": entry.checksum if entry is not None else None,
-                    "handle": None if handle is None else
-                    {"index": handle.index, "offset": handle.offset, "length": handle.length, "gen": handle.gen}})
+                    "handle": handle_json(handle)})
         if handle is not None:
             read_here.append(key)
     if count:  # the client reads these itself: count them here (else it reports what it reads)
-        svc.store.touch(read_here)
-    return out
+        svc.tally.add(read_here)
+        svc.metrics.colocated.labels("get").inc()
+    return JSONResponse({"segment": svc.shm.segment, "blocks": out})
+
+
+def _entries(svc: Service, keys: list[BlockHash], scope: frozenset[str]) -> list[Any]:
+    return [svc.store.frames.current_entry(key, scope) for key in keys]
 
 
 @router.post("/v1/blocks/put")
-async def blocks_put(request: Request, p: Principal = Depends(principal)) -> JSONResponse:
+async def blocks_put(request: Request) -> JSONResponse:
     """Many frames from one batch body; ``?make_room=true`` places them as ``put_kv`` places blocks."""
-    svc = svc_of(request)
-    ns = svc.namespace(request, p)
+    svc, p, ns = caller(request)
     buf, n = await svc.read_body(request)
     with released(svc.buffers, buf):
         view = memoryview(buf)[:n]
@@ -249,22 +230,22 @@ async def blocks_put(request: Request, p: Principal = Depends(principal)) -> JSO
                 raise MalformedRequest(f"header.blocks[{i}]: offset and length must be non-negative ints")
             if data_at + off + length > n:
                 raise MalformedRequest(f"header.blocks[{i}]: frame runs past the body ({n} bytes)")
-            frames.append((_key(b.get("key"), f"blocks[{i}].key"), bytes(view[data_at + off:data_at + off + length])))
+            frames.append((parse_key(b.get("key"), f"blocks[{i}].key"), bytes(view[data_at + off:data_at + off + length])))
         del view
     make_room = request.query_params.get("make_room", "false")
     if make_room not in ("true", "false"):
         raise field_error(InvalidInput(f"must be true or false, got {make_room!r}"), "make_room")
-    stored = await svc.run(_put_frames, svc, p, ns, frames, make_room=make_room == "true")
+    stored = await svc.run(put_frames, svc, p, ns, frames, make_room=make_room == "true")
     svc.metrics.transfer.labels("in", "http").inc(n)
     return JSONResponse({"stored": stored}, status_code=201)
 
 
 @router.post("/v1/blocks/delete")
-async def blocks_delete(request: Request, p: Principal = Depends(principal)) -> dict:
-    svc = svc_of(request)
-    scope = _scope(svc, request, p)
+async def blocks_delete(request: Request) -> dict:
+    svc, p = authenticate(request)
+    scope = _scope(request, p)
     keys = _keys(await json_body(request))
-    mine = [k for k in keys if svc.store.current_entry(k, scope) is not None]
+    mine = [k for k in keys if svc.store.frames.current_entry(k, scope) is not None]
     return {"deleted": await svc.run(svc.store.delete_blocks, mine) if mine else 0}
 
 
@@ -273,36 +254,36 @@ MAX_PIN_TTL_S = 3600.0
 
 
 @router.post("/v1/blocks/pin")
-async def blocks_pin(request: Request, p: Principal = Depends(principal)) -> dict:
+async def blocks_pin(request: Request) -> dict:
     """Hold this namespace's blocks where they are (placement neither demotes nor evicts them)
     for ``ttl_s`` seconds (at most an hour): ``{"keys": [...], "ttl_s": 60}``. A cache's
     lookup-then-load takes them so a looked-up block is still there to load."""
-    svc = svc_of(request)
-    scope = _scope(svc, request, p)
+    svc, p = authenticate(request)
+    scope = _scope(request, p)
     data = await json_body(request)
     keys = _keys(data)
     ttl = data.get("ttl_s")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_PIN_TTL_S:
         raise field_error(InvalidInput(f"must be a number of seconds in (0, {MAX_PIN_TTL_S:.0f}], got {ttl!r}"),
                           "ttl_s")
-    mine = [k for k in keys if svc.store.current_entry(k, scope) is not None]
+    mine = [k for k in keys if svc.store.frames.current_entry(k, scope) is not None]
     return {"pinned": await svc.run(svc.store.pin_keys, mine, float(ttl)) if mine else 0, "requested": len(keys)}
 
 
 @router.post("/v1/blocks/unpin")
-async def blocks_unpin(request: Request, p: Principal = Depends(principal)) -> dict:
+async def blocks_unpin(request: Request) -> dict:
     """Release pins of this namespace's blocks: ``{"keys": [...]}``."""
-    svc = svc_of(request)
-    scope = _scope(svc, request, p)
+    svc, p = authenticate(request)
+    scope = _scope(request, p)
     keys = _keys(await json_body(request))
-    mine = [k for k in keys if svc.store.current_entry(k, scope) is not None]
+    mine = [k for k in keys if svc.store.frames.current_entry(k, scope) is not None]
     return {"unpinned": await svc.run(svc.store.unpin_keys, mine) if mine else 0, "requested": len(keys)}
 
 
 @router.post("/v1/blocks/exists")
-async def blocks_exists(request: Request, p: Principal = Depends(principal)) -> dict:
-    svc = svc_of(request)
-    scope = _scope(svc, request, p)
+async def blocks_exists(request: Request) -> dict:
+    svc, p = authenticate(request)
+    scope = _scope(request, p)
     keys = _keys(await json_body(request))
-    present = await svc.run(lambda: [svc.store.block_entry(k, scope) is not None for k in keys])
+    present = await svc.run(lambda: [svc.store.frames.block_entry(k, scope) is not None for k in keys])
     return {"present": present}

@@ -8,12 +8,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from kvstore.errors import InvalidInput
-from server.auth import Principal
 from server.connector_board import COUNTERS
 from server.errors import field_error
+from server.requests import caller
 from server.service import json_body, require
 
 __all__ = ["router", "parse_report"]
@@ -45,22 +45,13 @@ def parse_report(data: Any) -> tuple[str, str, dict[str, float]]:
 router = APIRouter()
 
 
-def _svc(request: Request) -> Any:
-    return request.app.state.svc
-
-
-async def _principal(request: Request) -> Principal:
-    return _svc(request).principal(request)
-
-
 @router.post("/v1/connectors/report")
-async def connectors_report(request: Request, p: Principal = Depends(_principal)) -> dict:
+async def connectors_report(request: Request) -> dict:
     """An engine connector's cumulative counters, kept under the caller's namespace.
 
     Body: ``{"engine": "vllm", "instance": "<engine id>/<role>", "counters": {name: number}}``.
     """
-    svc = _svc(request)
-    ns = svc.namespace(request, p)
+    svc, _, ns = caller(request)
     engine, instance, counters = parse_report(await json_body(request))
     svc.connectors.report(ns, engine, instance, counters)
     return {"namespace": ns, "engine": engine}

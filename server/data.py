@@ -11,74 +11,30 @@ from typing import Any
 
 import numpy as np
 import torch
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
-from kvstore.wire.rest import H_AGENT, H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
-from kvstore.errors import MalformedRequest, PayloadTooLarge, RouteNotFound
 from kvstore._version import __version__
 from kvstore.engine.evict import EvictionQuery, evict
-from kvstore.errors import InvalidInput
-from kvstore.keys import from_hex
+from kvstore.errors import InvalidInput, MalformedRequest, PayloadTooLarge
+from kvstore.wire.rest import H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
 from server.auth import Principal
+from server.colocated import handle_json
 from server.errors import field_error
+from server.requests import (agent_of, authenticate, caller, charge_blocks, is_kv_body, parse_keys,
+                             spec_and_tokens)
 from server.service import Service, json_body, kv_view, parse_spec, parse_tokens, released, require
 
-__all__ = ["router", "principal", "svc_of", "eviction_query", "colocated_only"]
+__all__ = ["router", "eviction_query", "eviction_answer"]
 
 router = APIRouter()
 
 
-def svc_of(request: Request) -> Service:
-    return request.app.state.svc
-
-
-async def principal(request: Request) -> Principal:
-    return svc_of(request).principal(request)
-
-
-def _is_kv_body(request: Request) -> bool:
-    return request.headers.get("content-type", "").split(";")[0].strip() == KV_MEDIA
-
-
-async def _spec_and_tokens(request: Request) -> tuple[Any, np.ndarray]:
-    """Spec and tokens of a get/lookup/handles request: a KV body or JSON ``{"spec", "tokens"}``."""
-    if _is_kv_body(request):
-        raw = await request.body()
-        head = parse_kv_head(raw)
-        if head.kv_tokens or len(raw) != head.total:
-            raise MalformedRequest(f"body: {len(raw)} bytes, the header describes {head.total} "
-                                   "(kv_tokens must be 0 here)")
-        spec = parse_spec(head.spec)
-        return spec, np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
-    data = await json_body(request)
-    return parse_spec(require(data, "spec", dict)), parse_tokens(require(data, "tokens", list))
-
-
-def agent_of(request: Request) -> str | None:
-    """The caller's agent id (``x-kv-agent``), or None: absent, or not a short printable name
-    (a hint for learning hand-offs; a bad one is ignored, not refused)."""
-    agent = request.headers.get(H_AGENT)
-    if agent is None or not 0 < len(agent) <= 128 or not agent.isprintable():
-        return None
-    return agent
-
-
-def _caller(request: Request, *, colocated: bool = False) -> tuple[Service, Principal, str]:
-    """The service, the caller and its namespace, read here rather than by a ``Depends``:
-    the hot routes skip FastAPI's resolver. ``colocated``: refuse unless the shm path is offered."""
-    svc = svc_of(request)
-    p = svc.principal(request)
-    if colocated:
-        colocated_only(svc)
-    return svc, p, svc.namespace(request, p)
-
-
 @router.get("/v1/info")
-async def info(request: Request, p: Principal = Depends(principal)) -> dict:
+async def info(request: Request) -> dict:
     """What a client needs to pick its medium; co-location details only when offered."""
-    svc = svc_of(request)
+    svc, p = authenticate(request)
     colocated = None
     if svc.staging is not None and svc.shm is not None:
         colocated = {"host_id": svc.host_id, "segment": svc.shm.segment, "tier": svc.shm.name,
@@ -93,8 +49,8 @@ async def info(request: Request, p: Principal = Depends(principal)) -> dict:
 @router.post("/v1/kv/put")
 async def kv_put(request: Request) -> JSONResponse:
     """Store the KV of every full block. Body: a KV body (``kvstore.wire.rest``)."""
-    svc, p, ns = _caller(request)
-    if not _is_kv_body(request):
+    svc, p, ns = caller(request)
+    if not is_kv_body(request):
         raise MalformedRequest(f"content-type: must be {KV_MEDIA}")
     buf, n = await svc.read_body(request)
     with released(svc.buffers, buf):
@@ -110,18 +66,15 @@ async def kv_put(request: Request) -> JSONResponse:
 
 
 def _put(svc: Service, p: Principal, ns: str, spec, tokens, kv, agent: str | None = None) -> int:
-    if p.quota_bytes is not None:
-        have = svc.store.lookup(spec, tokens, ns) // spec.block_tokens
-        new_blocks = spec.full_blocks(len(tokens)) - have
-        svc.quotas.check(p, ns, new_blocks * (spec.block_nbytes + 4096))  # 4 KiB: header and metadata
+    charge_blocks(svc, p, ns, spec, tokens)
     return svc.store.put_kv(spec, tokens, kv, ns, agent=agent)
 
 
 @router.post("/v1/kv/get")
 async def kv_get(request: Request) -> Response:
     """The KV of the longest stored prefix, as raw bytes ``[L, 2, H, n, D]``."""
-    svc, _, ns = _caller(request)
-    spec, tokens = await _spec_and_tokens(request)
+    svc, _, ns = caller(request)
+    spec, tokens = await spec_and_tokens(request)
     # Decode into a pooled buffer that goes back to the pool once the response is sent:
     # a fresh 32 MiB tensor per get spent most of the request faulting its pages in.
     want = spec.full_blocks(len(tokens)) * spec.block_tokens
@@ -152,20 +105,19 @@ async def kv_get(request: Request) -> Response:
 async def lookup(request: Request) -> JSONResponse:
     """The longest stored prefix: its token count, and each block's key and tier; and how much of
     it sits on durable tiers (``durable_tokens``), which ``put_kv(..., durable=True)`` checks."""
-    svc, _, ns = _caller(request)
-    spec, tokens = await _spec_and_tokens(request)
+    svc, _, ns = caller(request)
+    spec, tokens = await spec_and_tokens(request)
     blocks = await svc.run_index(svc.store.prefix_blocks, spec, tokens, ns)
     return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
-                         "durable_tokens": svc.store.durable_blocks(blocks) * spec.block_tokens,
+                         "durable_tokens": svc.store.frames.durable_count(blocks) * spec.block_tokens,
                          "blocks": [{"key": b.key.hex(), "tier": b.tier} for b in blocks]})
 
 
 @router.post("/v1/kv/delete")
-async def kv_delete(request: Request, p: Principal = Depends(principal)) -> dict:
+async def kv_delete(request: Request) -> dict:
     """Delete the stored blocks of a token sequence (in this namespace)."""
-    svc = svc_of(request)
-    ns = svc.namespace(request, p)
-    spec, tokens = await _spec_and_tokens(request)
+    svc, _, ns = caller(request)
+    spec, tokens = await spec_and_tokens(request)
     return {"deleted_blocks": await svc.run(svc.store.delete, spec, tokens, ns)}
 
 
@@ -183,10 +135,7 @@ def eviction_query(data: dict[str, Any], **scope: Any) -> EvictionQuery:
         "limit": require(data, "limit", int, default=None),
     }
     if keys is not None:
-        try:
-            fields["keys"] = tuple(from_hex(k) for k in keys)
-        except InvalidInput as exc:
-            raise field_error(exc, "keys") from exc
+        fields["keys"] = tuple(parse_keys(keys))
     if prefix is not None:
         fields["prefix_spec"] = parse_spec(require(prefix, "spec", dict), "prefix.spec")
         fields["prefix_tokens"] = parse_tokens(require(prefix, "tokens", list), "prefix.tokens")
@@ -208,10 +157,9 @@ def eviction_answer(result: Any, audit_id: int | None, show_keys: int = 1000) ->
 
 
 @router.post("/v1/evict")
-async def tenant_evict(request: Request, p: Principal = Depends(principal)) -> dict:
+async def tenant_evict(request: Request) -> dict:
     """Evict this namespace's blocks by the admin selectors; another tenant's are out of reach."""
-    svc = svc_of(request)
-    ns = svc.namespace(request, p)
+    svc, p, ns = caller(request)
     data = await json_body(request)
     if data.get("namespace") not in (None, ns):
         raise MalformedRequest("namespace: a tenant evicts in its request namespace (X-KV-Namespace) only")
@@ -228,12 +176,6 @@ async def tenant_evict(request: Request, p: Principal = Depends(principal)) -> d
 # -- co-located: shared memory ---------------------------------------------------------------
 
 
-def colocated_only(svc: Service) -> None:
-    """Raise a 404 where the co-located path is off."""
-    if svc.staging is None or svc.shm is None:
-        raise RouteNotFound("the co-located path is off here (no shm tier, or colocated=false)", status=404)
-
-
 @router.post("/v1/kv/handles")
 async def kv_handles(request: Request) -> JSONResponse:
     """Slot handles of the longest stored prefix, for a client that reads the shm arena itself.
@@ -241,11 +183,25 @@ async def kv_handles(request: Request) -> JSONResponse:
     Blocks outside the shm tier come with a null handle; the client fetches those
     with ``POST /v1/blocks/get``.
     """
-    svc, _, ns = _caller(request, colocated=True)
-    spec, tokens = await _spec_and_tokens(request)
-    blocks = await svc.run_index(_handles, svc, spec, tokens, ns, agent_of(request))
+    svc, _, ns = caller(request, colocated=True)
+    spec, tokens = await spec_and_tokens(request)
+    blocks = await svc.run_index(svc.store.prefix_blocks, spec, tokens, ns, agent=agent_of(request))
+    shm = svc.shm.name
+    handles = iter(await svc.slot_handles([b.key for b in blocks if b.tier == shm]))
+    out, read_here = [], []
+    for b in blocks:
+        handle = next(handles) if b.tier == shm else None
+        out.append({"key": b.key.hex(), "tier": b.tier, "checksum": b.entry.checksum if b.entry else None,
+                    "handle": handle_json(handle)})
+        if handle is not None and b.entry is not None:
+            read_here.append(b.key)
+    # Only the blocks the client reads through a handle: it fetches the others with
+    # /v1/blocks/get, which counts them itself (counting them here too read them twice).
+    svc.tally.add(read_here)
+    bt = spec.block_tokens
+    svc.store.core.count(get_calls=1, tokens_requested=spec.full_blocks(len(tokens)) * bt, tokens_hit=len(blocks) * bt)
     svc.metrics.colocated.labels("get").inc()
-    return JSONResponse({"n_tokens": len(blocks) * spec.block_tokens, "segment": svc.shm.segment, "blocks": blocks})
+    return JSONResponse({"n_tokens": len(blocks) * bt, "segment": svc.shm.segment, "blocks": out})
 
 
 _MAX_TOUCH_COUNT = 1 << 30
@@ -253,7 +209,7 @@ _MAX_TOUCH_COUNT = 1 << 30
 
 
 @router.post("/v1/kv/touch")
-async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
+async def kv_touch(request: Request) -> dict:
     """Reads a co-located client served from slot handles it remembered: counted as gets.
 
     Body: ``{"keys": [hex], "counts": [n], "gets": n, "tokens_requested": n, "tokens_hit": n}``;
@@ -261,9 +217,7 @@ async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
     Only keys stored in the request's namespace count; others are ignored, so a
     report can neither warm nor probe another tenant's blocks.
     """
-    svc = svc_of(request)
-    colocated_only(svc)
-    ns = svc.namespace(request, p)
+    svc, _, ns = caller(request, colocated=True)
     data = await json_body(request)
     keys = require(data, "keys", list)
     if len(keys) > MAX_TOUCH_KEYS:
@@ -279,45 +233,24 @@ async def kv_touch(request: Request, p: Principal = Depends(principal)) -> dict:
             raise field_error(InvalidInput(f"must be a non-negative integer, got {value!r}"), name)
     if counts["tokens_hit"] > counts["tokens_requested"]:
         raise field_error(InvalidInput("cannot exceed tokens_requested"), "tokens_hit")
-    try:
-        wanted = [from_hex(k) for k in keys]
-    except InvalidInput as exc:
-        raise field_error(exc, "keys") from exc
-    return {"touched": await svc.run_index(_touch, svc, ns, wanted, reads, counts)}
+    wanted = parse_keys(keys)
+    return {"touched": await svc.run(_touch, svc, ns, wanted, reads, counts)}
 
 
 def _touch(svc: Service, ns: str, keys: list, reads: list[int], counts: dict[str, int]) -> int:
-    mine = [(k, n) for k, n, e in zip(keys, reads, svc.store.entries_of(keys)) if e is not None and e.namespace == ns]
-    svc.store.touch([k for k, _ in mine], [n for _, n in mine])
-    svc.store.count_get(counts["tokens_requested"], counts["tokens_hit"], calls=counts["gets"])
+    mine = [(k, n) for k, n, e in zip(keys, reads, svc.store.core.entries_of(keys)) if e is not None and e.namespace == ns]
+    svc.store.core.touch([k for k, _ in mine], [n for _, n in mine])
+    svc.store.core.count(get_calls=counts["gets"], tokens_requested=counts["tokens_requested"],
+                         tokens_hit=counts["tokens_hit"])
     if counts["gets"]:
         svc.metrics.colocated.labels("get").inc(counts["gets"])
     return len(mine)
 
 
-def _handles(svc: Service, spec, tokens, ns: str, agent: str | None = None) -> list[dict]:
-    blocks = svc.store.prefix_blocks(spec, tokens, ns, agent=agent)
-    out, read_here = [], []
-    for b in blocks:
-        handle = svc.shm.handle(b.key) if b.tier == svc.shm.name else None
-        out.append({"key": b.key.hex(), "tier": b.tier, "checksum": b.entry.checksum if b.entry else None,
-                    "handle": None if handle is None else
-                    {"index": handle.index, "offset": handle.offset, "length": handle.length, "gen": handle.gen}})
-        if handle is not None and b.entry is not None:
-            read_here.append(b.key)
-    # Only the blocks the client reads through a handle: it fetches the others with
-    # /v1/blocks/get, which counts them itself (counting them here too read them twice).
-    svc.store.touch(read_here)
-    bt = spec.block_tokens
-    svc.store.count_get(spec.full_blocks(len(tokens)) * bt, len(blocks) * bt)
-    return out
-
-
 @router.post("/v1/staging/lease")
-async def staging_lease(request: Request, p: Principal = Depends(principal)) -> dict:
+async def staging_lease(request: Request) -> dict:
     """Lease a range of the staging arena for co-located puts: ``{"nbytes": N}``."""
-    svc = svc_of(request)
-    colocated_only(svc)
+    svc, p = authenticate(request, colocated=True)
     data = await json_body(request)
     nbytes = require(data, "nbytes", int)
     if nbytes > svc.settings.max_body_bytes:
@@ -327,9 +260,8 @@ async def staging_lease(request: Request, p: Principal = Depends(principal)) -> 
 
 
 @router.delete("/v1/staging/lease/{lease_id}")
-async def staging_release(lease_id: str, request: Request, p: Principal = Depends(principal)) -> dict:
-    svc = svc_of(request)
-    colocated_only(svc)
+async def staging_release(lease_id: str, request: Request) -> dict:
+    svc, p = authenticate(request, colocated=True)
     return {"released": svc.staging.release(lease_id, p.name)}
 
 
@@ -339,7 +271,7 @@ async def kv_put_staged(lease_id: str, request: Request) -> JSONResponse:
 
     Body: a KV body without the KV bytes (it ends at the KV offset).
     """
-    svc, p, ns = _caller(request, colocated=True)
+    svc, p, ns = caller(request, colocated=True)
     raw = await request.body()
     head = parse_kv_head(raw)
     if len(raw) != head.kv_at:
@@ -369,7 +301,7 @@ async def kv_reserve(request: Request) -> JSONResponse:
     offsets into the shm tier's data region; ``reservation`` null (with ``why``) when the top
     tier has no room for them all or this store takes no reserved puts: put another way.
     """
-    svc, p, ns = _caller(request, colocated=True)
+    svc, p, ns = caller(request, colocated=True)
     raw = await request.body()
     head = parse_kv_head(raw)
     if len(raw) != head.kv_at:
@@ -395,10 +327,7 @@ def _reservations_off(svc: Service) -> str | None:
 
 
 def _reserve(svc: Service, p: Principal, ns: str, spec, tokens, pid: int | None):
-    if p.quota_bytes is not None:
-        have = svc.store.lookup(spec, tokens, ns) // spec.block_tokens
-        new_blocks = spec.full_blocks(len(tokens)) - have
-        svc.quotas.check(p, ns, new_blocks * (spec.block_nbytes + 4096))  # 4 KiB: header and metadata
+    charge_blocks(svc, p, ns, spec, tokens)
     return svc.store.reserve_put(spec, tokens, ns, owner=p.name, pid=pid)
 
 
@@ -409,7 +338,7 @@ async def kv_commit(request: Request) -> JSONResponse:
     Each frame's header is checked against the reservation and its claimed body checksum;
     a mismatch returns every slot and stores nothing (422).
     """
-    svc, p, _ = _caller(request, colocated=True)
+    svc, p, _ = caller(request, colocated=True)
     data = await json_body(request)
     rid = require(data, "reservation", str)
     checksums = require(data, "checksums", list)
@@ -422,6 +351,6 @@ async def kv_commit(request: Request) -> JSONResponse:
 @router.delete("/v1/kv/reserve/{rid}")
 async def kv_abort(rid: str, request: Request) -> dict:
     """Give a reservation's slots back unfilled."""
-    svc, p, _ = _caller(request, colocated=True)
-    await svc.run(svc.store.abort_put, rid, p.name)
+    svc, p, _ = caller(request, colocated=True)
+    await svc.run(svc.store.reservations.abort, rid, p.name)
     return {"aborted": rid}

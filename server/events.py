@@ -43,8 +43,8 @@ from fastapi.responses import Response, StreamingResponse
 from kvstore.errors import InvalidInput, MalformedRequest, ServerBusy
 from kvstore.engine.events import Event, EventLog
 from server.auth import Principal
-from server.data import svc_of
 from server.errors import error_response, field_error
+from server.requests import authenticate
 
 __all__ = ["router", "start", "Notifier", "HEARTBEAT_S"]
 
@@ -278,8 +278,7 @@ def _busy(notifier: Notifier, cap: int) -> Response:
 async def events_stream(request: Request) -> Response:
     """KV events as Server-Sent Events (``id: <epoch>:<seq>``, ``event: stored|moved|removed|cleared|lost``,
     ``data:`` the event as JSON), from ``Last-Event-ID`` on; tenants see their namespaces only."""
-    svc = svc_of(request)
-    p = svc.principal(request)
+    svc, p = authenticate(request)
     namespaces = _namespaces(p, request)
     notifier = notifier_of(svc)
     after, opening = _resume(svc.store.events, notifier, request)
@@ -287,7 +286,7 @@ async def events_stream(request: Request) -> Response:
 
 
 def _snapshot_body(store: Any, namespaces: frozenset[str] | None) -> bytes:
-    seq, entries = store.events_snapshot(namespaces)
+    seq, entries = store.core.events_snapshot(namespaces)
     epoch = store.events.epoch
     blocks = [{"key": e.key.hex(), "namespace": e.namespace, "tier": e.tier, "size": e.size, "depth": e.depth}
               for e in entries]
@@ -299,8 +298,8 @@ def _snapshot_body(store: Any, namespaces: frozenset[str] | None) -> bytes:
 async def events_snapshot(request: Request) -> Response:
     """The block set (the caller's namespaces) and the event it is valid at: apply the events
     after ``seq`` to it, or stream from ``id``."""
-    svc = svc_of(request)
-    namespaces = _namespaces(svc.principal(request), request)
+    svc, p = authenticate(request)
+    namespaces = _namespaces(p, request)
     body = await svc.run(_snapshot_body, svc.store, namespaces)  # a copy of the whole index: off the loop
     return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
 

@@ -4,8 +4,8 @@
 set, publishes its port in ``/v1/info`` (``media.flight.port``) and stops it
 first at shutdown. The tickets, schemas and error details are the SDK's
 (``client_sdk.flight``); the rules are the REST routes': the same auth and
-namespace headers (``server.auth``), the same engine calls (``KVStore``'s frame reads)
-and quota check (``server.blocks``), the same typed errors.
+namespace headers (``server.requests``), the same engine calls (``KVStore.frames``' reads)
+and quota check (``server.requests.put_frames``), the same typed errors.
 
 Handlers run on gRPC's threads, never on the app's event loop, so they call
 the store directly. Every failure leaves as a Flight error carrying the REST
@@ -26,18 +26,17 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import torch
 
+from kvstore import codec as codec_mod
+from kvstore.errors import InvalidInput, InvalidKV, KVStoreError, MalformedRequest, ServiceError
+from kvstore.keys import HASH_BYTES, BlockHash
+from kvstore.wire.errors import status_for
 from kvstore.wire.flight import (BATCH_BYTES, FRAMES_SCHEMA, LAYER_SCHEMA, MAX_PROBE_BYTES, MAX_TICKET_KEYS,
                                  batch_frames, error_detail, frames_batch)
 from kvstore.wire.rest import H_NAMESPACE
-from kvstore.errors import MalformedRequest, ServiceError
-from kvstore.wire.errors import status_for
-from kvstore import codec as codec_mod
-from kvstore.errors import InvalidInput, InvalidKV, InvalidSpec, KVStoreError
-from kvstore.keys import HASH_BYTES, BlockHash, from_hex
 from server.auth import Principal
-from server.blocks import _put_frames  # the REST batch put: quota check, then the store
 from server.config import ServerSettings, is_loopback
 from server.errors import field_error
+from server.requests import check_namespace, parse_keys, put_frames  # the REST routes' rules
 from server.service import Service, parse_spec, parse_tokens, require
 
 __all__ = ["FlightService", "start_flight", "flight_host"]
@@ -146,7 +145,7 @@ class FlightService(fl.FlightServerBase):
                 for i, (_, frame) in enumerate(items):
                     if frame is None:
                         raise field_error(InvalidInput(f"row {stored + i} has a null frame"), "frame")
-                stored += _put_frames(self.svc, principal, ns, items)
+                stored += put_frames(self.svc, principal, ns, items)
                 self.svc.metrics.transfer.labels("in", "flight").inc(sum(len(f) for _, f in items))
             writer.write(pa.py_buffer(json.dumps({"stored": stored}).encode()))
 
@@ -160,10 +159,7 @@ class FlightService(fl.FlightServerBase):
         """
         headers: _Headers = context.get_middleware(_HEADERS)
         principal = self.svc.auth.authenticate(headers.first("authorization"))
-        try:
-            return principal, principal.check_namespace(headers.first(H_NAMESPACE) or "default")
-        except InvalidSpec as exc:
-            raise field_error(exc, H_NAMESPACE) from exc
+        return principal, check_namespace(principal, headers.first(H_NAMESPACE) or "default")
 
     def _frame_batches(self, keys: list[BlockHash], codec: str | None,
                        scope: frozenset[str]) -> Iterator[pa.RecordBatch]:
@@ -185,7 +181,7 @@ class FlightService(fl.FlightServerBase):
                 yield self._sent(frames_batch(pending), size)
 
     def _frame(self, key: BlockHash, codec: str | None, scope: frozenset[str]) -> Any:
-        got = self.svc.store.read_frame(key, scope)
+        got = self.svc.store.frames.read(key, scope)
         if got is None:
             return None
         if codec is None:
@@ -293,7 +289,4 @@ def _ticket_keys(req: dict[str, Any]) -> list[BlockHash]:
     keys = require(req, "keys", list)
     if len(keys) > MAX_TICKET_KEYS:
         raise field_error(InvalidInput(f"at most {MAX_TICKET_KEYS} keys a ticket, got {len(keys)}"), "keys")
-    try:
-        return [from_hex(k) for k in keys]
-    except InvalidInput as exc:
-        raise field_error(exc, "keys") from exc
+    return parse_keys(keys)

@@ -70,7 +70,7 @@ class History:
         return s
 
     def _now(self) -> Sample:
-        counters, reads = self.store.read_counters()
+        counters, reads = self.store.core.counters(), self.store.core.reads_by_tier()
         return Sample(time.time(), time.monotonic(), counters.get_calls, counters.tokens_requested,
                       counters.tokens_hit, reads)
 

@@ -8,7 +8,7 @@ the next request is read, so an EXIST right after a PUT sees it (the PUT itself 
 no answer in this protocol).
 
 A PUT's payload is received straight into its frame's place in the tier's memory
-(``KVStore.put_frame_with``), and a GET answer is sent straight from there
+(``KVStore.frames.put_with``), and a GET answer is sent straight from there
 (``Tier.read_with``), where the tier is an arena in host memory (shm, cxl): no
 per-request allocation and no staging copy.
 

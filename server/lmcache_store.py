@@ -84,7 +84,7 @@ class LMCacheChunks:
 
         bkey = self.block_key(key)
         try:
-            self.store.put_frame_with(bkey, self.namespace, size, writer)
+            self.store.frames.put_with(bkey, self.namespace, size, writer)
             return
         except TierError:  # TierFull included
             if received:
@@ -93,14 +93,14 @@ class LMCacheChunks:
         try:
             with memoryview(buf) as view:
                 n = writer(view)
-                self.store.put_frame(bkey, view[:n], self.namespace, make_room=True)
+                self.store.frames.put(bkey, view[:n], self.namespace, make_room=True)
         finally:
             self.buffers.release(buf)
 
     # -- GET, EXIST, LIST ----------------------------------------------------------------------
 
     def exists(self, key: LMKey) -> bool:
-        return self.store.block_entry(self.block_key(key), self._scope) is not None
+        return self.store.frames.block_entry(self.block_key(key), self._scope) is not None
 
     def get(self, key: LMKey, send: Callable[[memoryview], None]) -> bool:
         """Send the stored chunk of ``key`` (its 36-byte meta in one call, then the payload) with
@@ -121,10 +121,10 @@ class LMCacheChunks:
             send(view[header.payload_offset : header.frame_len])
             return True
 
-        found = self.store.read_frame_with(bkey, self._scope, answer, tally=False)
-        if found is None and self.store.shared_tier is not None \
-                and self.store.current_entry(bkey, self._scope) is None:
-            got = self.store.read_frame(bkey, self._scope)  # another node's, in the shared tier
+        found = self.store.frames.read_with(bkey, self._scope, answer, tally=False)
+        if found is None and self.store.frames.shared_tier is not None \
+                and self.store.frames.current_entry(bkey, self._scope) is None:
+            got = self.store.frames.read(bkey, self._scope)  # another node's, in the shared tier
             if got is not None:
                 with memoryview(got[0]).cast("B") as view:
                     found = answer(view, codec_mod.read_header(view), got[1])
@@ -140,7 +140,7 @@ class LMCacheChunks:
         for e in self.store.entries():
             if e.namespace != self.namespace:
                 continue
-            tier = self.store.tier_named(e.tier)
+            tier = self.store.core.tier(e.tier) if self.store.core.has_tier(e.tier) else None
             try:
                 got = tier.head(e.key, _HEAD_BYTES) if tier is not None else None
                 if got is None:

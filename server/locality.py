@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse
 
 from kvstore.errors import InvalidInput
 from server.auth import Principal
-from server.data import _caller, _is_kv_body, _spec_and_tokens
 from server.errors import field_error
+from server.requests import caller, is_kv_body, spec_and_tokens
 from server.service import Service, json_body, require
 
 __all__ = ["router", "retain_quota"]
@@ -42,8 +42,8 @@ def retain_quota(svc: Service, p: Principal) -> int:
 
 async def _fields(request: Request) -> dict[str, Any]:
     """The route's own fields: the JSON body, or the query of a KV body (numbers parsed)."""
-    if not _is_kv_body(request):
-        return await json_body(request)  # the body is cached: _spec_and_tokens read it already
+    if not is_kv_body(request):
+        return await json_body(request)  # the body is cached: spec_and_tokens read it already
     out: dict[str, Any] = {}
     for name, value in request.query_params.items():
         if name == "to":
@@ -83,8 +83,8 @@ async def kv_prefetch(request: Request) -> JSONResponse:
     """Bring the longest stored prefix to the top tier in the background (blocks only the shared
     tier holds are adopted into this node's arena first); answers at once with the tokens it will
     bring: ``{"tokens", "block_tokens"}``."""
-    svc, _, ns = _caller(request)
-    spec, tokens = await _spec_and_tokens(request)
+    svc, _, ns = caller(request)
+    spec, tokens = await spec_and_tokens(request)
     n = await svc.run(svc.store.prefetch, spec, tokens, ns)
     return JSONResponse({"tokens": n, "block_tokens": spec.block_tokens})
 
@@ -93,8 +93,8 @@ async def kv_prefetch(request: Request) -> JSONResponse:
 async def kv_retain(request: Request) -> JSONResponse:
     """Keep the stored prefix in the top tier for ``ttl_s`` seconds at ``priority`` (0-9): a soft
     pin, charged to the caller's tenant. Answers ``KVStore.retain``'s dict."""
-    svc, p, ns = _caller(request)
-    spec, tokens = await _spec_and_tokens(request)
+    svc, p, ns = caller(request)
+    spec, tokens = await spec_and_tokens(request)
     data = await _fields(request)
     ttl = _ttl(svc, require(data, "ttl_s", (int, float)))
     priority = _priority(data)
@@ -106,8 +106,8 @@ async def kv_retain(request: Request) -> JSONResponse:
 @router.post("/v1/kv/release")
 async def kv_release(request: Request) -> JSONResponse:
     """End the caller's tenant's retention of the stored prefix: ``{"blocks": n}`` released."""
-    svc, p, ns = _caller(request)
-    spec, tokens = await _spec_and_tokens(request)
+    svc, p, ns = caller(request)
+    spec, tokens = await spec_and_tokens(request)
     return JSONResponse({"blocks": await svc.run(svc.store.release, spec, tokens, ns, owner=p.name)})
 
 
@@ -117,8 +117,8 @@ async def kv_handoff(request: Request) -> JSONResponse:
     in this node's top tier for ``ttl_s`` (default ``KVSTORE_HANDOFF_TTL_S``), a retention of the
     caller's tenant; a node's name or ``"shared"`` writes it through to the shared tier now (422
     where there is none). Answers ``{"tokens", "blocks", "held", "shared", "to"}``."""
-    svc, p, ns = _caller(request)
-    spec, tokens = await _spec_and_tokens(request)
+    svc, p, ns = caller(request)
+    spec, tokens = await spec_and_tokens(request)
     data = await _fields(request)
     to = require(data, "to", str, default="here")
     ttl = require(data, "ttl_s", (int, float), default=None)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import KVStoreError
-from server.data import svc_of
+from server.requests import svc_of
 
 __all__ = ["router"]
 
@@ -47,7 +47,7 @@ def _tier_states(store) -> list[dict]:
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     svc = svc_of(request)
-    if svc.store.closed:
+    if svc.store.core.closed:
         return JSONResponse({"status": "unavailable", "reasons": ["the store is closed"], "tiers": []}, 503)
     try:
         states = await asyncio.wait_for(svc.run(_tier_states, svc.store), _PROBE_TIMEOUT_S)

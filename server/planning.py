@@ -30,14 +30,11 @@ from typing import Any, Callable
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from kvstore.errors import MalformedRequest
-from kvstore.errors import InvalidInput
+from kvstore.errors import InvalidInput, MalformedRequest
 from kvstore.planner import RECOMPUTE
 from kvstore.policy import CODECS, MEDIA, CanaryJudge, Policy, PolicySet
-from server.admin import admin
-from server.auth import Principal
-from server.data import principal, svc_of
 from server.errors import field_error
+from server.requests import admin_caller, admin_only, authenticate, authenticated, caller, svc_of
 from server.service import Service, json_body, require
 
 __all__ = ["router", "PlanState"]
@@ -146,16 +143,16 @@ def prefetch_policy(svc: Service) -> Callable[[str], tuple[int, bool]]:
     return policy_for
 
 
-@router.get("/v1/probe")
-async def probe(request: Request, p: Principal = Depends(principal),
-                nbytes: int = Query(0, alias="bytes", ge=0, le=_MAX_PROBE_BYTES)) -> Response:
+@router.get("/v1/probe", dependencies=[Depends(authenticated)])  # 401 before a bad ``bytes``' 422
+async def probe(request: Request, nbytes: int = Query(0, alias="bytes", ge=0, le=_MAX_PROBE_BYTES)) -> Response:
     """Filler bytes for a client timing this link (auth as any data route)."""
     return Response(memoryview(_ZEROS)[:nbytes], media_type="application/octet-stream")
 
 
 @router.get("/v1/policy")
-async def get_policy(request: Request, p: Principal = Depends(principal)) -> dict:
-    return plan_state(svc_of(request)).policies.to_dict()
+async def get_policy(request: Request) -> dict:
+    svc, _ = authenticate(request)
+    return plan_state(svc).policies.to_dict()
 
 
 def _number(d: dict, name: str, where: str, *, optional: bool, integer: bool = False) -> Any:
@@ -212,10 +209,9 @@ def _check_record(i: int, d: Any) -> dict[str, Any]:
 
 
 @router.post("/v1/decisions")
-async def report_decisions(request: Request, p: Principal = Depends(principal)) -> dict:
+async def report_decisions(request: Request) -> dict:
     """A client's finished decisions; the canary is judged on them."""
-    svc = svc_of(request)
-    ns = svc.namespace(request, p)
+    svc, p, ns = caller(request)
     records = require(await json_body(request), "decisions", list)
     if len(records) > _MAX_REPORT:
         raise field_error(InvalidInput(f"at most {_MAX_REPORT} decisions a report, got {len(records)}"), "decisions")
@@ -228,7 +224,7 @@ async def report_decisions(request: Request, p: Principal = Depends(principal)) 
     return {"accepted": len(checked), "policies": state.policies.to_dict()}
 
 
-admin_router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
+admin_router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 
 
 @admin_router.get("/decisions")
@@ -237,12 +233,12 @@ async def admin_decisions(request: Request, limit: int = Query(100, ge=1, le=409
     """The newest decision records (oldest first), optionally filtered.
 
     The clients' transfer decisions by default; ``op=prefetch`` gives the server's own prefetch
-    decisions instead (``KVStore.prefetch_log``: trigger as the choice, and the reason), which
+    decisions instead (``KVStore.prefetcher.log``: trigger as the choice, and the reason), which
     ``/admin/prefetches`` and the dashboard show too."""
     svc = svc_of(request)
     state = plan_state(svc)
     if op == "prefetch":
-        found = [{**d, "choice": d["trigger"]} for d in svc.store.prefetch_log(4096)]
+        found = [{**d, "choice": d["trigger"]} for d in svc.store.prefetcher.log(4096)]
     else:
         found = state.decisions()
     rows = [d for d in found if (op is None or d["op"] == op) and (choice is None or d["choice"] == choice)
@@ -256,9 +252,9 @@ async def admin_policy(request: Request) -> dict:
 
 
 @admin_router.post("/policy")
-async def admin_set_policy(request: Request, p: Principal = Depends(principal)) -> dict:
+async def admin_set_policy(request: Request) -> dict:
     """Start, move, promote or roll back a canary, or replace the baseline."""
-    svc = svc_of(request)
+    svc, p = admin_caller(request)
     state = plan_state(svc)
     data = await json_body(request)
     action = require(data, "action", str)

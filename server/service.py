@@ -1,8 +1,9 @@
-"""The state one app holds, and the helpers every route uses.
+"""The state one app holds, and the parsing helpers every route uses.
 
 ``Service`` owns the store handle, auth, metrics, audit log, staging arena,
 quotas, a pool of reused request buffers and the thread pool that blocking
-store calls run in (the event loop never touches a tier).
+store calls run in (the event loop never touches a tier). Who is calling, and
+what a request's body and quota charge are, is ``server.requests``.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ import numpy as np
 import torch
 from fastapi import Request
 
-from kvstore.wire.rest import H_NAMESPACE, host_id
-from kvstore.memory.buffers import BufferPool
-from kvstore.errors import MalformedRequest, PayloadTooLarge, QuotaExceeded
-from kvstore.errors import InvalidInput, InvalidSpec
-from kvstore.keys import normalize_tokens
-from kvstore.spec import KVSpec
 from kvstore.engine.store import KVStore
+from kvstore.errors import InvalidInput, MalformedRequest, PayloadTooLarge, QuotaExceeded
+from kvstore.keys import BlockHash, normalize_tokens
+from kvstore.memory.buffers import BufferPool
+from kvstore.memory.shm import SlotHandle
+from kvstore.spec import KVSpec
+from kvstore.wire.rest import host_id
 from server.audit import AuditLog
 from server.auth import Authenticator, Principal
+from server.colocated import ReadTally, SlotHandles
 from server.config import ServerSettings
 from server.history import History
 from server.inflight import InflightBudget, lazy_buffer
@@ -113,6 +115,10 @@ class Service:
         self.staging: StagingArena | None = None
         if settings.colocated and self.shm is not None:
             self.staging = StagingArena(settings.staging_bytes)
+        self.slots = SlotHandles(self.shm) if self.shm is not None else None
+        """The shm tier's slot handles, as the event loop reads them (``server.colocated``)."""
+        self.tally = ReadTally(store.core, store.clock)
+        """Reads the event loop served, counted off it (``server.colocated``)."""
         self.metrics = Metrics(store.stats, self._figures)
         self.connectors = ConnectorBoard()
         """Engine connectors' counters (``POST /v1/connectors/report``), in ``/metrics`` too."""
@@ -145,12 +151,18 @@ class Service:
         return out
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run blocking ``fn`` in the I/O pool, off the event loop."""
+        """Run blocking ``fn`` in the I/O pool, off the event loop, once the reads the loop
+        handed to ``tally`` are counted: ``fn`` sees every read of the requests answered before."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self.pool, self._counted_then, functools.partial(fn, *args, **kwargs))
+
+    def _counted_then(self, call: Callable[[], T]) -> T:
+        self.tally.flush()
+        return call()
 
     async def run_index(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn``, which reads the index and may consult shared tiers on a miss.
+        """Run ``fn``, which reads the index (its own short lock, never a tier's or placement's)
+        and may consult the shared tier on a miss.
 
         Without a Redis tier that is tens of microseconds of CPU, cheaper than a
         thread hop, so it runs right here; with one it may wait on the network,
@@ -160,15 +172,17 @@ class Service:
             return fn(*args, **kwargs)
         return await self.run(fn, *args, **kwargs)
 
-    def principal(self, request: Request) -> Principal:
-        return self.auth.authenticate(request.headers.get("authorization"))
-
-    def namespace(self, request: Request, principal: Principal) -> str:
-        ns = request.headers.get(H_NAMESPACE, "default")
-        try:
-            return principal.check_namespace(ns)
-        except InvalidSpec as exc:
-            raise field_error(exc, H_NAMESPACE) from exc
+    async def slot_handles(self, keys: list[BlockHash]) -> list[SlotHandle | None]:
+        """The shm tier's handle of each key (None: not there now): remembered ones checked on
+        the loop without the tier's lock, the others asked of the tier in the pool."""
+        assert self.slots is not None
+        handles = self.slots.known(keys)
+        missing = [i for i, h in enumerate(handles) if h is None]
+        if missing:
+            found = await self.run(self.slots.look_up, [keys[i] for i in missing])
+            for i, handle in zip(missing, found):
+                handles[i] = handle
+        return handles
 
     async def read_body(self, request: Request) -> tuple[bytearray, int]:
         """The whole body in a pooled buffer: (buffer, length). Release it with ``buffers.release``.
@@ -210,6 +224,9 @@ class Service:
                 log.exception("kvstore: closing a side server failed")
         self.closers.clear()
         self.pool.shutdown(wait=True)
+        self.tally.close()
+        if self.slots is not None:
+            self.slots.close()
         if self.staging is not None:
             self.staging.close()
         if self.close_store:

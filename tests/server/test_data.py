@@ -264,12 +264,13 @@ def test_hot_routes_map_errors_like_every_other_route(serve_app, spec, caplog):
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
-    store.lookup = broken  # a walk that stops short asks store.lookup
+    store.prefix_blocks = broken  # the walk /v1/lookup answers from
     with caplog.at_level("ERROR", logger="kvstore.server"):
         resp = httpx.post(f"{srv.url}/v1/lookup", json={"spec": spec.to_dict(), "tokens": tokens + list(range(16))})
     assert resp.status_code == 500
     assert resp.json() == {"error": {"type": "ServiceError", "message": "internal server error"}}
     assert "injected fault" in caplog.text  # the traceback goes to the log, not the client
+    del store.prefix_blocks
     assert httpx.post(f"{srv.url}/v1/lookup", json=body).json()["tokens"] == 32  # still up
     metrics = httpx.get(f"{srv.url}/metrics").text
     assert 'route="/v1/lookup"' in metrics and 'status="500"' in metrics  # series by route template

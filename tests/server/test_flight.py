@@ -271,12 +271,12 @@ def test_settings_flight_port():
 
 
 def test_an_unexpected_failure_is_an_internal_error_without_a_traceback(fserver, spec, monkeypatch):
-    from kvstore.engine.store import KVStore
+    from kvstore.engine.frames import Frames
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(KVStore, "read_frame", broken)
+    monkeypatch.setattr(Frames, "read", broken)
     with medium(fserver) as m:
         with pytest.raises(ServiceError) as info:
             m.get_frames([os.urandom(32)])

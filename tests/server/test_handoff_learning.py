@@ -31,7 +31,7 @@ def test_two_handoffs_teach_the_server_to_hold_the_next_put(server, spec, coloca
             planner.put_kv(spec, toks, make_kv(spec, len(toks), seed=i))
             kv, n = coder.get_kv(spec, toks)
             assert n == len(toks)
-        _until(lambda: server.store.handoffs.describe().get("team", {}).get("handoffs") == 2)
+        _until(lambda: server.store.locality.handoffs.describe().get("team", {}).get("handoffs") == 2)
         nxt = ctx + list(range(5000, 5016))
         planner.put_kv(spec, nxt, make_kv(spec, len(nxt), seed=9))
         _until(lambda: any(p["trigger"] == "hand-off" for p in _prefetches(server)))
@@ -40,7 +40,7 @@ def test_two_handoffs_teach_the_server_to_hold_the_next_put(server, spec, coloca
         logged = httpx.get(f"{server.url}/admin/decisions", params={"op": "prefetch"}, timeout=10).json()
         assert logged["decisions"][-1]["choice"] == "hand-off" and logged["decisions"][-1]["reason"]
         last = block_hashes(spec, nxt, "team")[-1]
-        assert server.store.retention_of(last)["owner"] == "_prefetch"
+        assert server.store.placement.retention(last)["owner"] == "_prefetch"
         assert server.store.explain(last)["retained"]["owner"] == "_prefetch"
 
 
@@ -50,7 +50,7 @@ def test_the_same_agent_reading_back_teaches_nothing(server, spec):
             toks = list(range(100 * i, 100 * i + 32))
             me.put_kv(spec, toks, make_kv(spec, 32))
             me.get_kv(spec, toks)
-        assert "solo" not in server.store.handoffs.describe()
+        assert "solo" not in server.store.locality.handoffs.describe()
         assert _prefetches(server) == []
 
 
@@ -66,7 +66,7 @@ def test_a_candidate_policy_without_prefetch_stops_it_and_rollback_restores_it(s
             "action": "candidate", "policy": {"version": 2, "prefetch": False}, "fraction": 1.0}, timeout=10)
         assert resp.status_code == 200, resp.text
         planner.put_kv(spec, ctx + list(range(7000, 7016)), make_kv(spec, 48))
-        assert server.store.prefetch_idle() and _prefetches(server) == []
+        assert server.store.prefetcher.idle() and _prefetches(server) == []
         assert httpx.post(f"{server.url}/admin/policy", json={"action": "rollback"}, timeout=10).status_code == 200
         planner.put_kv(spec, ctx + list(range(8000, 8016)), make_kv(spec, 48))
         _until(lambda: len(_prefetches(server)) == 1)

@@ -108,10 +108,10 @@ def test_release_ends_only_the_callers_retention(srv, spec):
     assert _post(srv, "retain", _body(spec, tokens, ttl_s=60), namespace="shared").status_code == 200
     # beta shares the namespace but not acme's retention
     assert _post(srv, "release", _body(spec, tokens), token=BETA, namespace="shared").json() == {"blocks": 0}
-    assert srv.store.retained_bytes().get("acme", 0) > 0
+    assert srv.store.placement.retained_bytes().get("acme", 0) > 0
     assert _post(srv, "release", _body(spec, tokens), namespace="shared").json() == {"blocks": 3}
-    assert all(srv.store.retention_of(k) is None for k in block_hashes(spec, tokens, "shared"))
-    assert srv.store.retained_bytes().get("acme", 0) == 0
+    assert all(srv.store.placement.retention(k) is None for k in block_hashes(spec, tokens, "shared"))
+    assert srv.store.placement.retained_bytes().get("acme", 0) == 0
 
 
 def test_retain_past_the_quota_is_507_naming_it_and_retains_nothing_new(srv, spec):
@@ -122,11 +122,11 @@ def test_retain_past_the_quota_is_507_naming_it_and_retains_nothing_new(srv, spe
     err = resp.json()["error"]
     assert err["type"] == "RetainQuotaExceeded" and err["quota_bytes"] == SHM_BYTES // 4
     assert "KVSTORE_RETAIN_QUOTA_BYTES" in err["message"] and str(SHM_BYTES // 4) in err["message"]
-    assert srv.store.retained_bytes().get("acme", 0) == 0
+    assert srv.store.placement.retained_bytes().get("acme", 0) == 0
     # within the quota it works, and the quota counts what is held
     assert _post(srv, "retain", _body(spec, tokens[:10 * 16], ttl_s=60)).status_code == 200
     again = _post(srv, "retain", _body(spec, tokens, ttl_s=60)).json()["error"]
-    assert again["retained_bytes"] == srv.store.retained_bytes()["acme"] > 0
+    assert again["retained_bytes"] == srv.store.placement.retained_bytes()["acme"] > 0
 
 
 def test_a_tokens_file_override_sets_the_tenants_own_quota(srv, spec):
@@ -151,7 +151,7 @@ def test_bad_ttls_are_422_naming_the_field(srv, spec, ttl, field, words):
     assert resp.status_code == 422, resp.text
     err = resp.json()["error"]
     assert err["field"] == field and words in err["message"], err
-    assert srv.store.retained_bytes().get("acme", 0) == 0
+    assert srv.store.placement.retained_bytes().get("acme", 0) == 0
 
 
 def test_nan_and_infinite_ttls_and_bad_priorities_are_422(srv, spec):
@@ -167,7 +167,7 @@ def test_nan_and_infinite_ttls_and_bad_priorities_are_422(srv, spec):
         assert resp.status_code == 422 and resp.json()["error"]["field"] == "priority", resp.text
     resp = _post(srv, "handoff", _body(spec, tokens, ttl_s=-5))
     assert resp.status_code == 422 and resp.json()["error"]["field"] == "ttl_s"
-    assert srv.store.retained_bytes().get("acme", 0) == 0
+    assert srv.store.placement.retained_bytes().get("acme", 0) == 0
 
 
 def test_another_tenants_namespace_is_403_and_nothing_is_retained_or_prefetched(srv, spec):
@@ -175,13 +175,13 @@ def test_another_tenants_namespace_is_403_and_nothing_is_retained_or_prefetched(
     _put(srv, spec, tokens, token=BETA, namespace="beta")
     keys = block_hashes(spec, tokens, "beta")
     srv.store.migrate(keys[0], "memory")
-    before = len(srv.store.prefetch_log(1000))
+    before = len(srv.store.prefetcher.log(1000))
     for route, extra in (("prefetch", {}), ("retain", {"ttl_s": 60}), ("release", {}), ("handoff", {})):
         resp = _post(srv, route, _body(spec, tokens, **extra), token=ACME, namespace="beta")
         assert resp.status_code == 403 and resp.json()["error"]["type"] == "Forbidden", (route, resp.text)
-    assert srv.store.retained_bytes() == {}
-    assert all(srv.store.retention_of(k) is None for k in keys)
-    assert len(srv.store.prefetch_log(1000)) == before and srv.store.entry(keys[0]).tier == "memory"
+    assert srv.store.placement.retained_bytes() == {}
+    assert all(srv.store.placement.retention(k) is None for k in keys)
+    assert len(srv.store.prefetcher.log(1000)) == before and srv.store.entry(keys[0]).tier == "memory"
     # in its own namespace the same tokens name other keys: nothing of beta's is reached
     assert _post(srv, "retain", _body(spec, tokens, ttl_s=60)).json()["blocks"] == 0
     assert _post(srv, "prefetch", _body(spec, tokens)).json()["tokens"] == 0
@@ -192,7 +192,7 @@ def test_handoff_here_holds_for_the_servers_default_and_elsewhere_needs_a_shared
     _put(srv, spec, tokens)
     got = _post(srv, "handoff", _body(spec, tokens)).json()
     assert got == {"tokens": 64, "blocks": 4, "held": 4, "shared": 0, "to": "here"}
-    held = srv.store.retention_of(block_hashes(spec, tokens, "acme")[0])
+    held = srv.store.placement.retention(block_hashes(spec, tokens, "acme")[0])
     assert held["owner"] == "acme" and 40 < held["expires_in_s"] <= 45  # KVSTORE_HANDOFF_TTL_S=45 here
     resp = _post(srv, "handoff", _body(spec, tokens, to="node-b"))
     assert resp.status_code == 422, resp.text
@@ -241,7 +241,7 @@ def test_the_dashboard_shows_retentions_and_prefetches(srv, spec):
     srv.store.migrate(block_hashes(spec, tokens, "acme")[0], "memory")
     assert _post(srv, "prefetch", _body(spec, tokens)).json()["tokens"] == 64
     assert _post(srv, "retain", _body(spec, tokens, ttl_s=300, priority=4)).status_code == 200
-    srv.store.prefetch_idle(10)
+    srv.store.prefetcher.idle(10)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
