@@ -21,6 +21,8 @@
     kvstore bench vllm [--quick] [--repeats N] [--out DIR] [--docs PAGE]
     kvstore bench engines [--quick] [--repeats N] [--out DIR] [--docs PAGE]
     kvstore bench agents [--quick] [--parts ttft,events,retain] [--out DIR]
+    kvstore doctor [--data-dir D] [--port P] [--redis-url U] [--engine vllm|sglang|lmcache ...] [--json]
+                                                              check this host for serve; say what to fix
 
 The client commands talk to a server at ``--url`` (``KVSTORE_URL``, default
 ``http://127.0.0.1:8470``) with ``--token`` (``KVSTORE_ADMIN_TOKEN`` for the admin
@@ -38,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 from kvstore._version import __version__
 from kvstore.cli.client import COMMANDS, client_parsers
+from kvstore.cli.doctor import doctor, doctor_parser
 
 __all__ = ["main"]
 
@@ -143,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _serve_parser(sub)
     client_parsers(sub)
+    doctor_parser(sub)
     return parser
 
 
@@ -191,7 +195,8 @@ def _serve_parser(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands: dict[str, Callable[[argparse.Namespace], int]] = {"bench": _bench, "serve": _serve, **COMMANDS}
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "bench": _bench, "serve": _serve, "doctor": doctor, **COMMANDS}
     if args.command in commands:
         return commands[args.command](args)
     _parser().print_help()
