@@ -10,8 +10,10 @@ Both pick shared memory when the server runs on this host and HTTP otherwise
 ``PutHandle`` (``AsyncPutHandle``) once the KV is copied aside; ``flush()`` waits
 for those puts, and a failed one is raised once more as ``PutFailed``.
 Errors are ``kvstore.errors`` classes, the service ones (``Unauthorized``,
-``Forbidden``, ``QuotaExceeded``, ``RetainQuotaExceeded``, ``PayloadTooLarge``, ``MalformedRequest``,
-``ConnectionFailed``, ``PutFailed``...) re-exported here. ``EventFollower`` keeps a node's
+``Forbidden``, ``QuotaExceeded``, ``RetainQuotaExceeded``, ``PayloadTooLarge``, ``TooManyTokens``,
+``MalformedRequest``, ``ConnectionFailed``, ``PutFailed``...) re-exported here. A get that finds
+nothing while its tokens are stored under another spec of the model warns ``KVStoreWarning`` (once
+per pair of specs per client), naming how the specs differ. ``EventFollower`` keeps a node's
 block set (key -> tier) current from its snapshot and KV event stream, in a thread.
 It imports ``kvstore.spec``, ``keys``, ``codec``, ``errors`` and ``memory.shm`` (the
 arena reader for the co-located path), never the tiers or the store.
@@ -21,9 +23,9 @@ from client_sdk.aio import AsyncKVClient
 from client_sdk.client import KVClient
 from client_sdk.events import EventFollower
 from client_sdk.pending import AsyncPutHandle, PutHandle
-from kvstore.errors import (BodyTimeout, ConnectionFailed, Forbidden, MalformedRequest, PayloadTooLarge, PutFailed,
-                            QuotaExceeded, RequestTimeout, RetainQuotaExceeded, RouteNotFound, ServerBusy,
-                            ServiceError, Unauthorized)
+from kvstore.errors import (BodyTimeout, ConnectionFailed, Forbidden, KVStoreWarning, MalformedRequest,
+                            PayloadTooLarge, PutFailed, QuotaExceeded, RequestTimeout, RetainQuotaExceeded,
+                            RouteNotFound, ServerBusy, ServiceError, TooManyTokens, Unauthorized)
 
 __all__ = [
     "KVClient",
@@ -36,6 +38,7 @@ __all__ = [
     "Forbidden",
     "MalformedRequest",
     "PayloadTooLarge",
+    "TooManyTokens",
     "QuotaExceeded",
     "RetainQuotaExceeded",
     "RouteNotFound",
@@ -44,4 +47,5 @@ __all__ = [
     "BodyTimeout",
     "ServerBusy",
     "PutFailed",
+    "KVStoreWarning",
 ]

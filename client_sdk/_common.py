@@ -11,8 +11,9 @@ import json
 import math
 import os
 import secrets
+import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from kvstore import codec as codec_mod
 from kvstore.memory.buffers import BufferPool
 from kvstore.codec import SAME_SIZE_INTS, int_view
-from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, NotDurable
+from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreWarning, NotDurable
 from kvstore.keys import check_key, normalize_tokens
 from kvstore.memory.shm import SHM_DIR
 from kvstore.spec import KVSpec
@@ -29,7 +30,7 @@ from kvstore.wire.rest import H_AGENT, H_NAMESPACE, encode_batch_head, encode_kv
 
 __all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor",
            "check_spec", "fill_from_batch", "batch_parts", "frames_of", "give_frame", "verified_header", "BlockSink",
-           "BlockWriter", "headers_for", "SHM_DIR", "VERIFIED_VIEW"]
+           "BlockWriter", "headers_for", "warn_hint", "SHM_DIR", "VERIFIED_VIEW"]
 
 
 VERIFIED_VIEW = object()
@@ -54,9 +55,33 @@ class ClientStats:
     """Arena frames copied from a handle verified before, under the seqlock only."""
     retries: int = 0
     last_medium: str | None = None
+    hinted: set[tuple[str, str]] = field(default_factory=set, repr=False)
+    """(asked spec's fingerprint, hint) of each spec-mismatch hint this client warned of (``warn_hint``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        out = {k: getattr(self, k) for k in self.__slots__ if k != "hinted"}  # type: ignore[attr-defined]
+        out["hints_warned"] = len(self.hinted)
+        return out
+
+
+_MAX_HINTED = 1024
+"""Hints a client remembers having warned of; past it the set starts over (a repeat warning is
+better than memory that grows with every pair of specs a long-lived client ever mixed up)."""
+
+
+def warn_hint(stats: ClientStats, spec: KVSpec, hint: Any) -> None:
+    """Warn of the server's hint (a get found nothing, but the tokens' first block is stored under
+    another spec of the model: ``X-KV-Hint``, or ``hint`` in a JSON answer) as a ``KVStoreWarning``,
+    once per pair of specs per client: the empty answer is right, but likely not what was meant."""
+    if not hint or not isinstance(hint, str):
+        return
+    pair = (spec.fingerprint(), hint)
+    if pair in stats.hinted:
+        return
+    if len(stats.hinted) >= _MAX_HINTED:
+        stats.hinted.clear()
+    stats.hinted.add(pair)
+    warnings.warn(hint, KVStoreWarning, stacklevel=3)
 
 
 def agent_id(agent: str | None) -> str:

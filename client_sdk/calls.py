@@ -91,8 +91,15 @@ def lookup_blocks(spec: KVSpec, tokens: Any) -> Call[dict]:
     return kv_call("/v1/lookup", c.check_spec(spec), c.tokens_of(tokens), None)
 
 
-def lookup(spec: KVSpec, tokens: Any) -> Call[int]:
-    return kv_call("/v1/lookup", c.check_spec(spec), c.tokens_of(tokens), None, parse=lambda a: int(a["tokens"]))
+def lookup(spec: KVSpec, tokens: Any, stats: c.ClientStats | None = None) -> Call[int]:
+    """The tokens of the stored prefix; with ``stats``, the answer's ``hint`` is warned of (``c.warn_hint``)."""
+    spec = c.check_spec(spec)
+
+    def tokens_of(answer: dict) -> int:
+        if stats is not None:
+            c.warn_hint(stats, spec, answer.get("hint"))
+        return int(answer["tokens"])
+    return kv_call("/v1/lookup", spec, c.tokens_of(tokens), None, parse=tokens_of)
 
 
 def delete(spec: KVSpec, tokens: Any) -> Call[int]:

@@ -219,6 +219,7 @@ def get_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, out: Any, 
     seqlock; blocks not in the arena come over HTTP in one batch."""
     bt = spec.block_tokens
     answer = yield calls.kv_call("/v1/kv/handles", spec, toks, None)
+    c.warn_hint(stats, spec, answer.get("hint"))
     blocks = answer["blocks"]
     kv = c.result_tensor(spec, len(blocks) * bt, out, pool)
     if colo.changed(arena, answer.get("segment"), "segment"):

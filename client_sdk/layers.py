@@ -216,7 +216,7 @@ def iter_layers_http(http: HttpTransport, spec: KVSpec, tokens: Any, pool: c.Ten
                 raise error_from(head.status, conn.read_body())
             return head
         head = http.retry.run(once, http.url, http.stats)
-        kv, n = kv_answer(spec, head, None, pool, conn, "get_kv_layers")
+        kv, n = kv_answer(spec, head, None, pool, conn, "get_kv_layers", http.stats)
     except BaseException:
         conn.close()
         raise
@@ -240,7 +240,7 @@ async def aiter_layers_http(http: AsyncHttpTransport, spec: KVSpec, tokens: Any,
                 raise error_from(head.status, await conn.read_body())
             return head
         head = await http.retry.arun(once, http.url, http.stats)
-        kv, n = kv_answer(spec, head, None, pool, conn, "get_kv_layers")
+        kv, n = kv_answer(spec, head, None, pool, conn, "get_kv_layers", http.stats)
     except BaseException:
         conn.close()
         raise
@@ -380,6 +380,7 @@ def layers_flow(shm: ShmPath | AsyncShmPath, arena: Arena, spec: KVSpec, toks: A
             return ShmLayers(arena, cached, spec, kv, sources, shm.stats)
         arena.handles.forget(cached)
     answer = yield calls.kv_call("/v1/kv/handles", spec, toks, None)
+    c.warn_hint(shm.stats, spec, answer.get("hint"))
     if shm.colocation.changed(arena, answer.get("segment"), "segment"):
         return None
     blocks = answer["blocks"]

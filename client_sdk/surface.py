@@ -26,11 +26,14 @@ class DataCalls:
     """Lookups, deletes, blocks by key, and the service's own small routes."""
 
     namespace: str
+    stats: Any
+    """The client's ``ClientStats`` (``client_sdk.shell``): which hints it warned of, among others."""
     _run: Callable[[Call[Any]], Any]
 
     def lookup(self, spec: KVSpec, tokens: Any) -> Any:
-        """Tokens of the longest stored prefix (index only, no KV moves)."""
-        return self._run(calls.lookup(spec, tokens))
+        """Tokens of the longest stored prefix (index only, no KV moves). 0 while the tokens are
+        stored under another spec of the model warns ``KVStoreWarning`` naming how they differ."""
+        return self._run(calls.lookup(spec, tokens, self.stats))
 
     def lookup_blocks(self, spec: KVSpec, tokens: Any) -> Any:
         """The lookup answer: ``{"tokens", "block_tokens", "durable_tokens", "blocks": [{"key", "tier"}]}``."""

@@ -29,7 +29,7 @@ from client_sdk.calls import Call
 from kvstore.errors import ConnectionFailed, KVStoreError, RequestTimeout, ServiceError
 from kvstore.spec import KVSpec
 from kvstore.wire.errors import error_from
-from kvstore.wire.rest import H_TOKENS, KV_MEDIA
+from kvstore.wire.rest import H_HINT, H_TOKENS, KV_MEDIA
 
 __all__ = ["RetryPolicy", "HttpTransport", "AsyncHttpTransport", "kv_answer"]
 
@@ -113,14 +113,17 @@ def _check_kv_head(spec: KVSpec, n: int, length: int | None, what: str = "get_kv
 
 
 def kv_answer(spec: KVSpec, head: Head, out: Any, pool: c.TensorPool | None, conn: Connection | AsyncConnection,
-              what: str = "get_kv") -> tuple[torch.Tensor, int]:
-    """Where a raw KV answer (``/v1/kv/get``, ``/v1/kv/get-layers``) lands, and its tokens, from its head.
+              what: str = "get_kv", stats: c.ClientStats | None = None) -> tuple[torch.Tensor, int]:
+    """Where a raw KV answer (``/v1/kv/get``, ``/v1/kv/get-layers``) lands, and its tokens, from its head;
+    its ``X-KV-Hint``, if any, is warned of (``c.warn_hint``) when ``stats`` is given.
 
     Raises:
         ServiceError: the head's length does not fit the spec; ``conn`` is closed then (the
             body is still on the wire). InvalidInput: ``out`` cannot hold it (likewise).
     """
     n = int(head.headers.get(H_TOKENS, "-1"))
+    if stats is not None:
+        c.warn_hint(stats, spec, head.headers.get(H_HINT))
     try:
         _check_kv_head(spec, n, head.length, what)
         return c.result_tensor(spec, n, out, pool), n
@@ -209,7 +212,7 @@ class HttpTransport(_Transport):
             head = conn.request("POST", "/v1/kv/get", self.headers(KV_MEDIA), parts)
             if head.status != 200:
                 raise error_from(head.status, conn.read_body())
-            kv, n = kv_answer(spec, head, out, pool, conn)
+            kv, n = kv_answer(spec, head, out, pool, conn, stats=self.stats)
             if n:
                 conn.read_into(c.byte_view(kv))
             else:
@@ -311,6 +314,7 @@ class AsyncHttpTransport(_Transport):
                 if status != 200:
                     raise error_from(status, resp.content)
                 n = int(resp.headers.get(H_TOKENS, "-1"))
+                c.warn_hint(self.stats, spec, resp.headers.get(H_HINT))
                 _check_kv_head(spec, n, len(resp.content), what)
                 kv = c.result_tensor(spec, n, out, pool)
                 c.byte_view(kv)[:] = resp.content
@@ -321,7 +325,7 @@ class AsyncHttpTransport(_Transport):
                 head = await conn.request("POST", path, self.headers(KV_MEDIA), parts)
                 if head.status != 200:
                     raise error_from(head.status, await conn.read_body())
-                kv, n = kv_answer(spec, head, out, pool, conn, what)
+                kv, n = kv_answer(spec, head, out, pool, conn, what, self.stats)
                 if n:
                     await conn.read_into(c.byte_view(kv))
                 else:

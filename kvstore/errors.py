@@ -35,8 +35,16 @@ SDK maps the status back to the same class (``kvstore.wire.errors``).
         ├── ConnectionFailed (ConnectionError)  the SDK could not reach the server
         └── RequestTimeout (TimeoutError)    no answer within the client's timeout
 
-    InvalidInput also has two service leaves: MalformedRequest (400, a body
-    that cannot be parsed) and PayloadTooLarge (413).
+    InvalidInput also has three service leaves: MalformedRequest (400, a body
+    that cannot be parsed), PayloadTooLarge (413) and its TooManyTokens (413,
+    more token ids in one request than the server's KVSTORE_MAX_TOKENS_PER_REQUEST).
+
+Every error has ``field``: the part of the request at fault (``spec``, ``tokens``, ``ttl_s``, a
+header, ``body``...) when one is, else None; the server's error bodies carry it.
+
+``KVStoreWarning`` (a ``UserWarning``, so outside the tree: nothing failed) is what the store and
+the SDK warn with, e.g. a get that found nothing for a spec while the same tokens are stored
+under another spec of the same model.
 
 A miss is never an error: tiers return ``None`` and the store returns fewer
 tokens. Lower-layer exceptions are translated at the boundary with
@@ -67,18 +75,36 @@ __all__ = [
 SERVICE_ERRORS = [
     "ServiceError", "Unauthorized", "Forbidden", "MalformedRequest", "BodyTimeout", "ServerBusy", "PayloadTooLarge",
     "QuotaExceeded", "RetainQuotaExceeded", "RouteNotFound", "ConnectionFailed", "RequestTimeout", "PutFailed",
+    "TooManyTokens",
 ]
 """The errors of the service layer (the server's answers, the SDK's transport and its queued puts); they are in
 ``__all__`` too, after the engine's, but ``kvstore`` itself re-exports the engine's alone."""
 __all__ += SERVICE_ERRORS
 
 
+class KVStoreWarning(UserWarning):
+    """Something a caller likely wants to know that is not an error: a get that found nothing for
+    its spec while the same tokens are stored under another spec of the model (``hint``)."""
+
+
 class KVStoreError(Exception):
     """Base of every error kvstore raises on purpose."""
 
+    field: str | None = None
+    """The request field at fault (``spec``, ``tokens``, ``ttl_s``, a header...), when one is:
+    error bodies carry it, and the SDK sets it again on the error it raises."""
+
 
 class InvalidInput(KVStoreError, ValueError):
-    """The caller sent something the store cannot accept; nothing was changed."""
+    """The caller sent something the store cannot accept; nothing was changed.
+
+    ``field`` names the part of the request at fault, when one is.
+    """
+
+    def __init__(self, *args: object, field: str | None = None) -> None:
+        super().__init__(*args)
+        if field is not None:
+            self.field = field
 
 
 class InvalidSpec(InvalidInput):
@@ -205,6 +231,16 @@ class MalformedRequest(InvalidInput):
 
 class PayloadTooLarge(InvalidInput):
     """The body is over the server's limit (413)."""
+
+
+class TooManyTokens(PayloadTooLarge):
+    """A request carries more token ids than the server takes in one request (413,
+    ``KVSTORE_MAX_TOKENS_PER_REQUEST``; field ``tokens``); ``limit`` is that cap. Nothing was
+    stored or looked up: split the sequence, or raise the server's setting."""
+
+    def __init__(self, message: str, *, limit: int | None = None, field: str | None = "tokens") -> None:
+        super().__init__(message, field=field)
+        self.limit = limit
 
 
 class BodyTimeout(ServiceError, TimeoutError):

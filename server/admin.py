@@ -40,8 +40,8 @@ async def admin_evict(request: Request) -> dict:
              "limit", "dry_run"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise MalformedRequest(f"body: unknown field(s) {unknown}; known: {sorted(known)}")
-    query = eviction_query(data)
+        raise MalformedRequest(f"body: unknown field(s) {unknown}; known: {sorted(known)}", field="body")
+    query = eviction_query(data, svc.settings.max_tokens_per_request)
     dry_run = require(data, "dry_run", bool, default=False)
     result = await svc.run(evict, svc.store, query, dry_run=dry_run)
     record = await svc.run(svc.audit.record, p.name, "evict", scope="admin", dry_run=dry_run,
@@ -58,10 +58,10 @@ def _pin_keys(svc: Service, data: dict[str, Any]) -> list[BlockHash]:
         return parse_keys(require(data, "keys", list))
     if "spec" in data:
         spec = parse_spec(require(data, "spec", dict))
-        tokens = parse_tokens(require(data, "tokens", list))
+        tokens = parse_tokens(require(data, "tokens", list), limit=svc.settings.max_tokens_per_request)
         ns = require(data, "namespace", str, default="default")
         return [b.key for b in svc.store.prefix_blocks(spec, tokens, ns) if b.entry is not None]
-    raise MalformedRequest("body: give keys, or spec and tokens (and namespace)")
+    raise MalformedRequest("body: give keys, or spec and tokens (and namespace)", field="body")
 
 
 @router.post("/pin")
@@ -171,9 +171,9 @@ async def admin_entries(request: Request, sort: str = Query("heat"), order: str 
     ``min_age_s`` and ``max_age_s``; ``total`` counts the entries that pass.
     """
     if sort not in _SORTS:
-        raise InvalidInput(f"sort: must be one of {sorted(_SORTS)}, got {sort!r}")
+        raise InvalidInput(f"sort: must be one of {sorted(_SORTS)}, got {sort!r}", field="sort")
     if order not in ("asc", "desc"):
-        raise InvalidInput(f"order: must be asc or desc, got {order!r}")
+        raise InvalidInput(f"order: must be asc or desc, got {order!r}", field="order")
     svc = svc_of(request)
 
     def page() -> tuple[int, list[dict]]:

@@ -80,7 +80,7 @@ class _BodyLimit:
             for name, value in scope["headers"]:
                 if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                     return await send_error(send, PayloadTooLarge(
-                        f"body of {int(value)} bytes is over the {self.limit}-byte limit"))
+                        f"body of {int(value)} bytes is over the {self.limit}-byte limit", field="body"))
         await self.app(scope, receive, send)
 
 

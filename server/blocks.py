@@ -91,7 +91,7 @@ async def blocks_put_staged(lease_id: str, request: Request) -> JSONResponse:
     data = await json_body(request)
     blocks = require(data, "blocks", list)
     if len(blocks) > _MAX_BATCH_KEYS:
-        raise MalformedRequest(f"blocks: at most {_MAX_BATCH_KEYS} per request, got {len(blocks)}")
+        raise MalformedRequest(f"blocks: at most {_MAX_BATCH_KEYS} per request, got {len(blocks)}", field="blocks")
     make_room = data.get("make_room", False)
     if not isinstance(make_room, bool):
         raise field_error(InvalidInput(f"must be true or false, got {make_room!r}"), "make_room")
@@ -99,7 +99,7 @@ async def blocks_put_staged(lease_id: str, request: Request) -> JSONResponse:
     for i, b in enumerate(blocks):
         off, length = (b.get("offset"), b.get("length")) if isinstance(b, dict) else (None, None)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
-            raise MalformedRequest(f"blocks[{i}]: offset and length must be non-negative ints")
+            raise MalformedRequest(f"blocks[{i}]: offset and length must be non-negative ints", field=f"blocks[{i}]")
         spans.append((parse_key(b.get("key"), f"blocks[{i}].key"), off, length))
         end = max(end, off + length)
     with svc.staging.use(lease_id, p.name, end) as view:
@@ -227,9 +227,11 @@ async def blocks_put(request: Request) -> JSONResponse:
         for i, b in enumerate(blocks):
             off, length = b.get("offset"), b.get("length")
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
-                raise MalformedRequest(f"header.blocks[{i}]: offset and length must be non-negative ints")
+                raise MalformedRequest(f"header.blocks[{i}]: offset and length must be non-negative ints",
+                                       field=f"header.blocks[{i}]")
             if data_at + off + length > n:
-                raise MalformedRequest(f"header.blocks[{i}]: frame runs past the body ({n} bytes)")
+                raise MalformedRequest(f"header.blocks[{i}]: frame runs past the body ({n} bytes)",
+                                       field=f"header.blocks[{i}]")
             frames.append((parse_key(b.get("key"), f"blocks[{i}].key"), bytes(view[data_at + off:data_at + off + length])))
         del view
     make_room = request.query_params.get("make_room", "false")

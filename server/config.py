@@ -128,6 +128,12 @@ class ServerSettings:
     calls. 0: a quarter of the machine's memory, between 1 and 16 GiB (``server.inflight``)."""
     inflight_wait_s: float = 2.0
     """How long a body part waits for room under ``max_inflight_bytes`` before 503."""
+    max_tokens_per_request: int = 1 << 20
+    """Most token ids one request may carry (KVSTORE_MAX_TOKENS_PER_REQUEST); more gets 413
+    ``TooManyTokens`` (field ``tokens``) before they are parsed where the body's size already
+    says so. 1,048,576: the longest context windows served today, so no real sequence is cut;
+    as JSON a list of that many is at most ~12.6 MB, which Python turns into ~55 MB of ints
+    while it checks them (a 20M-token list grew the server by 1 GB before this cap)."""
     colocated: bool = True
     """Offer shm handles to clients on this host (they must be able to open the arena)."""
     reserved_puts: bool = True
@@ -237,6 +243,9 @@ class ServerSettings:
         if self.handoff_ttl_s > self.retain_max_ttl_s:  # a hand-off's hold is a retention like any
             raise InvalidInput(f"handoff_ttl_s ({self.handoff_ttl_s:g}) must be at most retain_max_ttl_s "
                                f"({self.retain_max_ttl_s:g})")
+        mt = self.max_tokens_per_request
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= 1 << 32:
+            raise InvalidInput(f"max_tokens_per_request must be an int in [1, 2**32], got {mt!r}")
         wait = self.inflight_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
             raise InvalidInput(f"inflight_wait_s must be a number of seconds >= 0, got {wait!r}")
@@ -310,7 +319,7 @@ def _parse(name: str, raw: str) -> Any:
     if name in ("graceful_timeout_s", "body_timeout_s", "history_interval_s", "inflight_wait_s",
                 "retain_max_ttl_s", "handoff_ttl_s"):
         return float(raw)
-    if name in ("max_event_subscribers", "event_queue"):
+    if name in ("max_event_subscribers", "event_queue", "max_tokens_per_request"):
         if not raw.strip().isdigit():
             raise InvalidInput(f"a count, got {raw!r}")
         return int(raw)

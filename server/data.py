@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -17,12 +16,12 @@ from starlette.background import BackgroundTask
 
 from kvstore._version import __version__
 from kvstore.engine.evict import EvictionQuery, evict
-from kvstore.errors import InvalidInput, MalformedRequest, PayloadTooLarge
-from kvstore.wire.rest import H_DTYPE, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
+from kvstore.errors import InvalidInput, InvalidKV, MalformedRequest, PayloadTooLarge
+from kvstore.wire.rest import H_DTYPE, H_HINT, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
 from server.auth import Principal
 from server.colocated import handle_json
 from server.errors import field_error
-from server.requests import (agent_of, authenticate, caller, charge_blocks, is_kv_body, parse_keys,
+from server.requests import (agent_of, authenticate, caller, charge_blocks, head_tokens, is_kv_body, parse_keys,
                              spec_and_tokens)
 from server.service import Service, json_body, kv_view, parse_spec, parse_tokens, released, require
 
@@ -51,14 +50,14 @@ async def kv_put(request: Request) -> JSONResponse:
     """Store the KV of every full block. Body: a KV body (``kvstore.wire.rest``)."""
     svc, p, ns = caller(request)
     if not is_kv_body(request):
-        raise MalformedRequest(f"content-type: must be {KV_MEDIA}")
+        raise MalformedRequest(f"content-type: must be {KV_MEDIA}", field="content-type")
     buf, n = await svc.read_body(request)
     with released(svc.buffers, buf):
         head = parse_kv_head(memoryview(buf)[:n])
         if n != head.total:
-            raise MalformedRequest(f"body: {n} bytes, the header describes {head.total}")
+            raise MalformedRequest(f"body: {n} bytes, the header describes {head.total}", field="body")
+        tokens = head_tokens(svc, buf, head)
         spec = parse_spec(head.spec)
-        tokens = np.frombuffer(buf, "<u4", head.n_tokens, head.tokens_at)
         kv = kv_view(buf, head.kv_at, spec, head.kv_tokens)
         stored = await svc.run(_put, svc, p, ns, spec, tokens, kv, agent_of(request))
     svc.metrics.transfer.labels("in", "http").inc(head.total - head.kv_at)
@@ -67,7 +66,10 @@ async def kv_put(request: Request) -> JSONResponse:
 
 def _put(svc: Service, p: Principal, ns: str, spec, tokens, kv, agent: str | None = None) -> int:
     charge_blocks(svc, p, ns, spec, tokens)
-    return svc.store.put_kv(spec, tokens, kv, ns, agent=agent)
+    try:
+        return svc.store.put_kv(spec, tokens, kv, ns, agent=agent)
+    except InvalidKV as exc:  # fewer KV tokens than the full blocks need, or NaN/Inf for int8
+        raise field_error(exc, "kv") from exc
 
 
 @router.post("/v1/kv/get")
@@ -83,7 +85,8 @@ async def kv_get(request: Request) -> Response:
     try:
         out = None if buf is None else \
             torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(spec.torch_dtype).view(spec.kv_shape(want))
-        kv, n = await svc.run(svc.store.get_kv, spec, tokens, ns, out=out, agent=agent_of(request))
+        hints: list[str] = []  # the store's, when nothing is found: sent as X-KV-Hint
+        kv, n = await svc.run(svc.store.get_kv, spec, tokens, ns, out=out, agent=agent_of(request), hints=hints)
     except BaseException:
         if buf is not None:
             svc.buffers.release(buf)
@@ -97,20 +100,29 @@ async def kv_get(request: Request) -> Response:
         if buf is not None:
             svc.buffers.release(buf)
     svc.metrics.transfer.labels("out", "http").inc(len(body))
-    return Response(body, media_type=KV_MEDIA, background=done, headers={
-        H_TOKENS: str(n), H_SHAPE: ",".join(map(str, kv.shape)), H_DTYPE: spec.dtype, H_MEDIUM: "http"})
+    headers = {H_TOKENS: str(n), H_SHAPE: ",".join(map(str, kv.shape)), H_DTYPE: spec.dtype, H_MEDIUM: "http"}
+    if hints:
+        headers[H_HINT] = hints[0]
+    return Response(body, media_type=KV_MEDIA, background=done, headers=headers)
 
 
 @router.post("/v1/lookup")
 async def lookup(request: Request) -> JSONResponse:
     """The longest stored prefix: its token count, and each block's key and tier; and how much of
-    it sits on durable tiers (``durable_tokens``), which ``put_kv(..., durable=True)`` checks."""
+    it sits on durable tiers (``durable_tokens``), which ``put_kv(..., durable=True)`` checks.
+    ``hint`` when nothing is found but the tokens are stored under another spec of the model."""
     svc, _, ns = caller(request)
     spec, tokens = await spec_and_tokens(request)
-    blocks = await svc.run_index(svc.store.prefix_blocks, spec, tokens, ns)
+    hints: list[str] = []
+    blocks = await svc.run_index(svc.store.prefix_blocks, spec, tokens, ns, hints=hints)
     return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
                          "durable_tokens": svc.store.frames.durable_count(blocks) * spec.block_tokens,
-                         "blocks": [{"key": b.key.hex(), "tier": b.tier} for b in blocks]})
+                         "blocks": [{"key": b.key.hex(), "tier": b.tier} for b in blocks], **_hint(hints)})
+
+
+def _hint(hints: list[str]) -> dict[str, str]:
+    """A JSON answer's ``hint`` field, when the store gave one."""
+    return {"hint": hints[0]} if hints else {}
 
 
 @router.post("/v1/kv/delete")
@@ -121,8 +133,9 @@ async def kv_delete(request: Request) -> dict:
     return {"deleted_blocks": await svc.run(svc.store.delete, spec, tokens, ns)}
 
 
-def eviction_query(data: dict[str, Any], **scope: Any) -> EvictionQuery:
-    """An ``EvictionQuery`` from a JSON body; errors name the field."""
+def eviction_query(data: dict[str, Any], max_tokens: int | None = None, **scope: Any) -> EvictionQuery:
+    """An ``EvictionQuery`` from a JSON body; errors name the field. ``max_tokens``: the most ids
+    ``prefix.tokens`` may hold (``max_tokens_per_request``)."""
     keys = require(data, "keys", list, default=None)
     prefix = require(data, "prefix", dict, default=None)
     watermark = require(data, "watermark", dict, default=None)
@@ -138,7 +151,7 @@ def eviction_query(data: dict[str, Any], **scope: Any) -> EvictionQuery:
         fields["keys"] = tuple(parse_keys(keys))
     if prefix is not None:
         fields["prefix_spec"] = parse_spec(require(prefix, "spec", dict), "prefix.spec")
-        fields["prefix_tokens"] = parse_tokens(require(prefix, "tokens", list), "prefix.tokens")
+        fields["prefix_tokens"] = parse_tokens(require(prefix, "tokens", list), "prefix.tokens", max_tokens)
         if prefix.get("namespace") is not None:
             fields["namespace"] = require(prefix, "namespace", str)
     if watermark is not None:
@@ -162,8 +175,10 @@ async def tenant_evict(request: Request) -> dict:
     svc, p, ns = caller(request)
     data = await json_body(request)
     if data.get("namespace") not in (None, ns):
-        raise MalformedRequest("namespace: a tenant evicts in its request namespace (X-KV-Namespace) only")
-    query = eviction_query(data, namespace=ns, namespaces_allowed=frozenset({ns}), include_pinned=False)
+        raise MalformedRequest("namespace: a tenant evicts in its request namespace (X-KV-Namespace) only",
+                               field="namespace")
+    query = eviction_query(data, svc.settings.max_tokens_per_request, namespace=ns,
+                           namespaces_allowed=frozenset({ns}), include_pinned=False)
     dry_run = require(data, "dry_run", bool, default=False)
     result = await svc.run(evict, svc.store, query, dry_run=dry_run)
     record = await svc.run(svc.audit.record, p.name, "evict", scope="tenant", namespace=ns, dry_run=dry_run,
@@ -185,7 +200,8 @@ async def kv_handles(request: Request) -> JSONResponse:
     """
     svc, _, ns = caller(request, colocated=True)
     spec, tokens = await spec_and_tokens(request)
-    blocks = await svc.run_index(svc.store.prefix_blocks, spec, tokens, ns, agent=agent_of(request))
+    hints: list[str] = []
+    blocks = await svc.run_index(svc.store.prefix_blocks, spec, tokens, ns, agent=agent_of(request), hints=hints)
     shm = svc.shm.name
     handles = iter(await svc.slot_handles([b.key for b in blocks if b.tier == shm]))
     out, read_here = [], []
@@ -201,7 +217,7 @@ async def kv_handles(request: Request) -> JSONResponse:
     bt = spec.block_tokens
     svc.store.core.count(get_calls=1, tokens_requested=spec.full_blocks(len(tokens)) * bt, tokens_hit=len(blocks) * bt)
     svc.metrics.colocated.labels("get").inc()
-    return JSONResponse({"n_tokens": len(blocks) * bt, "segment": svc.shm.segment, "blocks": out})
+    return JSONResponse({"n_tokens": len(blocks) * bt, "segment": svc.shm.segment, "blocks": out, **_hint(hints)})
 
 
 _MAX_TOUCH_COUNT = 1 << 30
@@ -221,7 +237,7 @@ async def kv_touch(request: Request) -> dict:
     data = await json_body(request)
     keys = require(data, "keys", list)
     if len(keys) > MAX_TOUCH_KEYS:
-        raise MalformedRequest(f"keys: at most {MAX_TOUCH_KEYS} per report, got {len(keys)}")
+        raise MalformedRequest(f"keys: at most {MAX_TOUCH_KEYS} per report, got {len(keys)}", field="keys")
     reads = data.get("counts", [1] * len(keys))
     if (not isinstance(reads, list) or len(reads) != len(keys)
             or not all(type(n) is int and 0 < n <= _MAX_TOUCH_COUNT for n in reads)):
@@ -254,7 +270,8 @@ async def staging_lease(request: Request) -> dict:
     data = await json_body(request)
     nbytes = require(data, "nbytes", int)
     if nbytes > svc.settings.max_body_bytes:
-        raise PayloadTooLarge(f"nbytes: {nbytes} is over the {svc.settings.max_body_bytes}-byte limit")
+        raise PayloadTooLarge(f"nbytes: {nbytes} is over the {svc.settings.max_body_bytes}-byte limit",
+                              field="nbytes")
     lease = svc.staging.lease(nbytes, p.name)
     return lease.to_dict(svc.staging.segment)
 
@@ -275,9 +292,10 @@ async def kv_put_staged(lease_id: str, request: Request) -> JSONResponse:
     raw = await request.body()
     head = parse_kv_head(raw)
     if len(raw) != head.kv_at:
-        raise MalformedRequest(f"body: {len(raw)} bytes; a staged put's body ends at the KV offset {head.kv_at}")
+        raise MalformedRequest(f"body: {len(raw)} bytes; a staged put's body ends at the KV offset {head.kv_at}",
+                               field="body")
+    tokens = head_tokens(svc, raw, head)
     spec = parse_spec(head.spec)
-    tokens = np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
     nbytes = head.total - head.kv_at
     with svc.staging.use(lease_id, p.name, nbytes) as view:
         kv = kv_view(view, 0, spec, head.kv_tokens)  # type: ignore[arg-type]
@@ -305,12 +323,13 @@ async def kv_reserve(request: Request) -> JSONResponse:
     raw = await request.body()
     head = parse_kv_head(raw)
     if len(raw) != head.kv_at:
-        raise MalformedRequest(f"body: {len(raw)} bytes; a reservation's body ends at the KV offset {head.kv_at}")
+        raise MalformedRequest(f"body: {len(raw)} bytes; a reservation's body ends at the KV offset {head.kv_at}",
+                               field="body")
     pid = request.query_params.get("pid")
     if pid is not None and not pid.isdigit():
         raise field_error(InvalidInput(f"must be a process id, got {pid!r}"), "pid")
+    tokens = head_tokens(svc, raw, head)
     spec = parse_spec(head.spec)
-    tokens = np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
     why = _reservations_off(svc)
     if why is not None:
         return JSONResponse({"reservation": None, "why": why})
@@ -328,7 +347,18 @@ def _reservations_off(svc: Service) -> str | None:
 
 def _reserve(svc: Service, p: Principal, ns: str, spec, tokens, pid: int | None):
     charge_blocks(svc, p, ns, spec, tokens)
-    return svc.store.reserve_put(spec, tokens, ns, owner=p.name, pid=pid)
+    try:
+        return svc.store.reserve_put(spec, tokens, ns, owner=p.name, pid=pid)
+    except InvalidInput as exc:  # no such process: the engine says "pid: ..."
+        _raise_named(exc, "pid")
+        raise
+
+
+def _raise_named(exc: InvalidInput, field: str) -> None:
+    """Raise ``exc`` with ``field`` set when the engine's message starts with it (the engine's
+    errors name the argument they are about that way); return when it does not."""
+    if exc.field is None and str(exc).startswith(f"{field}:"):
+        raise field_error(exc, field) from exc
 
 
 @router.post("/v1/kv/commit")
@@ -342,7 +372,11 @@ async def kv_commit(request: Request) -> JSONResponse:
     data = await json_body(request)
     rid = require(data, "reservation", str)
     checksums = require(data, "checksums", list)
-    stored, nbytes = await svc.run(svc.store.commit_put, rid, p.name, checksums, agent=agent_of(request))
+    try:
+        stored, nbytes = await svc.run(svc.store.commit_put, rid, p.name, checksums, agent=agent_of(request))
+    except InvalidInput as exc:  # not one checksum per block: the engine says "checksums: ..."
+        _raise_named(exc, "checksums")
+        raise
     svc.metrics.colocated.labels("put").inc()
     svc.metrics.transfer.labels("in", "shm").inc(nbytes)
     return JSONResponse({"stored_tokens": stored, "medium": "shm"})

@@ -1,7 +1,8 @@
 """One handler maps every error to one status and one JSON body (``kvstore.wire.errors``).
 
-Typed store errors use ``STATUS``; FastAPI's own validation errors become 422
-naming the field; unknown routes and methods 404/405; anything else is a 500
+Typed store errors use ``STATUS``, and their body carries the error's ``field`` when the request
+part at fault is known (``field_error`` names it); FastAPI's own validation errors become 422
+naming the first failing field; unknown routes and methods 404/405; anything else is a 500
 whose body says only that (the traceback goes to the log).
 """
 
@@ -43,12 +44,10 @@ async def send_error(send: Any, exc: BaseException) -> None:
 
 
 def field_error(exc: InvalidInput, field: str) -> InvalidInput:
-    """The same error class with the field named in front of the message."""
+    """The same error class with the field named in front of the message and as its ``field``."""
     message = str(exc)
     named = message.startswith((f"{field}:", f"{field}."))
-    new = type(exc)(message if named else f"{field}: {message}")
-    new.field = field  # type: ignore[attr-defined]
-    return new
+    return type(exc)(message if named else f"{field}: {message}", field=field)
 
 
 async def store_error(request: Request, exc: Exception) -> JSONResponse:

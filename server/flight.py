@@ -127,7 +127,7 @@ class FlightService(fl.FlightServerBase):
         with self._errors("do_put"):
             principal, ns = self._caller(context)
             if descriptor.descriptor_type != fl.DescriptorType.CMD:
-                raise MalformedRequest("descriptor: must be a command, {\"op\": \"frames\"}")
+                raise MalformedRequest("descriptor: must be a command, {\"op\": \"frames\"}", field="descriptor")
             op = require(_json_object(descriptor.command, "descriptor.command"), "op", str, default="frames")
             if op != "frames":
                 raise field_error(InvalidInput(f"unknown op {op!r}; do_put knows 'frames'"), "descriptor.op")
@@ -208,7 +208,7 @@ class FlightService(fl.FlightServerBase):
     def _layers(self, req: dict, ns: str) -> fl.FlightDataStream:
         """The ``layers`` op: ``get_kv`` of the longest stored prefix, one layer a batch."""
         spec = parse_spec(require(req, "spec", dict))
-        tokens = parse_tokens(require(req, "tokens", list))
+        tokens = parse_tokens(require(req, "tokens", list), limit=self.svc.settings.max_tokens_per_request)
         kv, n = self.svc.store.get_kv(spec, tokens, ns)
         meta = {"tokens": str(n), "shape": json.dumps(list(kv.shape[1:])), "dtype": spec.dtype}
         schema = LAYER_SCHEMA.with_metadata(meta)
@@ -272,9 +272,9 @@ def _json_object(raw: bytes, what: str) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except ValueError as exc:
-        raise MalformedRequest(f"{what}: not JSON: {exc}") from exc
+        raise MalformedRequest(f"{what}: not JSON: {exc}", field=what) from exc
     if not isinstance(data, dict):
-        raise MalformedRequest(f"{what}: must be a JSON object, got {type(data).__name__}")
+        raise MalformedRequest(f"{what}: must be a JSON object, got {type(data).__name__}", field=what)
     return data
 
 

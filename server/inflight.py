@@ -148,7 +148,7 @@ class InflightCap:
         if declared is not None and not small and declared > budget.large_limit:
             return await send_error(send, PayloadTooLarge(
                 f"body of {declared} bytes is over the {budget.large_limit} bytes that bodies in flight may "
-                f"hold (three quarters of KVSTORE_MAX_INFLIGHT_BYTES={budget.cap})"))
+                f"hold (three quarters of KVSTORE_MAX_INFLIGHT_BYTES={budget.cap})", field="body"))
         held = 0
         refused = False
 

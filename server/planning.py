@@ -162,14 +162,14 @@ def _number(d: dict, name: str, where: str, *, optional: bool, integer: bool = F
     if (isinstance(v, bool) or not isinstance(v, int if integer else (int, float))
             or not math.isfinite(v) or v < 0):
         kind = "a non-negative integer" if integer else "a finite number >= 0"
-        raise MalformedRequest(f"{where}.{name} must be {kind}{' or null' if optional else ''}")
+        raise MalformedRequest(f"{where}.{name} must be {kind}{' or null' if optional else ''}", field=f"{where}.{name}")
     return v
 
 
 def _text(d: dict, name: str, where: str, limit: int) -> str | None:
     v = d.get(name)
     if v is not None and (not isinstance(v, str) or len(v) > limit):
-        raise MalformedRequest(f"{where}.{name} must be a string of at most {limit} characters")
+        raise MalformedRequest(f"{where}.{name} must be a string of at most {limit} characters", field=f"{where}.{name}")
     return v
 
 
@@ -177,9 +177,9 @@ def _check_record(i: int, d: Any) -> dict[str, Any]:
     """A checked copy of one reported record: known fields only, types and ranges enforced."""
     where = f"decisions[{i}]"
     if not isinstance(d, dict):
-        raise MalformedRequest(f"{where} must be an object")
+        raise MalformedRequest(f"{where} must be an object", field=where)
     if d.get("op") not in ("get", "put") or not isinstance(d.get("choice"), str) or len(d["choice"]) > 64:
-        raise MalformedRequest(f"{where}: op must be get or put and choice a short string")
+        raise MalformedRequest(f"{where}: op must be get or put and choice a short string", field=where)
     out: dict[str, Any] = {"op": d["op"], "choice": d["choice"]}
     for name in ("time_s", "bytes", "tokens"):
         out[name] = _number(d, name, where, optional=False)
@@ -192,12 +192,12 @@ def _check_record(i: int, d: Any) -> dict[str, Any]:
         out[name] = _text(d, name, where, limit)
     cands = d.get("candidates", [])
     if not isinstance(cands, list) or len(cands) > 32:
-        raise MalformedRequest(f"{where}.candidates must be a list of at most 32")
+        raise MalformedRequest(f"{where}.candidates must be a list of at most 32", field=f"{where}.candidates")
     out["candidates"] = []
     for j, c in enumerate(cands):
         cw = f"{where}.candidates[{j}]"
         if not isinstance(c, dict) or not isinstance(c.get("option"), str) or len(c["option"]) > 64:
-            raise MalformedRequest(f"{cw} must be an object with a short option string")
+            raise MalformedRequest(f"{cw} must be an object with a short option string", field=cw)
         out["candidates"].append({"option": c["option"], "predicted_s": _number(c, "predicted_s", cw, optional=True),
                                   "feasible": bool(c.get("feasible", True)), "why": _text(c, "why", cw, 500),
                                   "queued_bytes": _number(c, "queued_bytes", cw, optional=True, integer=True),

@@ -15,6 +15,13 @@ Bodies: ``spec_and_tokens`` reads the input of a get, lookup or handles request 
 JSON ``{"spec", "tokens"}``); ``parse_key`` and ``parse_keys`` turn hex keys into block keys,
 naming the field when one is bad.
 
+Token counts: no request carries more than ``max_tokens_per_request`` token ids
+(``KVSTORE_MAX_TOKENS_PER_REQUEST``; 413 ``TooManyTokens``, field ``tokens``). A KV body says how
+many in its head (``head_tokens``), checked before the ids are looked at; a JSON body is refused
+before it is read when its declared length already must hold more, and before it is parsed when
+its length or its count of commas (one between every two ids) does: Python's ints cost ~40 bytes
+an id while they are checked, so a list is counted before it becomes objects where it can be.
+
 Quotas: ``charge_blocks`` checks a put of KV against the tenant's quota before the blocks are
 encoded; ``put_frames`` checks and stores frames that come encoded (the block routes, Arrow
 Flight).
@@ -30,14 +37,15 @@ from fastapi import Request
 from kvstore.errors import InvalidInput, InvalidSpec, MalformedRequest, RouteNotFound
 from kvstore.keys import BlockHash, from_hex
 from kvstore.spec import KVSpec
-from kvstore.wire.rest import H_AGENT, H_NAMESPACE, KV_MEDIA, parse_kv_head
+from kvstore.wire.rest import H_AGENT, H_NAMESPACE, KV_MEDIA, MAX_HEADER_BYTES, KVHeader, parse_kv_head
 from server.auth import Authenticator, Principal
 from server.errors import field_error
-from server.service import Service, json_body, parse_spec, parse_tokens, require
+from server.service import Service, json_body, parse_spec, parse_tokens, require, too_many_tokens
 
 __all__ = [
     "svc_of", "authenticate", "caller", "namespace_of", "admin_caller", "check_namespace", "authenticated", "admin_only",
-    "colocated_only", "agent_of", "is_kv_body", "spec_and_tokens", "parse_key", "parse_keys",
+    "colocated_only", "agent_of", "is_kv_body", "spec_and_tokens", "head_tokens", "JSON_BYTES_PER_TOKEN",
+    "parse_key", "parse_keys",
     "BLOCK_OVERHEAD_BYTES", "charge_blocks", "put_frames",
 ]
 
@@ -147,24 +155,62 @@ def is_kv_body(request: Request) -> bool:
     return request.headers.get("content-type", "").split(";")[0].strip() == KV_MEDIA
 
 
+JSON_BYTES_PER_TOKEN = 24
+"""The most bytes a token id takes in a JSON list, pretty-printed even: ten digits, a comma, a line
+break and a dozen spaces of indent. A longer body must hold more ids than the cap allows."""
+_BODY_SLACK = MAX_HEADER_BYTES + 128
+"""Bytes of a body besides its token ids: a KV body's head (at most 1 MiB, padded), or a JSON
+object's spec and route fields."""
+_COMMA_SLACK = 4096
+"""Commas a JSON body may have outside its token list (the spec's, the route's fields, commas
+inside strings): a count past the cap plus these is more ids than the cap, whatever the rest."""
+
+
+def _declared_fits(request: Request, cap: int, bytes_per_token: int) -> None:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap * bytes_per_token + _BODY_SLACK:
+        raise too_many_tokens(f"a body of {declared} bytes", cap)
+
+
+def head_tokens(svc: Service, raw: Any, head: KVHeader) -> np.ndarray:
+    """The token ids of a KV body (a view of ``raw``), once its head's count is within the cap.
+
+    Raises:
+        TooManyTokens: (413, ``tokens``) over ``max_tokens_per_request``.
+    """
+    cap = svc.settings.max_tokens_per_request
+    if head.n_tokens > cap:
+        raise too_many_tokens(f"{head.n_tokens} token ids", cap)
+    return np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
+
+
 async def spec_and_tokens(request: Request) -> tuple[KVSpec, np.ndarray]:
     """Spec and tokens of a get/lookup/handles request: a KV body without KV bytes, or JSON
     ``{"spec", "tokens"}``. The body stays cached on the request for the route's own fields.
 
     Raises:
         MalformedRequest: a KV body whose length is not what its header says, or that carries KV.
+        TooManyTokens: (413, ``tokens``) more ids than ``max_tokens_per_request``: from the body's
+            declared length before it is read, from its length and commas before it is parsed.
         InvalidSpec, InvalidTokens, InvalidInput: (422) naming the field.
     """
+    svc = svc_of(request)
+    cap = svc.settings.max_tokens_per_request
     if is_kv_body(request):
+        _declared_fits(request, cap, 4)
         raw = await request.body()
         head = parse_kv_head(raw)
         if head.kv_tokens or len(raw) != head.total:
             raise MalformedRequest(f"body: {len(raw)} bytes, the header describes {head.total} "
-                                   "(kv_tokens must be 0 here)")
-        spec = parse_spec(head.spec)
-        return spec, np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
+                                   "(kv_tokens must be 0 here)", field="body")
+        tokens = head_tokens(svc, raw, head)
+        return parse_spec(head.spec), tokens
+    _declared_fits(request, cap, JSON_BYTES_PER_TOKEN)
+    raw = await request.body()
+    if len(raw) > cap * JSON_BYTES_PER_TOKEN + _BODY_SLACK or raw.count(b",") > cap + _COMMA_SLACK:
+        raise too_many_tokens(f"a JSON body of {len(raw)} bytes and {raw.count(b',')} commas", cap)
     data = await json_body(request)
-    return parse_spec(require(data, "spec", dict)), parse_tokens(require(data, "tokens", list))
+    return parse_spec(require(data, "spec", dict)), parse_tokens(require(data, "tokens", list), limit=cap)
 
 
 def parse_key(hex_key: Any, field: str = "key") -> BlockHash:

@@ -24,7 +24,7 @@ import torch
 from fastapi import Request
 
 from kvstore.engine.store import KVStore
-from kvstore.errors import InvalidInput, MalformedRequest, PayloadTooLarge, QuotaExceeded
+from kvstore.errors import InvalidInput, MalformedRequest, PayloadTooLarge, QuotaExceeded, TooManyTokens
 from kvstore.keys import BlockHash, normalize_tokens
 from kvstore.memory.buffers import BufferPool
 from kvstore.memory.shm import SlotHandle
@@ -41,7 +41,7 @@ from server.connector_board import ConnectorBoard
 from server.metrics import Metrics
 from server.staging import StagingArena
 
-__all__ = ["Service", "Quotas", "parse_spec", "parse_tokens", "json_body", "require"]
+__all__ = ["Service", "Quotas", "parse_spec", "parse_tokens", "too_many_tokens", "json_body", "require"]
 
 log = logging.getLogger("kvstore.server")
 
@@ -197,14 +197,14 @@ class Service:
         declared = request.headers.get("content-length")
         size = int(declared) if declared and declared.isdigit() else 0
         if size > limit:
-            raise PayloadTooLarge(f"body of {size} bytes is over the {limit}-byte limit")
+            raise PayloadTooLarge(f"body of {size} bytes is over the {limit}-byte limit", field="body")
         buf = self.buffers.acquire(size or 1 << 20)
         n = 0
         try:
             async for chunk in request.stream():
                 end = n + len(chunk)
                 if end > limit:
-                    raise PayloadTooLarge(f"body is over the {limit}-byte limit")
+                    raise PayloadTooLarge(f"body is over the {limit}-byte limit", field="body")
                 if end > len(buf):  # no or a wrong Content-Length: grow
                     bigger = lazy_buffer(max(end, 2 * len(buf)))
                     bigger[:n] = memoryview(buf)[:n]
@@ -254,9 +254,9 @@ async def json_body(request: Request) -> dict[str, Any]:
     try:
         data = json.loads(raw or b"{}")
     except ValueError as exc:
-        raise MalformedRequest(f"body: not JSON: {exc}") from exc
+        raise MalformedRequest(f"body: not JSON: {exc}", field="body") from exc
     if not isinstance(data, dict):
-        raise MalformedRequest(f"body: must be a JSON object, got {type(data).__name__}")
+        raise MalformedRequest(f"body: must be a JSON object, got {type(data).__name__}", field="body")
     return data
 
 
@@ -272,18 +272,13 @@ def require(data: dict[str, Any], name: str, kind: type | tuple[type, ...], *, d
     value = data.get(name, _MISSING)
     if value is _MISSING or (value is None and default is not _MISSING):
         if default is _MISSING:
-            raise _named(InvalidInput(f"{name}: required"), name)
+            raise InvalidInput(f"{name}: required", field=name)
         return default
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = "/".join(k.__name__ for k in kinds)
-        raise _named(InvalidInput(f"{name}: must be {names}, got {type(value).__name__}"), name)
+        raise InvalidInput(f"{name}: must be {names}, got {type(value).__name__}", field=name)
     return value
-
-
-def _named(exc: InvalidInput, field: str) -> InvalidInput:
-    exc.field = field  # type: ignore[attr-defined]
-    return exc
 
 
 def parse_spec(data: Any, field: str = "spec") -> KVSpec:
@@ -306,11 +301,26 @@ def _spec_cached(items: tuple) -> KVSpec:
     return KVSpec.from_dict({k: v for k, _, v in items})
 
 
-def parse_tokens(data: Any, field: str = "tokens") -> np.ndarray:
+def parse_tokens(data: Any, field: str = "tokens", limit: int | None = None) -> np.ndarray:
+    """Token ids from their wire form (a JSON list).
+
+    Raises:
+        InvalidTokens: (422, ``field``) not a flat list of ids in [0, 2**32).
+        TooManyTokens: (413, ``field``) more than ``limit`` of them, counted before they are checked.
+    """
+    if limit is not None and isinstance(data, list) and len(data) > limit:
+        raise too_many_tokens(f"{len(data)} token ids", limit, field)
     try:
         return normalize_tokens(data)
     except InvalidInput as exc:
         raise field_error(exc, field) from exc
+
+
+def too_many_tokens(what: str, limit: int, field: str = "tokens") -> TooManyTokens:
+    """The 413 of a request over ``max_tokens_per_request``; ``what`` says what was counted."""
+    return TooManyTokens(f"{field}: {what} is over the server's limit of {limit} token ids per request "
+                         f"(KVSTORE_MAX_TOKENS_PER_REQUEST={limit}): split the sequence, or raise the setting",
+                         limit=limit, field=field)
 
 
 def kv_view(buf: bytearray, offset: int, spec: KVSpec, kv_tokens: int) -> torch.Tensor:

@@ -94,7 +94,7 @@ class StagingArena:
             TierFull: no range that large is free now (the client falls back to HTTP).
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise InvalidInput(f"nbytes must be a positive int, got {nbytes!r}")
+            raise InvalidInput(f"nbytes: must be a positive int, got {nbytes!r}", field="nbytes")
         with self._lock:
             self._expire(time.monotonic())
             offset = self._alloc.alloc(nbytes)

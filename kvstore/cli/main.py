@@ -160,6 +160,7 @@ _SERVICE_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("retain_quota_bytes", str, "bytes one tenant may keep retained, e.g. 1GiB (default a quarter of the top tier)"),
     ("retain_max_ttl_s", float, "longest retention a call may ask for, seconds (default 3600)"),
     ("handoff_ttl_s", float, "how long a hand-off to 'here' holds its blocks, seconds (default 120)"),
+    ("max_tokens_per_request", int, "most token ids one request may carry; more gets 413 (default 1048576)"),
 )
 
 

@@ -29,6 +29,7 @@ from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.events import DEFAULT_CAPACITY, EventLog
 from kvstore.engine.frames import Frames, PrefixBlock
 from kvstore.engine.heat import Scorer
+from kvstore.engine.hints import SpecHints
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.locality import PREFETCH_HOLD_S, Locality, check_retention
 from kvstore.engine.mover import Mover
@@ -143,6 +144,8 @@ class KVStore:
                                  lambda namespace: self.policy_for(namespace))
         """Prefetch, hand-offs and retention (``kvstore.engine.locality``); ``locality.handoffs``: the
         hand-offs learned per namespace from the agents' puts and reads."""
+        self.hints = SpecHints(core)
+        """The specs stored per namespace and model, for a missed get's hint (``kvstore.engine.hints``)."""
         self.recovered = recover(core)
         if background:
             self._mover.start()
@@ -184,12 +187,13 @@ class KVStore:
         if self._puts.lossy:  # a put writes where int8 is the codec: refuse before storing anything
             check_finite(kv[:, :, :, : n_blocks * spec.block_tokens])
         self._puts.write_chain(keys, kv, toks, namespace, spec.fingerprint(), spec.block_tokens)
+        self.hints.saw(spec, namespace)
         if agent is not None:
             self.locality.wrote(keys, namespace, spec, agent)
         return n_blocks * spec.block_tokens
 
-    def get_kv(self, spec: KVSpec, tokens: Any, namespace: str = "default", *,
-               out: torch.Tensor | None = None, agent: str | None = None) -> tuple[torch.Tensor, int]:
+    def get_kv(self, spec: KVSpec, tokens: Any, namespace: str = "default", *, out: torch.Tensor | None = None,
+               agent: str | None = None, hints: list[str] | None = None) -> tuple[torch.Tensor, int]:
         """The KV of the longest stored prefix of ``tokens``.
 
         Args:
@@ -197,6 +201,9 @@ class KVStore:
                 ``spec.dtype`` to decode into; a server or an engine reusing one
                 buffer skips the page faults of a fresh allocation per call.
             agent: who is reading, for learning hand-offs; None: not learned.
+            hints: when nothing is found but the first block is stored under another spec of the
+                model, the hint saying how they differ is appended here; None: warned instead, a
+                ``KVStoreWarning`` once per pair of specs (``kvstore.engine.hints``).
 
         Returns:
             ``(kv, n_tokens)``: ``kv`` is ``[L, 2, H, n_tokens, D]`` in ``spec.dtype``
@@ -222,6 +229,8 @@ class KVStore:
         if adopted:
             self.core.count(blocks_adopted=len(adopted))
         bt = spec.block_tokens
+        if not found and len(toks) >= bt:
+            self.hints.after_miss(spec, toks, namespace, hints)
         given = out is not None
         out = out[:, :, :, : len(found) * bt] if given else spec.empty_kv(len(found) * bt)
         good = decode_chain(self.core, found, adopted, out, bt, namespace, spec_fp)
@@ -245,6 +254,7 @@ class KVStore:
         for all of them. ``ReservedPuts.reserve`` has the rest."""
         self._check_open()
         spec = _check_spec(spec)
+        self.hints.saw(spec, namespace)
         return self.reservations.reserve(spec, normalize_tokens(tokens), namespace, owner, pid)
 
     def commit_put(self, reservation: str, owner: str, checksums: list[int], *,
@@ -326,22 +336,26 @@ class KVStore:
 
     # -- for services that read and write frames themselves ---------------------------
 
-    def prefix_blocks(self, spec: KVSpec, tokens: Any, namespace: str, *,
-                      agent: str | None = None) -> list[PrefixBlock]:
+    def prefix_blocks(self, spec: KVSpec, tokens: Any, namespace: str, *, agent: str | None = None,
+                      hints: list[str] | None = None) -> list[PrefixBlock]:
         """The blocks of the longest stored prefix of ``tokens``: this index's (``Frames.local_prefix``),
         then those only the shared tier holds (another node's), counted as one lookup. ``agent``: a
-        reader about to read them (a co-located get), for learning hand-offs."""
+        reader about to read them (a co-located get), for learning hand-offs. ``hints``: as ``get_kv``'s,
+        but None asks for no hint."""
         self._check_open()
         spec = _check_spec(spec)
-        keys = block_hashes(spec, normalize_tokens(tokens), namespace)
+        toks = normalize_tokens(tokens)
+        keys = block_hashes(spec, toks, namespace)
         found = self.frames.local_prefix(keys, namespace, spec.fingerprint())
         if agent is not None and found:
             self.locality.handoffs.read(found, namespace, agent, key=_KEY_OF)
         self.core.count(lookup_calls=1)
-        if len(found) == len(keys) or self._shared is None:
-            return found
-        n = len(found) + self._shared.count_prefix(keys[len(found):])
-        return self.frames.extend_prefix(found, keys[:n], namespace, spec.fingerprint())
+        if len(found) < len(keys) and self._shared is not None:
+            n = len(found) + self._shared.count_prefix(keys[len(found):])
+            found = self.frames.extend_prefix(found, keys[:n], namespace, spec.fingerprint())
+        if not found and keys and hints is not None:
+            self.hints.after_miss(spec, toks, namespace, hints)
+        return found
 
     # -- locality: prefetch, hand-off, retention (``kvstore.engine.prefetch``, placement rule 5) ----------
 

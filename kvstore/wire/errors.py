@@ -3,6 +3,8 @@
 Every error answer is JSON ``{"error": {"type": T, "message": M, "field": F}}``.
 ``T`` is the name of a class in ``ERRORS`` and ``STATUS[T]`` its one status;
 the server answers with ``error_body`` and the SDK raises ``error_from``'s class.
+``F`` (the error's ``field``: the part of the request at fault) is there only when one
+is known; a few classes add their own figures (``stored_tokens``, ``tier``, ``limit``...).
 Nothing here does I/O.
 """
 
@@ -31,7 +33,7 @@ STATUS: dict[str, int] = {
     "InvalidInput": 422, "InvalidSpec": 422, "InvalidKV": 422, "InvalidTokens": 422, "InvalidKey": 422,
     "FrameError": 422, "CorruptFrame": 422, "UnsupportedFrame": 422,
     "MalformedRequest": 400, "BodyTimeout": 408, "ServerBusy": 503,
-    "PayloadTooLarge": 413,
+    "PayloadTooLarge": 413, "TooManyTokens": 413,
     "Unauthorized": 401,
     "Forbidden": 403,
     "BlockNotFound": 404,
@@ -66,6 +68,8 @@ def error_body(exc: BaseException, *, field: str | None = None) -> dict[str, Any
         body["tier"] = exc.tier
     if isinstance(exc, _e.RetainQuotaExceeded):
         body["retained_bytes"], body["quota_bytes"] = exc.retained_bytes, exc.quota_bytes
+    if isinstance(exc, _e.TooManyTokens) and exc.limit is not None:
+        body["limit"] = exc.limit
     return {"error": body}
 
 
@@ -97,10 +101,13 @@ def error_from(status: int, body: bytes | Mapping[str, Any] | None) -> Exception
         exc = cls(message, tier=info.get("tier"), stored_tokens=info.get("stored_tokens"))
     elif issubclass(cls, _e.TierError):
         exc = cls(message, tier=info.get("tier"))
+    elif issubclass(cls, _e.TooManyTokens):
+        exc = cls(message, limit=_int(info.get("limit")) or None)
     else:
         exc = cls(message)
-    if info.get("field"):
-        exc.field = info["field"]  # type: ignore[attr-defined]
+    field = info.get("field")
+    if isinstance(field, str) and field:
+        exc.field = field
     return exc
 
 

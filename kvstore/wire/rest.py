@@ -18,7 +18,8 @@ so the server can view tokens and KV in place::
 
 A get's answer is the KV bytes alone, ``[L, 2, H, n, D]`` of the hit prefix,
 with ``X-KV-Tokens: n``, ``X-KV-Shape``, ``X-KV-Dtype`` and a Content-Length, so
-a client can receive it straight into the tensor it returns.
+a client can receive it straight into the tensor it returns; ``X-KV-Hint`` when
+nothing was found but the tokens are stored under another spec of the model.
 
 **Batch body** (``application/x-kvstore-batch``), the request of
 ``POST /v1/blocks/put`` and the answer of ``POST /v1/blocks/get``::
@@ -43,7 +44,7 @@ from kvstore.errors import InvalidInput, MalformedRequest
 
 __all__ = [
     "KV_MEDIA", "BATCH_MEDIA", "FRAME_MEDIA", "JSON_MEDIA",
-    "H_NAMESPACE", "H_TOKENS", "H_SHAPE", "H_DTYPE", "H_MEDIUM", "H_TIER", "H_CODEC",
+    "H_NAMESPACE", "H_TOKENS", "H_SHAPE", "H_DTYPE", "H_MEDIUM", "H_TIER", "H_CODEC", "H_HINT",
     "KVHeader", "encode_kv_head", "encode_kv_head_json", "parse_kv_head", "kv_nbytes",
     "encode_batch_head", "parse_batch_head", "pad64", "host_id", "MAX_TOUCH_KEYS", "MAX_HEADER_BYTES",
 ]
@@ -64,6 +65,9 @@ H_MEDIUM = "x-kv-medium"
 """Which medium carried the KV: ``http`` or ``shm``; the SDK counts it in ``stats()``."""
 H_TIER = "x-kv-tier"
 H_CODEC = "x-kv-codec"
+H_HINT = "x-kv-hint"
+"""On a get that found nothing: the same tokens' first block is stored under another spec of the
+model, and how that spec differs (``kvstore.engine.hints``); the JSON answers carry it as ``hint``."""
 
 _KV_MAGIC = b"KVW1"
 _BATCH_MAGIC = b"KVB1"
@@ -85,7 +89,8 @@ def kv_nbytes(spec: Mapping[str, Any], kv_tokens: int) -> int:
     """Bytes of a ``[L, 2, H, kv_tokens, D]`` KV of the wire spec ``spec``."""
     size = _ELEMENT_BYTES.get(str(spec.get("dtype", "float16")))
     if size is None:
-        raise InvalidInput(f"spec.dtype must be one of {sorted(_ELEMENT_BYTES)}, got {spec.get('dtype')!r}")
+        raise InvalidInput(f"spec.dtype must be one of {sorted(_ELEMENT_BYTES)}, got {spec.get('dtype')!r}",
+                           field="spec.dtype")
     return int(spec["num_layers"]) * 2 * int(spec["num_kv_heads"]) * kv_tokens * int(spec["head_dim"]) * size
 
 
@@ -121,16 +126,17 @@ def parse_kv_head(data: bytes | memoryview) -> KVHeader:
     head, hlen = _json_head(data, _KV_MAGIC, "KV")
     spec, n_tokens, kv_tokens = head.get("spec"), head.get("n_tokens"), head.get("kv_tokens", 0)
     if not isinstance(spec, dict):
-        raise MalformedRequest("header.spec: required, a JSON object")
+        raise MalformedRequest("header.spec: required, a JSON object", field="header.spec")
     for name, value in (("n_tokens", n_tokens), ("kv_tokens", kv_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**40:
-            raise MalformedRequest(f"header.{name}: must be a non-negative integer, got {value!r}")
+            raise MalformedRequest(f"header.{name}: must be a non-negative integer, got {value!r}",
+                                   field=f"header.{name}")
     tokens_at = pad64(_PREFIX.size + hlen)
     kv_at = tokens_at + pad64(n_tokens * 4)
     try:
         total = kv_at + (kv_nbytes(spec, kv_tokens) if kv_tokens else 0)
     except (KeyError, TypeError, ValueError) as exc:
-        raise MalformedRequest(f"header.spec: cannot size the KV from it: {exc!r}") from exc
+        raise MalformedRequest(f"header.spec: cannot size the KV from it: {exc!r}", field="header.spec") from exc
     return KVHeader(spec, n_tokens, kv_tokens, tokens_at, kv_at, total)
 
 
@@ -143,18 +149,19 @@ def _json_head(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict,
     data = memoryview(data).cast("B")
     if len(data) < _PREFIX.size:
         raise MalformedRequest(f"body: a {what} body starts with {_PREFIX.size} bytes (magic, header length); "
-                               f"got {len(data)}")
+                               f"got {len(data)}", field="body")
     got, hlen = _PREFIX.unpack(data[:_PREFIX.size])
     if got != magic:
-        raise MalformedRequest(f"body: magic must be {magic!r}, got {bytes(got)!r}")
+        raise MalformedRequest(f"body: magic must be {magic!r}, got {bytes(got)!r}", field="body")
     if hlen > MAX_HEADER_BYTES or len(data) < _PREFIX.size + hlen:
-        raise MalformedRequest(f"body: header length {hlen} runs past the body ({len(data)} bytes) or over 1 MiB")
+        raise MalformedRequest(f"body: header length {hlen} runs past the body ({len(data)} bytes) or over 1 MiB",
+                               field="body")
     try:
         head = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + hlen]))
     except ValueError as exc:
-        raise MalformedRequest(f"header: not JSON: {exc}") from exc
+        raise MalformedRequest(f"header: not JSON: {exc}", field="header") from exc
     if not isinstance(head, dict):
-        raise MalformedRequest("header: must be a JSON object")
+        raise MalformedRequest("header: must be a JSON object", field="header")
     return head, hlen
 
 
@@ -177,7 +184,7 @@ def parse_batch_head(data: bytes | memoryview) -> tuple[list[dict], int]:
     head, hlen = _json_head(data, _BATCH_MAGIC, "batch")
     blocks = head.get("blocks")
     if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
-        raise MalformedRequest("header.blocks: required, a list of objects")
+        raise MalformedRequest("header.blocks: required, a list of objects", field="header.blocks")
     return blocks, pad64(_PREFIX.size + hlen)
 
 

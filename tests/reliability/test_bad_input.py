@@ -3,7 +3,8 @@
 Hypothesis sends damaged frames (bit flips, truncations, random bytes, a foreign key) to
 ``PUT /v1/blocks/{key}`` and ``POST /v1/blocks/put``; hand-written probes cover path traversal and
 non-hex keys, lying Content-Lengths, bodies over the limit, spec and shape mismatches,
-NaN/Inf KV, an unknown frame version, a slow-loris upload and a huge JSON token list.
+NaN/Inf KV, an unknown frame version, a slow-loris upload, a huge JSON token list and token lists
+over ``KVSTORE_MAX_TOKENS_PER_REQUEST``.
 After each, a sequence stored at the start still reads back bit for bit.
 """
 
@@ -31,6 +32,7 @@ SPEC = SPECS[0]
 KEPT = list(range(11_000, 11_064))
 NS = "fuzz"
 LIMIT = 4 << 20
+MAX_TOKENS = 4096
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def live(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad-input")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(KVSTORE_DATA_DIR=str(tmp / "data"), KVSTORE_MAX_BODY_BYTES=str(LIMIT), KVSTORE_BODY_TIMEOUT_S="1",
-               KVSTORE_LOG_LEVEL="warning")
+               KVSTORE_MAX_TOKENS_PER_REQUEST=str(MAX_TOKENS), KVSTORE_LOG_LEVEL="warning")
     server = ServeProcess(env).start()
     with KVClient(server.url, namespace=NS, colocated=False, plan=False) as client:
         client.put_kv(SPEC, KEPT, expected_kv(0, KEPT))
@@ -221,6 +223,25 @@ def test_a_huge_json_token_list_is_refused(live):
     body = json.dumps({"spec": SPEC.to_dict(), "tokens": list(range(2_000_000))})  # ~16 MB of JSON
     r = http.post("/v1/lookup", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 413, r.status_code
+    _intact(server)
+
+
+def test_token_lists_over_the_cap_get_413_naming_the_setting_and_store_nothing(live):
+    server, http, _ = live
+    from client_sdk import TooManyTokens
+
+    tokens = list(range(20_000, 20_000 + MAX_TOKENS + 16))
+    for body in (json.dumps({"spec": SPEC.to_dict(), "tokens": tokens}),  # ~40 KB: parsed, then counted
+                 json.dumps({"spec": SPEC.to_dict(), "tokens": list(range(300_000))})):  # 2 MB: refused unread
+        r = http.post("/v1/lookup", content=body, headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 413 and err["type"] == "TooManyTokens" and err["field"] == "tokens", r.text
+        assert f"KVSTORE_MAX_TOKENS_PER_REQUEST={MAX_TOKENS}" in err["message"] and err["limit"] == MAX_TOKENS
+    with KVClient(server.url, namespace=NS, colocated=False, plan=False) as client:
+        with pytest.raises(TooManyTokens) as exc:  # a KV body without KV: its header's count is over
+            client.get_kv(SPEC, tokens)
+        assert exc.value.field == "tokens" and exc.value.limit == MAX_TOKENS
+        assert client.lookup(SPEC, tokens[:MAX_TOKENS]) == 0
     _intact(server)
 
 
