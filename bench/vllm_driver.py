@@ -7,6 +7,8 @@ Runs under the vLLM venv's interpreter (``bench.engines``), never the project's:
 
 ``make-model`` saves a random-initialised Llama with transformers' ``save_pretrained``
 (no hub, no tokenizer): seeded, so every process that makes it gets the same weights.
+docs/engines.md gives it to ``vllm serve --skip-tokenizer-init`` as a first model
+(``PYTHONPATH=$PWD .venv-vllm/bin/python -m bench.vllm_driver make-model DIR``).
 ``serve`` starts ``LLM(...)`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 prints ``{"ok": true, "ready": ...}``, then answers each line on stdin::
 

@@ -234,6 +234,24 @@ def _model_dir(mc: Any) -> str:
                           "kv_connector_extra_config.fingerprint") from exc
 
 
+def _log_with_vllm() -> None:
+    """Hand the ``kvstore`` logger vLLM's own handlers when no handler would take its records.
+
+    vLLM's logging config gives handlers to its ``vllm`` logger alone, so under ``vllm serve``
+    the connector's lines (its start-up line, failed loads and saves) reached none: Python's last
+    resort prints bare warnings and drops the rest. A handler of the user's (on the root logger,
+    or on ``kvstore`` through ``VLLM_LOGGING_CONFIG_PATH``) wins, and with ``VLLM_CONFIGURE_LOGGING=0``
+    vLLM has none to lend.
+    """
+    ours, theirs = logging.getLogger("kvstore"), logging.getLogger("vllm")
+    if ours.hasHandlers() or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:  # VLLM_LOGGING_LEVEL then sets ours too
+        ours.setLevel(theirs.level)
+
+
 @dataclass
 class _Tracked:
     """The scheduler's view of one request."""
@@ -248,6 +266,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        _log_with_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _refuse_unsupported(vllm_config, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
