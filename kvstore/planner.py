@@ -6,11 +6,14 @@ Cost model, per option (a medium, and for gets a wire codec):
 
 plus, where this client already has transfers in flight over the same medium,
 the wait behind them (``shared_wire``), against ``recompute = tokens /
-prefill_rate`` for the caller's spec. Per option and payload size class, an
-EWMA of seconds per byte from every real transfer (``Estimate``); sizes not
-measured yet take a line fitted through the measured classes and a bounded
-probe at connect. Codec costs are EWMAs of measured encode and decode seconds
-per byte.
+prefill_rate`` for the caller's spec. Per option, path and payload size class,
+an EWMA (in log space) of seconds per byte from every real transfer
+(``Estimate``); sizes not measured yet take a line fitted to the measured
+classes, and before any real transfer the probes' line plus the work the
+transfer does that its probe does not. A path is a way a medium has of doing
+one transfer, known before it runs (``paths``: a shm get from remembered slot
+handles asks the server nothing). Codec costs are EWMAs of measured encode and
+decode seconds per byte.
 
 Exploration: an option not measured in a size class lately gets a burst of
 real transfers, paid for by the class's chosen transfers (``EXPLORE_SHARE``).
@@ -24,7 +27,11 @@ on this client's side moves one transfer, never the choice. Payloads of at most
 deliberation.
 
 Every decision is a ``Decision`` record (inputs, candidates with predictions,
-choice, reason, then the actual cost), kept in a bounded ``DecisionLog``.
+choice, reason, then the actual cost), kept in a bounded ``DecisionLog``. Its
+reason is ``"<verb> <choice>: <why>"``, built from a code (``REASONS``) and the
+choice in one place (``_record``): whichever rule decided, the text names the
+option taken first ("kept shm: http (1.64 ms) has beaten it (4.54 ms) by the
+margin for 1.2 of 5 s; ...", never "kept: http ... beats shm").
 """
 
 from __future__ import annotations
@@ -33,11 +40,11 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from kvstore.costs import (BURST_MAX, EXPLORE_SHARE, EXPLORE_WITHIN, CostModel, Estimate, Option, shared_wire,
                            size_class, wire_bytes)
-from kvstore.decisions import RECOMPUTE, Candidate, Decision, DecisionLog
+from kvstore.decisions import RECOMPUTE, Candidate, Decision, DecisionLog, reason_text
 from kvstore.errors import InvalidInput
 from kvstore.policy import Policy
 
@@ -74,7 +81,8 @@ class Planner:
         self.model = model or CostModel(clock)
         self.clock = clock
         self.log = log or DecisionLog()
-        self._sticky: dict[tuple[int, str, int], _Sticky] = {}
+        self._sticky: dict[tuple[int, str, int, tuple], _Sticky] = {}
+        """(policy version, op, size class, paths) -> the current choice there."""
         self._explored: dict[tuple[str, str, int], list[float]] = {}
         self._budget: dict[tuple[str, int], float] = {}
         """(op, size class) -> seconds of exploration earned and not spent (``EXPLORE_SHARE``)."""
@@ -82,7 +90,8 @@ class Planner:
 
     def decide(self, op: str, options: Iterable[Option], *, nbytes: int, tokens: int, policy: Policy,
                fingerprint: str = "", locality: str = "remote", slo_s: float | None = None,
-               free_bytes: int | None = None, queued: dict[str, Sequence[int]] | None = None) -> Decision:
+               free_bytes: int | None = None, queued: Mapping[str, Sequence[int]] | None = None,
+               paths: Mapping[str, str] | None = None) -> Decision:
         """Pick an option for one transfer (``op`` "get" or "put"), or "recompute" for a get.
 
         Args:
@@ -93,18 +102,26 @@ class Planner:
             free_bytes: the receiver's free buffer space; an option needing more is infeasible.
             queued: medium -> wire bytes of each transfer this client has in flight over it. Their
                 wait is predicted for this transfer alone: hysteresis weighs the media without it.
+            paths: medium -> how it would do this transfer where it has more than one way
+                ("cached": a shm get from remembered slot handles, no request). Each path has
+                its own estimate, and its own hysteresis.
         """
         opts = [o for o in options if o.medium in policy.media and (op == "put" or o.codec in policy.codecs)]
         if not opts:
             raise InvalidInput(f"no medium available for {op} under policy v{policy.version}")
         slo = policy.slo_s if slo_s is None else slo_s
+        paths = {m: p for m, p in (paths or {}).items() if p}
         if nbytes <= policy.small_bytes:
             first = min(opts, key=lambda o: (policy.media.index(o.medium), o.codec != "raw"))
-            return self._record(op, nbytes, tokens, locality, [Candidate(first.name, self.model.predict(op, first, nbytes))],
-                                first.name, f"payload of {nbytes} B is at most small_bytes: default medium",
-                                policy, slo, free_bytes)
+            path = paths.get(first.medium, "")
+            cand = Candidate(first.name, self.model.predict(op, first, nbytes, path=path), path=path,
+                             learnt=self.model.learnt(op, first.name, path))
+            return self._record(op, nbytes, tokens, locality, [cand], first.name, "small",
+                                f"payload of {nbytes} B is at most small_bytes ({policy.small_bytes} B): "
+                                f"the policy's first medium, without deliberation", policy, slo, free_bytes)
         queued = queued or {}
-        cands = [self._candidate(op, o, nbytes, slo, free_bytes, tuple(queued.get(o.medium, ()))) for o in opts]
+        cands = [self._candidate(op, o, nbytes, slo, free_bytes, tuple(queued.get(o.medium, ())),
+                                 paths.get(o.medium, "")) for o in opts]
         recompute = None
         if op == "get" and policy.recompute and tokens > 0:
             rs = self.model.recompute_s(fingerprint, tokens)
@@ -113,31 +130,30 @@ class Planner:
         known = [c for c in cands if c.feasible and c.predicted_s is not None]
         everything = cands + ([recompute] if recompute else [])
         if not any(c.feasible for c in cands):  # the transfer fails where it lands, with the typed error
-            return self._record(op, nbytes, tokens, locality, everything, cands[0].option,
+            return self._record(op, nbytes, tokens, locality, everything, cands[0].option, "infeasible",
                                 f"no option fits: {cands[0].why}", policy, slo, free_bytes)
         if not known:  # nothing measured yet: the policy's order decides
             first = next(c for c in cands if c.feasible)
-            return self._record(op, nbytes, tokens, locality, everything, first.option,
-                                "no estimates yet: first available medium in the policy's order",
+            return self._record(op, nbytes, tokens, locality, everything, first.option, "unmeasured",
+                                "no estimates yet: the first available medium in the policy's order",
                                 policy, slo, free_bytes)
         best = min(known, key=lambda c: c.alone_s)  # type: ignore[arg-type, return-value]
         explore = self._to_explore(op, nbytes, policy, cands, best, recompute)
         if explore is not None:
-            d = self._record(op, nbytes, tokens, locality, everything, explore.option,
-                             f"explore: no real {op} over {explore.option} in {policy.explore_after_s:g} s "
-                             f"(predicted {_ms(explore.predicted_s)}, best {best.option} {_ms(best.predicted_s)})",
-                             policy, slo, free_bytes)
-            d.explore = True
-            return d
+            return self._record(op, nbytes, tokens, locality, everything, explore.option, "explore",
+                                f"no real {op} over it in {policy.explore_after_s:g} s (predicted "
+                                f"{_ms(explore.predicted_s)}; the best, {best.option}, {_ms(best.predicted_s)})",
+                                policy, slo, free_bytes, explore=True)
         by_name = {c.option: c for c in cands}
-        choice, reason = self._stable(op, nbytes, policy, by_name, best)
+        state = tuple(sorted(paths.items()))
+        choice, code, why = self._stable(op, nbytes, policy, by_name, best, state)
         # This client's own queue is this transfer's state, not a medium's: it is weighed after
         # hysteresis, and moves this transfer alone, when another option beats the wait by the margin.
         now_best = min(known, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
         held = by_name[choice]
         if (now_best.option != choice and held.wait_s
                 and now_best.predicted_s < held.predicted_s * (1.0 - policy.margin_frac)):  # type: ignore[operator]
-            choice, reason = now_best.option, (
+            choice, code, why = now_best.option, "queue", (
                 f"{held.option} has {sum(held.queued)} B in flight: {_ms(held.predicted_s)} with the wait, "
                 f"{now_best.option} {_ms(now_best.predicted_s)} (this transfer only)")
         # Fetch or recompute is this request's question (its tokens, the caller's prefill rate),
@@ -147,14 +163,15 @@ class Planner:
             if now_best.predicted_s < recompute.predicted_s:  # type: ignore[operator]
                 # Recompute beats what hysteresis holds, the best fetch beats recompute: that fetch,
                 # for this transfer only (the challenger's window runs on).
-                choice, reason = now_best.option, (
-                    f"{now_best.option} {_ms(now_best.predicted_s)} beats recomputing {tokens} tokens "
+                choice, code, why = now_best.option, "beats-recompute", (
+                    f"{_ms(now_best.predicted_s)} beats recomputing {tokens} tokens "
                     f"({_ms(recompute.predicted_s)}), which beats the held {fetch.option} "
                     f"({_ms(fetch.predicted_s)}): this transfer only")
             else:
-                choice, reason = RECOMPUTE, (f"recompute {tokens} tokens predicted {_ms(recompute.predicted_s)}, "
-                                             f"fetching over {fetch.option} {_ms(fetch.predicted_s)}")
-        return self._record(op, nbytes, tokens, locality, everything, choice, reason, policy, slo, free_bytes)
+                choice, code, why = RECOMPUTE, "recompute", (
+                    f"recompute {tokens} tokens predicted {_ms(recompute.predicted_s)}, "
+                    f"fetching over {fetch.option} {_ms(fetch.predicted_s)}")
+        return self._record(op, nbytes, tokens, locality, everything, choice, code, why, policy, slo, free_bytes)
 
     def _to_explore(self, op: str, nbytes: int, policy: Policy, cands: list[Candidate],
                     best: Candidate, recompute: Candidate | None) -> Candidate | None:
@@ -181,9 +198,9 @@ class Planner:
         for c in cands:
             if not c.feasible or c.why or c.predicted_s is None or (fetch_runs and c.option == best.option):
                 continue
-            if self.model.age_s(op, c.option, nbytes=nbytes) < policy.explore_after_s:
+            if self.model.age_s(op, c.option, nbytes=nbytes, path=c.path) < policy.explore_after_s:
                 continue
-            key = (op, c.option, size_class(nbytes))
+            key = (op, f"{c.option}@{c.path}", size_class(nbytes))
             with self._lock:  # at most BURST_MAX tries per option, class and interval, failed or not
                 tries = [t for t in self._explored.get(key, []) if now - t < policy.explore_after_s]
                 within = EXPLORE_WITHIN * (EXPLORE_WITHIN if tries else 1.0) * ref
@@ -196,11 +213,12 @@ class Planner:
         return None
 
     def _candidate(self, op: str, option: Option, nbytes: int, slo: float | None,
-                   free_bytes: int | None, queued: tuple[int, ...] = ()) -> Candidate:
-        predicted = self.model.predict(op, option, nbytes, queued)
-        cand = Candidate(option.name, predicted, queued=queued)
+                   free_bytes: int | None, queued: tuple[int, ...] = (), path: str = "") -> Candidate:
+        predicted = self.model.predict(op, option, nbytes, queued, path)
+        cand = Candidate(option.name, predicted, queued=queued, path=path,
+                         learnt=self.model.learnt(op, option.name, path))
         if queued and predicted is not None:
-            alone = self.model.predict(op, option, nbytes)
+            alone = self.model.predict(op, option, nbytes, path=path)
             cand.wait_s = max(0.0, predicted - (alone or 0.0))
         if free_bytes is not None and nbytes > free_bytes:
             cand.feasible, cand.why = False, f"needs {nbytes} B of buffer, receiver has {free_bytes}"
@@ -209,25 +227,28 @@ class Planner:
         return cand
 
     def _stable(self, op: str, nbytes: int, policy: Policy, by_name: dict[str, Candidate],
-                best: Candidate) -> tuple[str, str]:
+                best: Candidate, state: tuple = ()) -> tuple[str, str, str]:
         """Hysteresis: keep the current choice unless ``best`` has been best for the window,
-        beating it by the margin when the window started and now."""
+        beating it by the margin when the window started and now. Returns (choice, reason
+        code, why): the why explains the choice, whichever option it is."""
         best_s = best.alone_s
-        key = (policy.version, op, size_class(nbytes))
+        key = (policy.version, op, size_class(nbytes), state)
         now = self.clock()
         with self._lock:
             st = self._sticky.get(key)
             if st is not None and st.provisional:
-                st.provisional = self._unproven(op, st.current, nbytes)
+                st.provisional = self._unproven(op, by_name.get(st.current), nbytes)
             cur = by_name.get(st.current) if st else None
             cur_s = None if cur is None or not cur.feasible else cur.alone_s
             if st is None or cur_s is None:
-                gone = f"previous choice {st.current} is unavailable; " if st else ""
-                self._sticky[key] = _Sticky(best.option, provisional=self._unproven(op, best.option, nbytes))
-                return best.option, f"{gone}lowest predicted time ({_ms(best_s)})"
+                self._sticky[key] = _Sticky(best.option, provisional=self._unproven(op, best, nbytes))
+                if st is None:
+                    return best.option, "best", f"lowest predicted time ({_ms(best_s)})"
+                return best.option, "replaced", (f"the current choice, {st.current}, is unavailable; "
+                                                 f"lowest predicted time ({_ms(best_s)})")
             if best.option == st.current:
                 st.challenger = None
-                return st.current, f"lowest predicted time ({_ms(best_s)})"
+                return st.current, "best", f"lowest predicted time ({_ms(best_s)})"
             if best_s > cur_s * (1.0 - policy.margin_frac):  # type: ignore[operator]
                 # A challenger that stays the predicted best keeps its window while noise dips it
                 # under the margin (sub-millisecond estimates jitter by about that much), for at
@@ -238,35 +259,41 @@ class Planner:
                     st.under_since_s = now
                 elif now - st.under_since_s > policy.window_s:
                     st.challenger, st.under_since_s = None, None
-                return st.current, (f"kept: {best.option} ({_ms(best_s)}) is not {policy.margin_frac:.0%} "
-                                    f"better than {st.current} ({_ms(cur_s)})")
+                return st.current, "kept", (f"{best.option} ({_ms(best_s)}) is predicted faster than it "
+                                            f"({_ms(cur_s)}), by less than the {policy.margin_frac:.0%} margin")
             if st.under_since_s is not None and now - st.under_since_s > policy.window_s:
                 st.challenger = None  # its window lapsed under the margin, however long ago the last look
             st.under_since_s = None
-            if st.provisional and not self._unproven(op, best.option, nbytes):
+            if st.provisional and not self._unproven(op, best, nbytes):
                 old = st.current
                 self._sticky[key] = _Sticky(best.option)
-                return best.option, (f"switched from {old}, chosen before any real transfer of this size: "
-                                     f"{best.option} measured {_ms(best_s)} against {_ms(cur_s)}")
+                return best.option, "proven", (f"from {old}, chosen before any real transfer of this size: "
+                                               f"{best.option} measured {_ms(best_s)} against {_ms(cur_s)}")
             if st.challenger != best.option:
                 st.challenger, st.since_s = best.option, now
             held = now - st.since_s
             if held < policy.window_s:
-                return st.current, (f"kept: {best.option} ({_ms(best_s)}) beats {st.current} "
-                                    f"({_ms(cur_s)}) by the margin for {held:.1f} of {policy.window_s:g} s")
+                return st.current, "waiting", (
+                    f"{best.option} ({_ms(best_s)}) has beaten it ({_ms(cur_s)}) by the margin for "
+                    f"{held:.1f} of {policy.window_s:g} s; it takes over once that holds for the window")
             old = st.current
             self._sticky[key] = _Sticky(best.option)
-            return best.option, (f"switched from {old}: {best.option} predicted {_ms(best_s)} against "
-                                 f"{_ms(cur_s)} for {held:.1f} s")
+            return best.option, "switched", (f"from {old}: predicted {_ms(best_s)} against {_ms(cur_s)} "
+                                             f"for {held:.1f} s")
 
-    def _unproven(self, op: str, option: str, nbytes: int) -> bool:
-        return self.model.age_s(op, option, nbytes=nbytes) == math.inf
+    def _unproven(self, op: str, cand: Candidate | None, nbytes: int) -> bool:
+        return cand is not None and self.model.age_s(op, cand.option, nbytes=nbytes, path=cand.path) == math.inf
 
     def _record(self, op: str, nbytes: int, tokens: int, locality: str, cands: list[Candidate], choice: str,
-                reason: str, policy: Policy, slo: float | None, free_bytes: int | None) -> Decision:
+                code: str, why: str, policy: Policy, slo: float | None, free_bytes: int | None, *,
+                explore: bool = False) -> Decision:
+        """The decision, logged; its reason is built here from the code and the choice
+        (``reason_text``), so it cannot name another option first."""
         chosen = next((c for c in cands if c.option == choice), None)
-        d = Decision(op, nbytes, tokens, locality, cands, choice, reason, policy.version, slo, free_bytes,
-                     None if chosen is None else chosen.predicted_s)
+        d = Decision(op, nbytes, tokens, locality, cands, choice, reason_text(code, choice, why), policy.version,
+                     slo, free_bytes, None if chosen is None else chosen.predicted_s, explore=explore,
+                     reason_code=code, path="" if chosen is None else chosen.path,
+                     learnt=None if chosen is None or choice == RECOMPUTE else chosen.learnt)
         self.log.add(d)
         return d
 
@@ -293,10 +320,13 @@ class Planner:
             with self._lock:
                 self._budget[key] = self._budget.get(key, 0.0) + EXPLORE_SHARE * decision.predicted_s
         if option is not None and decision.explore and (error is not None or not actual_bytes):
-            self.model.abandon_burst(decision.op, option.name, decision.nbytes)
+            self.model.abandon_burst(decision.op, option.name, decision.nbytes, decision.path)
         if option is not None and error is None:
             queued = next((c.queued for c in decision.candidates if c.option == decision.choice), ())
-            decision.predicted_actual_s = self.model.predict(decision.op, option, actual_bytes, queued)
+            # What was predicted for this transfer, when it moved what was asked (a get may hit less).
+            decision.predicted_actual_s = (
+                decision.predicted_s if actual_bytes == decision.nbytes and decision.predicted_s is not None
+                else self.model.predict(decision.op, option, actual_bytes, queued, decision.path))
             # What moved shared the link with what was queued: learnt as that many bytes' time.
             wire = shared_wire(wire_bytes(option, actual_bytes), queued)
             best_s = None
@@ -306,7 +336,8 @@ class Planner:
             # A burst's tries are filed under the size asked for, as abandon_burst finds them (a
             # partial hit may move a smaller class's worth).
             self.model.observe(decision.op, option.name, wire, max(actual_s - codec_s, 1e-9), policy,
-                               raw_bytes=decision.nbytes if decision.explore else actual_bytes, burst_best_s=best_s)
+                               raw_bytes=decision.nbytes if decision.explore else actual_bytes, burst_best_s=best_s,
+                               path=decision.path)
         self.log.finished(decision)
 
     def forget_choice(self, option: str) -> None:

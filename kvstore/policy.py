@@ -7,9 +7,10 @@ optional candidate, clients fetch them (``GET /v1/policy``) and route each
 transfer by a stable hash of its namespace or request (``PolicySet.for_key``).
 
 ``CanaryJudge`` holds what the decision records say about each version (p50/p95
-transfer time, prediction error) and decides when a candidate must be rolled
-back: its p95 worse than the baseline's by ``rollback_margin_frac`` over at
-least ``min_samples`` transfers.
+transfer time) and decides when a candidate must be rolled back: its p95 worse
+than the baseline's by ``rollback_margin_frac`` over at least ``min_samples``
+transfers. (Each version's prediction error is ``kvstore.decisions.prediction_error``
+of its records: the server computes it there, one definition for every view.)
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def bucket(routing_key: str) -> float:
 
 
 class CanaryJudge:
-    """Per-version transfer times and prediction errors, and the rollback rule.
+    """Per-version transfer times, and the rollback rule.
 
     Args:
         min_samples: transfers each version needs before the candidate can be judged.
@@ -177,7 +178,6 @@ class CanaryJudge:
         self.rollback_margin_frac = 0.25
         self.configure(min_samples=min_samples, rollback_margin_frac=rollback_margin_frac)
         self._times: dict[int, deque[float]] = {}
-        self._errors: dict[int, deque[float]] = {}
         self._keep = keep
 
     @staticmethod
@@ -196,21 +196,16 @@ class CanaryJudge:
         if rollback_margin_frac is not None:
             self.rollback_margin_frac = float(rollback_margin_frac)
 
-    def observe(self, version: int, actual_s: float, error: float | None) -> None:
-        """One measured transfer of ``version``; ``error`` is |actual/predicted - 1| when known."""
+    def observe(self, version: int, actual_s: float) -> None:
+        """One measured transfer of ``version``."""
         self._times.setdefault(version, deque(maxlen=self._keep)).append(actual_s)
-        if error is not None:
-            self._errors.setdefault(version, deque(maxlen=self._keep)).append(error)
 
     def forget(self, version: int) -> None:
         self._times.pop(version, None)
-        self._errors.pop(version, None)
 
     def summary(self, version: int) -> dict[str, Any]:
         times = sorted(self._times.get(version, ()))
-        errors = sorted(self._errors.get(version, ()))
-        return {"samples": len(times), "p50_s": _quantile(times, 0.5), "p95_s": _quantile(times, 0.95),
-                "median_abs_error": _quantile(errors, 0.5)}
+        return {"samples": len(times), "p50_s": _quantile(times, 0.5), "p95_s": _quantile(times, 0.95)}
 
     def verdict(self, baseline: int, candidate: int) -> str | None:
         """Why the candidate must be rolled back, or None while it holds (or has too few samples)."""

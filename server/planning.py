@@ -6,10 +6,13 @@ their decisions meet:
 - ``GET /v1/probe?bytes=N``: N bytes of filler, so a client can time this link (at most 16 MiB).
 - ``GET /v1/policy``: the baseline policy and the canary candidate with its traffic share.
 - ``POST /v1/decisions``: finished decision records, in batches; they feed the
-  ring ``GET /admin/decisions`` serves, the prediction-error histogram and the
+  ring ``GET /admin/decisions`` serves, the actual/predicted histogram and the
   decision counters in ``/metrics``, and the canary judge.
+- ``GET /admin/decisions``: the newest records, with the prediction error of those that
+  match (``kvstore.decisions.prediction_error``: its ``definition`` comes with it).
 - ``GET /admin/policy``: both policies with each version's p50/p95 transfer time,
-  prediction error and sample count, and the rollbacks so far.
+  prediction error (the same definition, over the version's records) and sample count,
+  and the rollbacks so far.
 - ``POST /admin/policy``: ``{"action": "candidate", "policy": {...}, "fraction": 0.1}``
   starts a canary; ``"promote"`` makes the candidate the baseline; ``"rollback"``
   drops it; ``"baseline"`` replaces the baseline outright; ``"fraction"`` moves the share.
@@ -30,6 +33,7 @@ from typing import Any, Callable
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
+from kvstore.decisions import REASONS, prediction_error
 from kvstore.errors import InvalidInput, MalformedRequest
 from kvstore.planner import RECOMPUTE
 from kvstore.policy import CODECS, MEDIA, CanaryJudge, Policy, PolicySet
@@ -95,7 +99,7 @@ class PlanState:
             if ratio is not None:
                 svc.metrics.prediction.labels(choice.partition("+")[0]).observe(ratio)
             if d["policy_version"] == routed:
-                self.judge.observe(routed, d["actual_s"], None if ratio is None else abs(ratio - 1.0))
+                self.judge.observe(routed, d["actual_s"])
         cand = self.policies.candidate
         if cand is None:
             return None
@@ -118,7 +122,14 @@ class PlanState:
         versions = {self.policies.baseline.version}
         if self.policies.candidate is not None:
             versions.add(self.policies.candidate.version)
-        return {**self.policies.to_dict(), "versions": {str(v): self.judge.summary(v) for v in sorted(versions)},
+        records = self.decisions()
+        summaries = {}
+        for v in sorted(versions):
+            error = prediction_error(d for d in records if d["policy_version"] == v)
+            # median_abs_error: the same figure, under the name dashboards and scripts read before.
+            summaries[str(v)] = {**self.judge.summary(v), "prediction_error": error,
+                                 "median_abs_error": error["median"]}
+        return {**self.policies.to_dict(), "versions": summaries,
                 "canary": {"min_samples": self.judge.min_samples,
                            "rollback_margin_frac": self.judge.rollback_margin_frac},
                 "rollbacks": list(self.rollbacks), "decisions_received": self.received}
@@ -188,8 +199,11 @@ def _check_record(i: int, d: Any) -> dict[str, Any]:
         out[name] = _number(d, name, where, optional=True)
     out["id"] = _number(d, "id", where, optional=True, integer=True)
     out["explore"] = d.get("explore") is True
-    for name, limit in (("reason", 2000), ("locality", 32), ("error", 2000)):
+    out["learnt"] = _number(d, "learnt", where, optional=True, integer=True)
+    for name, limit in (("reason", 2000), ("locality", 32), ("error", 2000), ("path", 32)):
         out[name] = _text(d, name, where, limit)
+    code = d.get("reason_code")
+    out["reason_code"] = code if isinstance(code, str) and code in REASONS else None  # none: an older client
     cands = d.get("candidates", [])
     if not isinstance(cands, list) or len(cands) > 32:
         raise MalformedRequest(f"{where}.candidates must be a list of at most 32", field=f"{where}.candidates")
@@ -201,7 +215,9 @@ def _check_record(i: int, d: Any) -> dict[str, Any]:
         out["candidates"].append({"option": c["option"], "predicted_s": _number(c, "predicted_s", cw, optional=True),
                                   "feasible": bool(c.get("feasible", True)), "why": _text(c, "why", cw, 500),
                                   "queued_bytes": _number(c, "queued_bytes", cw, optional=True, integer=True),
-                                  "wait_s": _number(c, "wait_s", cw, optional=True)})
+                                  "wait_s": _number(c, "wait_s", cw, optional=True),
+                                  "path": _text(c, "path", cw, 32),
+                                  "learnt": _number(c, "learnt", cw, optional=True, integer=True)})
     # The server works the ratio out itself rather than trusting the client's.
     actual, predicted = out["actual_s"], out["predicted_actual_s"]
     out["ratio"] = actual / predicted if actual and predicted else None
@@ -243,7 +259,8 @@ async def admin_decisions(request: Request, limit: int = Query(100, ge=1, le=409
         found = state.decisions()
     rows = [d for d in found if (op is None or d["op"] == op) and (choice is None or d["choice"] == choice)
             and (namespace is None or d.get("namespace") == namespace)]
-    return {"decisions": rows[-limit:], "total": len(rows), "received": state.received}
+    return {"decisions": rows[-limit:], "total": len(rows), "received": state.received,
+            "prediction_error": prediction_error(rows)}
 
 
 @admin_router.get("/policy")

@@ -332,6 +332,14 @@ function renderDecisions(data) {
     .map((d) => ({ x: d.predicted_s, y: d.actual_s, color: color(d.choice), title: d.op + " " + d.choice }));
   scatterChart($("decision-chart"), points);
   legend($("decision-legend"), [...choices.map((c) => [c, color(c)]), ["actual = predicted", "#a0a8b5"]]);
+  // The figure and its definition, both as the server computes them (kvstore.decisions.prediction_error).
+  const pe = data.prediction_error;
+  $("prediction-error").textContent = pe ? "prediction error " + fmtError(pe.median) + " over " + pe.samples +
+    " transfers: the " + pe.definition + "." : "";
+}
+
+function fmtError(e) {
+  return e === null || e === undefined ? "–" : (100 * e).toFixed(0) + "%";
 }
 
 function renderPrefetches(data) {
@@ -369,13 +377,17 @@ function renderPolicy(p) {
       String(base.version) === v ? " (baseline)" : "") }),
     el("td", { text: String(s.samples) }), el("td", { text: fmtSeconds(s.p50_s) }),
     el("td", { text: fmtSeconds(s.p95_s) }),
-    el("td", { text: s.median_abs_error === null || s.median_abs_error === undefined ? "–" :
-      (100 * s.median_abs_error).toFixed(0) + "%" })));
+    el("td", { text: fmtError(s.prediction_error ? s.prediction_error.median : s.median_abs_error),
+      title: s.prediction_error ? s.prediction_error.samples + " transfers counted" : undefined })));
+  const definition = Object.values(p.versions).map((s) => s.prediction_error && s.prediction_error.definition)
+    .find((d) => d) || "";
   const rollbacks = (p.rollbacks || []).slice(-5).map((r) => el("li", { text: JSON.stringify(r) }));
   $("canary").replaceChildren(el("div", { class: "canary" },
     el("dl", {}, ...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])),
     el("table", {}, el("thead", {}, el("tr", {}, ...["version", "samples", "p50", "p95", "prediction error"]
-      .map((h) => el("th", { text: h })))), el("tbody", {}, ...rows)),
+      .map((h) => el("th", { text: h, title: h === "prediction error" && definition ? definition : undefined })))),
+      el("tbody", {}, ...rows)),
+    el("p", { class: "muted small", text: definition ? "prediction error: the " + definition + "." : "" }),
     el("h3", { text: "rollbacks" }),
     rollbacks.length ? el("ul", {}, ...rollbacks) : el("p", { class: "muted", text: "none" })));
 }

@@ -246,7 +246,7 @@ def test_reports_keep_known_fields_and_labels_stay_few(server):
     row = httpx.get(server.url + "/admin/decisions").json()["decisions"][-1]
     assert "blob" not in row and row["choice"] == "made-up-medium" and row["explore"] is True
     assert row["candidates"] == [{"option": "http", "predicted_s": 0.002, "feasible": True, "why": None,
-                                  "queued_bytes": 4096, "wait_s": 0.001}]
+                                  "queued_bytes": 4096, "wait_s": 0.001, "path": None, "learnt": None}]
     bad = {**junk, "candidates": [{"option": "http", "wait_s": -1}]}
     refused = httpx.post(server.url + "/v1/decisions", json={"decisions": [bad]})
     assert refused.status_code == 400 and "wait_s" in refused.text
