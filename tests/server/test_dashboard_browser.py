@@ -136,6 +136,11 @@ def test_dashboard_in_headless_chromium(seeded):
             assert page.locator("#heat-chart rect").count() > 0
             expect(page.locator("#hit-chart circle").first).to_be_attached()  # the seeding's gets, per interval
             expect(page.locator("#canary")).to_contain_text("baseline")
+            # The planner's prediction error: the server's figure, with the definition it is of.
+            error = _admin(proc, "/admin/decisions?limit=4096")["prediction_error"]
+            expect(page.locator("#prediction-error")).to_contain_text(
+                f"over {error['samples']} transfers: the {error['definition']}")
+            expect(page.locator("#canary")).to_contain_text("prediction error: the " + error["definition"])
             row = page.locator("#connectors tbody tr").first  # an engine connector's report
             expect(row).to_contain_text("vllm")
             assert row.locator("td").nth(3).text_content() == "75.0%"
