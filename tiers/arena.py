@@ -156,6 +156,9 @@ class ArenaTier(Tier):
         """Whether another process holds the slot's range. Lock held."""
         return False
 
+    def _vouched(self, slot: Slot) -> None:
+        """The slot's frame was verified at its current stamp (announce it to other readers). Lock held."""
+
     def _details(self) -> dict[str, str]:
         return {}
 
@@ -367,6 +370,7 @@ class ArenaTier(Tier):
             slot = self._slots.get(key)
             if slot is not None and slot.stamp == stamp:
                 slot.vouched = True
+                self._vouched(slot)
 
     def head(self, key: BlockHash, nbytes: int) -> tuple[Buffer, int] | None:
         # Copy the prefix only: the default would copy the whole frame to read its header.

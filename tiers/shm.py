@@ -57,6 +57,9 @@ from kvstore.memory.shm import (
     ROW_WORDS,
     TABLE_AT,
     SHM_DIR,
+    VER,
+    VERSION,
+    key_home,
     ShmReader,
     SlotHandle,
     lock_row,
@@ -145,7 +148,10 @@ class ShmTier(ArenaTier):
         self.stale_removed = cleanup_stale(prefix, shm_dir)
         self.segment = f"{prefix}.{name}.{os.getpid()}.{secrets.token_hex(4)}"
         self.path = os.path.join(shm_dir, self.segment)
-        data_at = -(-(TABLE_AT + self.max_entries * ROW) // 4096) * 4096
+        index_at = -(-(TABLE_AT + self.max_entries * ROW) // 4096) * 4096
+        # The key index: two buckets per slot row at least, a power of two (a mask, not a modulo)
+        buckets = 1 << (2 * self.max_entries - 1).bit_length()
+        data_at = -(-(index_at + 4 * buckets) // 4096) * 4096
         self._map, self._fd = self._create(data_at + self.arena_bytes)
         self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
         self._rows = np.frombuffer(self._map, np.uint64, self.max_entries * ROW_WORDS, TABLE_AT)
@@ -154,10 +160,12 @@ class ShmTier(ArenaTier):
         # Scalar access through a memoryview: a numpy element read or write costs ~1 us, this ~0.1.
         self._words = memoryview(self._map)[TABLE_AT:TABLE_AT + self.max_entries * ROW].cast("Q")
         self._table = memoryview(self._map)[TABLE_AT:TABLE_AT + self.max_entries * ROW]
+        self._buckets = memoryview(self._map)[index_at:index_at + 4 * buckets].cast("I")
+        self._mask = buckets - 1
         self._data = np.frombuffer(self._map, np.uint8, self.arena_bytes, data_at)
         self._view = memoryview(self._data)
-        self._map[:HEADER.size] = HEADER.pack(MAGIC, 1, os.getpid(), start_ticks(os.getpid()) or 0,
-                                                self.max_entries, data_at, self.arena_bytes)
+        self._map[:HEADER.size] = HEADER.pack(MAGIC, VERSION, os.getpid(), start_ticks(os.getpid()) or 0,
+                                                self.max_entries, data_at, self.arena_bytes, index_at, buckets)
         self.pinned = _pin_with_cuda(self._data.ctypes.data, self.arena_bytes)
 
     def _create(self, size: int) -> tuple[mmap.mmap, int]:
@@ -223,16 +231,68 @@ class ShmTier(ArenaTier):
         words[at + OFF], words[at + LEN] = slot.offset, slot.length
         self._table[slot.index * ROW + KEY * 8:slot.index * ROW + KEY * 8 + 32] = key
         words[at + GEN] += 1  # even: readers may copy
+        self._index_add(key, slot.index)
 
     def _unpublish(self, slot: Slot) -> None:
         at = slot.index * ROW_WORDS + GEN
         if self._words[at] % 2 == 0:
             self._words[at] += 1  # odd before the bytes can change
 
+    def _vouched(self, slot: Slot) -> None:
+        at = slot.index * ROW_WORDS
+        gen = self._words[at + GEN]
+        if gen % 2 == 0:
+            self._words[at + VER] = gen  # readers in other processes skip the hash at this generation
+
+    # -- the shared key index (kvstore/memory/shm.py): key -> slot row, for readers in other processes --
+
+    def _index_add(self, key: bytes, row: int) -> None:
+        """Enter ``key`` -> ``row`` (a no-op when there: compaction publishes a slot again). Lock held."""
+        buckets, mask, entry = self._buckets, self._mask, row + 1
+        pos = key_home(key, mask)
+        while True:
+            got = buckets[pos]
+            if got == entry:
+                return
+            if got == 0:
+                buckets[pos] = entry  # one aligned 4-byte store: a reader sees it whole or not at all
+                return
+            pos = (pos + 1) & mask
+
+    def _index_remove(self, row: int) -> None:
+        """Take ``row``'s entry out, shifting later entries of its probe run back so no probe
+        ends early (no tombstones). A reader probing meanwhile may miss a key that moved
+        (then it asks the server); it never sees another key's row as this one's. Lock held."""
+        buckets, mask, words, entry = self._buckets, self._mask, self._words, row + 1
+        key_at = row * ROW_WORDS + KEY
+        pos = words[key_at] & mask  # the row still holds its key: it is reused only once freed
+        while buckets[pos] != entry:
+            if buckets[pos] == 0:
+                return  # not entered (a reservation never published), or removed already
+            pos = (pos + 1) & mask
+        hole = pos
+        while True:
+            pos = (pos + 1) & mask
+            got = buckets[pos]
+            if got == 0:
+                break
+            home = words[(got - 1) * ROW_WORDS + KEY] & mask
+            # the entry at pos may fill the hole unless its home lies cyclically in (hole, pos]
+            if (hole < home <= pos) if hole < pos else (home > hole or home <= pos):
+                continue
+            buckets[hole] = got  # briefly in two buckets: harmless to a reader
+            hole = pos
+        buckets[hole] = 0
+
     def _pinned_elsewhere(self, slot: Slot) -> bool:
         if self._closed:  # the lock file is closed (its fd may be another file's now): nothing to ask
             return False
         return lock_row(self._fd, fcntl.F_WRLCK, slot.index, test=True)
+
+    def _release(self, slot: Slot) -> None:
+        if not self._closed:
+            self._index_remove(slot.index)  # the key left the map: before its row can be reused
+        super()._release(slot)
 
     def _reserve(self, key: bytes, size: int) -> Slot:
         if self._retired:
@@ -252,6 +312,7 @@ class ShmTier(ArenaTier):
         self._view.release()
         self._words.release()
         self._table.release()
+        self._buckets.release()
         self._rows = self._data = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # a caller still holds a view: GC unmaps later
             self._map.close()

@@ -5,11 +5,25 @@ they share and ``ShmReader``, which attaches to an arena by name from any
 process. It lives in ``kvstore`` so that ``client_sdk`` can read frames
 straight out of a co-located server's memory without importing the tiers.
 
-File layout (all integers little-endian u64, offsets from the file start)::
+File layout (all integers little-endian, offsets from the file start)::
 
-    0        header: magic, version, owner pid and start time, table and data geometry
-    4096     slot table: rows of 64 bytes: gen, offset, length, key[32], pad
-    data_at  the data region
+    0         header (u64s): magic, version, owner pid and start time, table and data
+              geometry, the key index's place and size
+    4096      slot table: rows of 64 bytes (u64s): gen, offset, length, key[32], verified gen
+    index_at  key index: ``buckets`` u32s, each 0 (empty) or a slot row + 1
+    data_at   the data region
+
+The key index is an open-addressing hash table (linear probing) from a block key to
+its slot row: a co-located reader finds a key's frame with no request to the server
+(``ShmReader.look_up``). Only the owner writes it, under its lock; a reader trusts an
+entry only after the row it names shows the key under an even generation that is the
+same before and after it read the row, so a bucket that changes under it costs a miss
+(the reader then asks the server), never another key's frame. Removal shifts later
+entries back (no tombstones), so the table never needs a rebuild.
+
+A slot's last word holds the generation at which the owner verified its frame's body
+against its checksum: a reader may skip hashing a frame whose word equals the
+generation it reads under (``docs/design.md``, "Verification").
 
 A published slot has an even ``gen``; the owner makes it odd before the slot's
 bytes may change and publishes a new even value when a frame is in place. A
@@ -30,7 +44,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -40,16 +54,35 @@ from kvstore.tier import Buffer
 
 __all__ = [
     "ShmReader", "SlotHandle", "SHM_DIR", "lock_row", "MAGIC", "HEADER", "TABLE_AT", "ROW", "ROW_WORDS",
-    "GEN", "OFF", "LEN", "KEY", "start_ticks", "ShmSlotWriter",
+    "GEN", "OFF", "LEN", "KEY", "VER", "start_ticks", "ShmSlotWriter", "key_home", "IndexHit", "MAX_PROBES",
 ]
 
 SHM_DIR = "/dev/shm"
 MAGIC = b"KVSHMv01"
-HEADER = struct.Struct("<8sQQQQQQ")  # magic, version, pid, start ticks, rows, data_at, data_bytes
+HEADER = struct.Struct("<8sQQQQQQQQ")  # magic, version, pid, start ticks, rows, data_at, data_bytes,
+#                                        index_at, buckets (0, 0 in a version-1 arena: no key index)
+VERSION = 2
 TABLE_AT = 4096
 ROW = 64
 ROW_WORDS = ROW // 8
-GEN, OFF, LEN, KEY = 0, 1, 2, 3  # word indexes in a row; the key fills words 3..6
+GEN, OFF, LEN, KEY, VER = 0, 1, 2, 3, 7  # word indexes in a row; the key fills words 3..6
+MAX_PROBES = 64
+"""Buckets a reader probes for one key before it gives up and asks the server. At a load factor
+of at most one half (two buckets per slot row), a probe run this long is vanishingly rare."""
+
+
+def key_home(key: bytes, mask: int) -> int:
+    """The bucket a key's probe starts at: its first 8 bytes (a cryptographic hash: uniform)."""
+    return int.from_bytes(key[:8], "little") & mask
+
+
+@dataclass(frozen=True, slots=True)
+class IndexHit:
+    """A key's frame as the shared key index shows it: where it is and whether it is verified."""
+
+    handle: "SlotHandle"
+    verified: bool
+    """The owner hashed this publication's body and it matched (the reader need not)."""
 FLOCK = struct.Struct("hhxxxxqqi4x")  # struct flock on x86-64 Linux: type, whence, start, len, pid
 
 
@@ -67,8 +100,9 @@ def start_ticks(pid: int) -> int | None:
 
 
 
-def _open_arena(segment: str, shm_dir: str, *, writable: bool) -> tuple[int, mmap.mmap, int, int, int]:
-    """Open and map a ``ShmTier``'s segment by name: (fd, mapping, rows, data_at, data_bytes).
+def _open_arena(segment: str, shm_dir: str, *, writable: bool) -> tuple[int, mmap.mmap, int, int, int, int, int]:
+    """Open and map a ``ShmTier``'s segment by name: (fd, mapping, rows, data_at, data_bytes,
+    index_at, buckets); the last two are 0 in an arena with no key index.
 
     Raises:
         InvalidInput: not a plain name. TierUnavailable: no such segment, or not a kvstore arena.
@@ -84,13 +118,15 @@ def _open_arena(segment: str, shm_dir: str, *, writable: bool) -> tuple[int, mma
             mapping = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
         else:
             mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-        magic, _, _, _, rows, data_at, data_bytes = HEADER.unpack(mapping[:HEADER.size])
+        magic, version, _, _, rows, data_at, data_bytes, index_at, buckets = HEADER.unpack(mapping[:HEADER.size])
         if magic != MAGIC or data_at + data_bytes > len(mapping):
             raise TierUnavailable(f"{segment!r} is not a kvstore arena", tier="shm")
+        if version < 2 or buckets & (buckets - 1) or index_at + 4 * buckets > data_at:
+            index_at = buckets = 0  # an older arena, or an index that does not fit: look keys up by request
     except (OSError, ValueError, struct.error) as exc:
         os.close(fd)
         raise TierUnavailable(f"shm segment {segment!r} cannot be mapped: {exc}", tier="shm") from exc
-    return fd, mapping, rows, data_at, data_bytes
+    return fd, mapping, rows, data_at, data_bytes, index_at, buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +185,12 @@ class ShmReader:
 
     def __init__(self, segment: str, shm_dir: str = SHM_DIR) -> None:
         self.segment = segment
-        self._fd, self._map, rows, data_at, data_bytes = _open_arena(segment, shm_dir, writable=False)
+        self._fd, self._map, rows, data_at, data_bytes, index_at, buckets = _open_arena(segment, shm_dir,
+                                                                                       writable=False)
         self._rows = np.frombuffer(self._map, np.uint64, rows * ROW_WORDS, TABLE_AT).reshape(rows, ROW_WORDS)
+        self._buckets = np.frombuffer(self._map, np.uint32, buckets, index_at) if buckets else None
+        self.indexed = buckets > 0
+        """The arena publishes a key index (``look_up`` answers); else every key is asked of the server."""
         self._words = memoryview(self._map)[TABLE_AT:TABLE_AT + rows * ROW].cast("Q")
         self._view = memoryview(self._map)[data_at:data_at + data_bytes]
         self._leases: dict[int, int] = {}  # row -> leases held by this reader
@@ -165,6 +205,58 @@ class ShmReader:
             if gen % 2 == 0 and np.array_equal(self._rows[index, KEY:KEY + 4], want):
                 return SlotHandle(self.segment, int(index), off, length, gen)
         return None
+
+    def look_up(self, keys: Sequence[bytes]) -> list[IndexHit | None]:
+        """Each key's frame as the shared key index shows it now, or None: not in this arena (or
+        its entry changed while it was read, or the arena has no index; ask the server).
+
+        All keys probe together, a numpy gather per probe step. A hit is a row that showed the
+        key under one even generation before and after the read of its fields (the seqlock):
+        the handle is that publication's; a later copy still checks the generation.
+        """
+        buckets = self._buckets
+        n = len(keys)
+        if buckets is None or not n:
+            return [None] * n
+        want = np.frombuffer(b"".join(keys), np.uint64).reshape(n, 4)
+        mask = len(buckets) - 1
+        pos = want[:, 0] & np.uint64(mask)
+        todo = np.arange(n)
+        rows_of = np.full(n, -1, np.int64)
+        for _ in range(MAX_PROBES):
+            entry = buckets[pos[todo]].astype(np.int64)
+            filled = entry != 0
+            row = entry - 1
+            cand = todo[filled]
+            crow = row[filled]
+            match = (self._rows[crow, KEY:KEY + 4] == want[cand]).all(axis=1)
+            rows_of[cand[match]] = crow[match]
+            # an empty bucket ends a key's probe (absent); a filled one that is another key's: next bucket
+            todo = cand[~match]
+            if not len(todo):
+                break
+            pos[todo] = (pos[todo] + np.uint64(1)) & np.uint64(mask)
+        found = np.flatnonzero(rows_of >= 0)
+        out: list[IndexHit | None] = [None] * n
+        if not len(found):
+            return out
+        rows = rows_of[found]
+        gen0 = self._rows[rows, GEN].copy()
+        fields = self._rows[rows, :].copy()  # offset, length, key and verified gen as they stand
+        gen1 = self._rows[rows, GEN]
+        ok = (gen0 == gen1) & (gen0 % 2 == 0) & (fields[:, GEN] == gen0)
+        ok &= (fields[:, KEY:KEY + 4] == want[found]).all(axis=1)
+        limit = len(self._view)
+        for i, row, f, good in zip(found.tolist(), rows.tolist(), fields.tolist(), ok.tolist()):
+            if good and f[OFF] + f[LEN] <= limit:
+                out[i] = IndexHit(SlotHandle(self.segment, row, f[OFF], f[LEN], f[GEN]), f[VER] == f[GEN])
+        return out
+
+    def verified(self, handle: SlotHandle) -> bool:
+        """Whether the owner verified the handle's publication (its generation stands, and is the
+        one the owner verified at)."""
+        at = handle.index * ROW_WORDS
+        return self._words[at + VER] == handle.gen and self._words[at + GEN] == handle.gen
 
     def read(self, handle: SlotHandle, out: Buffer | None = None) -> bytes | int | None:
         """Copy the frame out: bytes, or its length when copied into ``out``; None if stale."""
@@ -264,7 +356,7 @@ class ShmReader:
         with contextlib.suppress(BufferError):  # a payload view still alive: GC unmaps later
             self._view.release()
         self._words.release()
-        self._rows = None  # type: ignore[assignment]
+        self._rows = self._buckets = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):
             self._map.close()
         os.close(self._fd)
@@ -291,7 +383,7 @@ class ShmSlotWriter:
 
     def __init__(self, segment: str, shm_dir: str = SHM_DIR) -> None:
         self.segment = segment
-        fd, self._map, _, data_at, data_bytes = _open_arena(segment, shm_dir, writable=True)
+        fd, self._map, _, data_at, data_bytes, _, _ = _open_arena(segment, shm_dir, writable=True)
         os.close(fd)  # the mapping stays; no locks are taken through it
         self._view = memoryview(self._map)[data_at:data_at + data_bytes]
 

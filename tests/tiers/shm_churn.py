@@ -18,7 +18,7 @@ def check(frame) -> bool:
     return len(frame) >= 8 and xxhash.xxh3_64_digest(frame[8:]) == frame[:8]
 
 
-def main(segment: str, seconds: float, keys_hex: str) -> None:
+def main(segment: str, seconds: float, keys_hex: str, how: str = "find") -> None:
     keys = [bytes.fromhex(k) for k in keys_hex.split(",")]
     counts = {"ok": 0, "stale": 0, "torn": 0, "leased": 0, "torn_leased": 0}
     out = bytearray(4 << 20)
@@ -26,7 +26,11 @@ def main(segment: str, seconds: float, keys_hex: str) -> None:
         deadline = time.monotonic() + seconds
         i = 0
         while time.monotonic() < deadline:
-            handle = reader.find(keys[i % len(keys)])
+            if how == "index":  # the shared key index, as a co-located client finds a frame
+                hit = reader.look_up([keys[i % len(keys)]])[0]
+                handle = None if hit is None else hit.handle
+            else:
+                handle = reader.find(keys[i % len(keys)])
             i += 1
             if handle is None:
                 counts["stale"] += 1
@@ -49,4 +53,4 @@ def main(segment: str, seconds: float, keys_hex: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3])
+    main(*sys.argv[1:2], float(sys.argv[2]), *sys.argv[3:])

@@ -100,14 +100,15 @@ def test_handles_from_outside_are_checked(make_tier):
         ShmReader("../etc/passwd")
 
 
-def churn_against_reader(tier, seconds: float, max_frame: int = 200_000) -> dict:
+def churn_against_reader(tier, seconds: float, max_frame: int = 200_000, how: str = "find") -> dict:
     """Overwrite four keys as fast as possible while another process reads them."""
     keys = [key(i) for i in range(4)]
     rng = np.random.default_rng(0)
     # Made up front so the loop is nothing but puts: ranges get reused within microseconds.
     frames = [framed(i, int(rng.integers(100, max_frame))) for i in range(24)]
     reader = subprocess.Popen(
-        [sys.executable, "-m", "tests.tiers.shm_churn", tier.segment, str(seconds), ",".join(k.hex() for k in keys)],
+        [sys.executable, "-m", "tests.tiers.shm_churn", tier.segment, str(seconds), ",".join(k.hex() for k in keys),
+         how],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
     writes = 0
@@ -135,6 +136,62 @@ def test_cross_process_reader_never_sees_a_torn_frame(make_tier):
     assert counts["torn"] == 0 and counts["torn_leased"] == 0, counts
     assert int(tier.stats().details["compactions"]) > 10, "the churn must move ranges under the reader"
     assert counts["ok"] > 100 and counts["leased"] > 10 and counts["stale"] > 0, counts
+
+
+def test_reader_through_the_key_index_never_sees_a_torn_frame(make_tier):
+    # The same churn, found through the shared key index: entries move and vanish under the reader.
+    tier = make_tier(3 * MiB, max_entries=16)
+    counts = churn_against_reader(tier, seconds=3, max_frame=1 * MiB, how="index")
+    assert counts["torn"] == 0 and counts["torn_leased"] == 0, counts
+    assert counts["ok"] > 100 and counts["stale"] > 0, counts
+
+
+def test_key_index_matches_the_tier_after_random_churn(make_tier):
+    # Few rows, so probe runs collide and removals shift entries; every step is checked whole.
+    tier = make_tier(1 * MiB, max_entries=24)
+    reader = ShmReader(tier.segment)
+    try:
+        assert reader.indexed
+        rng = np.random.default_rng(7)
+        keys = [rng.bytes(32) for _ in range(40)]  # hash-like: homes collide in the 64 buckets
+        for step in range(3000):
+            k = keys[int(rng.integers(len(keys)))]
+            if rng.random() < 0.35:
+                tier.delete(k)
+            else:
+                try:
+                    tier.put(k, payload(int(rng.integers(1, 60_000)), int(step)))
+                except TierFull:
+                    tier.delete(keys[int(rng.integers(len(keys)))])
+            if step % 50 == 0 or step > 2900:
+                hits = reader.look_up(keys)
+                for k, hit in zip(keys, hits):
+                    want = tier.handle(k)
+                    assert (hit is None) == (want is None), (step, k.hex())
+                    if hit is not None:
+                        assert hit.handle == want and reader.read(hit.handle) == tier.get(k)
+        assert int(tier.stats().details["compactions"]) > 0, "compaction must publish slots again"
+    finally:
+        reader.close()
+
+
+def test_key_index_says_verified_only_for_the_vouched_publication(make_tier):
+    tier = make_tier(1 * MiB)
+    reader = ShmReader(tier.segment)
+    try:
+        tier.put(key(1), payload(1000, 1))
+        hit = reader.look_up([key(1)])[0]
+        assert hit is not None and not hit.verified
+        stamp = tier.read_vouched(key(1), lambda view, stamp, vouched: stamp)
+        tier.vouch(key(1), stamp)
+        hit = reader.look_up([key(1)])[0]
+        assert hit.verified and reader.verified(hit.handle)
+        tier.put(key(1), payload(1000, 2))  # a new publication: no longer vouched for
+        again = reader.look_up([key(1)])[0]
+        assert again is not None and not again.verified and not reader.verified(hit.handle)
+        assert reader.look_up([key(2)]) == [None]
+    finally:
+        reader.close()
 
 
 @pytest.mark.slow
