@@ -48,11 +48,13 @@ class ClientStats:
     shm_blocks_fetched_over_http: int = 0
     """Blocks of a co-located get that were not in the arena (or went stale) and came over HTTP."""
     shm_cached_gets: int = 0
-    """Co-located gets served from remembered slot handles, without asking the server."""
+    """Co-located gets served with no request: remembered slot handles, or the arena's shared key index."""
     shm_frames_verified: int = 0
     """Arena frames read with a full check (header and body checksum): a handle's first read."""
     shm_frames_copied: int = 0
     """Arena frames copied from a handle verified before, under the seqlock only."""
+    shm_frames_trusted: int = 0
+    """Arena frames the server had verified (the slot's verified word): copied with no body hash."""
     retries: int = 0
     last_medium: str | None = None
     hinted: set[tuple[str, str]] = field(default_factory=set, repr=False)
@@ -338,11 +340,13 @@ def give_frame(frame: memoryview, namespace: str, i: int, sink: BlockSink, check
     return True
 
 
-def verified_header(frame: memoryview, namespace: str, checksum: int | None) -> "codec_mod.FrameHeader | None":
+def verified_header(frame: memoryview, namespace: str, checksum: int | None, *,
+                    trusted: bool = False) -> "codec_mod.FrameHeader | None":
     """``frame``'s header once its body checksum passed (one pass) and its metadata names
-    ``namespace`` (and its checksum is ``checksum``, when given); None otherwise."""
+    ``namespace`` (and its checksum is ``checksum``, when given); None otherwise.
+    ``trusted``: the server verified this body (the slot's verified word): check the header only."""
     try:
-        header = codec_mod.verify(frame)
+        header = codec_mod.read_header(frame) if trusted else codec_mod.verify(frame)
         meta = json.loads(bytes(frame[header.meta_offset:header.meta_offset + header.meta_len]))
     except (FrameError, ValueError):
         return None

@@ -115,6 +115,13 @@ class AsyncKVClient(ClientShell):
         """As ``KVClient.get_kv_layers``: ``async for layer, kv_layer in await client.get_kv_layers(...)``."""
         return await aget_kv_layers(self.shm, c.check_spec(spec), tokens)
 
+    async def lookup(self, spec: KVSpec, tokens: Any) -> Any:
+        """As ``KVClient.lookup``."""
+        spec = c.check_spec(spec)
+        toks = c.tokens_of(tokens)
+        here = await self.shm.lookup(spec, toks)
+        return here if here is not None else await super().lookup(spec, toks)
+
     # -- blocks by key: the co-located paths ------------------------------------------------------
 
     async def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:

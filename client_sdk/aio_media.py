@@ -119,11 +119,17 @@ class AsyncShmPath:
             return await self.http.get_kv(spec, c.kv_parts(spec, toks, None), out, self.pool)
         got = await off_loop(spec.bytes_per_token * len(toks), cached_get, arena, spec, toks, out, self.pool,
                              self.out_views, self.namespace, self.stats)
-        if got is not None:  # every block's slot was remembered: no request
+        if got is not None:  # every block's slot was known here (remembered, or indexed): no request
             if arena.accesses.due():
                 self.report()
             return got
         return await self.run(get_flow(self.colocation, arena, spec, toks, out, self.pool, self.stats))
+
+    async def lookup(self, spec: KVSpec, toks: Any) -> int | None:
+        """``ShmPath.lookup``, awaited (the probe itself runs on the loop: a few numpy gathers)."""
+        arena = await self.arena()
+        blocks = None if arena is None else arena.blocks_for(spec, toks, self.namespace)
+        return None if blocks is None else len(blocks) * spec.block_tokens
 
     async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
         arena = await self.arena()

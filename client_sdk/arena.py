@@ -23,13 +23,21 @@ import torch
 from client_sdk._common import VERIFIED_VIEW, BlockSink, ClientStats, give_frame, kv_bytes, verified_header
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
-from kvstore.errors import FrameError, InvalidKV, KVStoreError, ServiceError
+from kvstore.errors import FrameError, InvalidInput, InvalidKV, KVStoreError, ServiceError
 from kvstore.keys import block_hashes
-from kvstore.memory.shm import SHM_DIR, ShmReader, ShmSlotWriter, SlotHandle
+from kvstore.memory.shm import SHM_DIR, IndexHit, ShmReader, ShmSlotWriter, SlotHandle
 from kvstore.spec import KVSpec
 from kvstore.wire.rest import MAX_TOUCH_KEYS
 
 __all__ = ["Arena", "HandleCache", "AccessLog", "VerifiedSlots"]
+
+
+def _indexed(key_hex: str, hit: IndexHit) -> dict:
+    """A block the shared key index found, in the form the server's handles answers take (no
+    checksum: the frame's own header is checked instead, under the slot's seqlock)."""
+    h = hit.handle
+    return {"key": key_hex, "checksum": None, "verified": hit.verified,
+            "handle": {"index": h.index, "offset": h.offset, "length": h.length, "gen": h.gen}}
 
 
 class VerifiedSlots:
@@ -80,17 +88,19 @@ class HandleCache:
     def __init__(self, max_entries: int = 65_536) -> None:
         self.max_entries = max_entries
         self._blocks: OrderedDict[str, dict] = OrderedDict()
-        self._keys: OrderedDict[tuple[str, str, bytes], list[str]] = OrderedDict()
+        self._keys: OrderedDict[tuple[str, str, bytes], tuple[list[str], list[bytes]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def keys_of(self, spec: KVSpec, tokens: np.ndarray, namespace: str) -> list[str]:
-        """The hex block keys of ``tokens``, memoized: an agent re-reads the same prefixes."""
+    def keys_of(self, spec: KVSpec, tokens: np.ndarray, namespace: str) -> tuple[list[str], list[bytes]]:
+        """The block keys of ``tokens``, hex and raw, memoized: an agent re-reads the same prefixes."""
         if len(tokens) > self.MEMO_MAX_TOKENS:
-            return [k.hex() for k in block_hashes(spec, tokens, namespace)]
+            raw = block_hashes(spec, tokens, namespace)
+            return [k.hex() for k in raw], raw
         memo = (namespace, spec.fingerprint(), tokens.tobytes())
         keys = self._keys.get(memo)
         if keys is None:
-            keys = [k.hex() for k in block_hashes(spec, tokens, namespace)]
+            raw = block_hashes(spec, tokens, namespace)
+            keys = ([k.hex() for k in raw], raw)
             with self._lock:
                 self._keys[memo] = keys
                 while len(self._keys) > self.MEMO_SEQUENCES:
@@ -108,7 +118,7 @@ class HandleCache:
 
     def lookup(self, spec: KVSpec, tokens: np.ndarray, namespace: str) -> list[dict] | None:
         """Every full block of ``tokens`` with a remembered handle, or None if any is missing."""
-        keys = self.keys_of(spec, tokens, namespace)
+        keys, _ = self.keys_of(spec, tokens, namespace)
         with self._lock:
             found = [self._blocks.get(k) for k in keys]
         return found if keys and None not in found else None  # type: ignore[return-value]
@@ -220,6 +230,43 @@ class Arena:
         """Every staging lease this client holds; each put uses one no other put is using."""
         self._lock = threading.Lock()
 
+    def blocks_for(self, spec: KVSpec, tokens: np.ndarray, namespace: str) -> list[dict] | None:
+        """Every full block of ``tokens`` with its slot in this arena, found with no request: a
+        remembered handle, else the arena's shared key index (``ShmReader.look_up``; what it
+        finds is remembered). None when one is in neither (another tier may hold it, or none:
+        ask the server), or ``tokens`` hold no full block."""
+        hexes, raw = self.handles.keys_of(spec, tokens, namespace)
+        if not hexes:
+            return None
+        # A remembered slot whose generation moved on (moved, replaced) is looked up again
+        found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
+        ask = [i for i, b in enumerate(found) if b is None]
+        if ask:
+            if not self.reader.indexed:
+                return None
+            new = []
+            for i, hit in zip(ask, self.reader.look_up([raw[j] for j in ask])):
+                if hit is None:
+                    return None
+                found[i] = _indexed(hexes[i], hit)
+                new.append(found[i])
+            self.handles.remember(new)
+        return found  # type: ignore[return-value]
+
+    def blocks_by_key(self, hexes: Sequence[str], keys: Sequence[bytes]) -> list[dict | None]:
+        """The slot of each key in this arena as far as this client can tell with no request (a
+        remembered handle whose generation stands, else the shared key index), or None."""
+        found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
+        ask = [i for i, b in enumerate(found) if b is None]
+        if ask and self.reader.indexed:
+            new = []
+            for i, hit in zip(ask, self.reader.look_up([keys[j] for j in ask])):
+                if hit is not None:
+                    found[i] = _indexed(hexes[i], hit)
+                    new.append(found[i])
+            self.handles.remember(new)
+        return found
+
     def served_from_cache(self, blocks: Sequence[dict], bt: int, stats: ClientStats) -> None:
         """A get served from remembered handles: queue its report, count it."""
         self.accesses.add(blocks, len(blocks) * bt, len(blocks) * bt)
@@ -286,6 +333,17 @@ class Arena:
                 continue
             handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
             part = out[:, :, :, i * bt:(i + 1) * bt]
+            src = self.trusted_payload(handle, part) if b.get("verified") else None
+            if src is not None:  # the server hashed this publication: copy, hash nothing
+                if dst is None:
+                    dst = int_view(out)
+                if self.reader.copy_current(h["index"], h["gen"], dst[:, :, :, i * bt:(i + 1) * bt], src):
+                    b[VERIFIED_VIEW] = src
+                    if stats is not None:
+                        stats.shm_frames_trusted += 1
+                else:
+                    missing.append(i)
+                continue
             try:
                 with self.reader.lease(handle) as view:
                     if view is None:  # moved or gone since the server looked: generation changed
@@ -302,6 +360,24 @@ class Arena:
             if header.codec is codec_mod.Codec.RAW and not header.lz4 and ints is not None:
                 b[VERIFIED_VIEW] = self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
         return missing
+
+    def trusted_payload(self, handle: SlotHandle, part: torch.Tensor) -> np.ndarray | None:
+        """The payload of a frame the server verified, as ``part``'s same-size ints in the arena,
+        once its header (checked by its own checksum, read under the seqlock) is a raw frame of
+        ``part``'s shape and dtype; None otherwise (the caller reads it the checked way)."""
+        ints = SAME_SIZE_INTS.get(part.element_size(), (None, None))[1]
+        if ints is None:
+            return None
+        try:
+            header = codec_mod.read_header(self.reader.frame_view(handle))
+        except (FrameError, InvalidInput):
+            return None
+        if not self.reader.current(handle):  # the header may be torn: the slot changed
+            return None
+        if (header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != tuple(part.shape)
+                or codec_mod.DTYPES.get(header.dtype) != part.dtype):
+            return None
+        return self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
 
     def write_staging(self, lease: dict, kv: torch.Tensor) -> int:
         """Copy ``kv``'s bytes into ``lease``; returns the byte count."""
@@ -338,6 +414,13 @@ class Arena:
         if done is not None:
             return done
         handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
+        if self.reader.verified(handle):  # the server hashed this publication: check the header only
+            header = verified_header(self.reader.frame_view(handle), namespace, checksum, trusted=True)
+            if (header is not None and self.reader.current(handle) and header.codec is codec_mod.Codec.RAW
+                    and not header.lz4):
+                self.verified.add(handle.index, handle.gen, header)
+                stats.shm_frames_trusted += 1
+                return bool(self.copy_verified(h, checksum, i, sink, stats))
         with self.reader.lease(handle) as view:
             if view is None:
                 return False

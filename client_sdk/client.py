@@ -182,6 +182,17 @@ class KVClient(ClientShell):
         """
         return get_kv_layers(self.shm, c.check_spec(spec), tokens)
 
+    def lookup(self, spec: KVSpec, tokens: Any) -> Any:
+        """Tokens of the longest stored prefix (index only, no KV moves). Co-located, when every
+        full block is in the server's arena the answer comes from its shared key index with no
+        request; otherwise the server answers (a lower tier may hold the rest). 0 while the
+        tokens are stored under another spec of the model warns ``KVStoreWarning`` naming how
+        they differ."""
+        spec = c.check_spec(spec)
+        toks = c.tokens_of(tokens)
+        here = self.shm.lookup(spec, toks)
+        return here if here is not None else super().lookup(spec, toks)
+
     # -- blocks by key: the co-located paths (the rest are client_sdk.surface.DataCalls) ---------
 
     def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:

@@ -196,9 +196,10 @@ class Colocation:
 
 def cached_get(arena: Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPool, out_views: c.OutViews,
                namespace: str, stats: c.ClientStats) -> tuple[torch.Tensor, int] | None:
-    """A get whose every block's slot is remembered, read with no request; None when one is
-    not remembered or went stale (then ``get_flow`` asks the server)."""
-    cached = arena.handles.lookup(spec, toks, namespace)
+    """A get whose every block's slot is known with no request (remembered, or in the arena's
+    shared key index), read with none; None when one is in neither or went stale (then
+    ``get_flow`` asks the server)."""
+    cached = arena.blocks_for(spec, toks, namespace)
     if cached is None:
         return None
     bt = spec.block_tokens
@@ -411,7 +412,7 @@ def blocks_exist_flow(colo: Colocation, arena: Arena | None, keys: Sequence[Bloc
     generation stands answer without a request, and the answer's slots are remembered."""
     hexes = calls.hexes(keys)
     if arena is not None and hexes:
-        present = [b is not None and arena.holds(b) for b in arena.handles.blocks(hexes)]
+        present = [b is not None for b in arena.blocks_by_key(hexes, [bytes.fromhex(h) for h in hexes])]
         ask = [i for i, here in enumerate(present) if not here]
         if not ask:
             return present
@@ -433,7 +434,7 @@ def get_blocks_into_flow(colo: Colocation, arena: Arena | None, keys: list[Block
     if arena is not None and keys:
         hexes = [k.hex() for k in keys]
         served, ask = [], []
-        for i, b in enumerate(arena.handles.blocks(hexes)):
+        for i, b in enumerate(arena.blocks_by_key(hexes, keys)):
             if b is not None and arena.read_block(b["handle"], b.get("checksum"), namespace, i, sink, stats):
                 done[i] = True
                 served.append(b)

@@ -369,8 +369,8 @@ def layers_flow(shm: ShmPath | AsyncShmPath, arena: Arena, spec: KVSpec, toks: A
         shm: the client's co-located path (its colocation, pool, namespace, stats, report).
     """
     bt = spec.block_tokens
-    cached = arena.handles.lookup(spec, toks, shm.namespace)
-    if cached is not None:  # every handle remembered: no request unless one went stale
+    cached = arena.blocks_for(spec, toks, shm.namespace)
+    if cached is not None:  # every slot known here (remembered, or indexed): no request unless one went stale
         kv, sources, missing = yield Copy(spec.bytes_per_token * len(cached) * bt, _prepare, arena, cached, spec,
                                           shm.pool, shm.stats)
         if not missing:
@@ -497,6 +497,13 @@ def _place_first(arena: Arena, b: dict, spec: KVSpec, part: torch.Tensor, part_i
             return src
         return False
     handle = SlotHandle(arena.segment, h["index"], h["offset"], h["length"], h["gen"])
+    src = arena.trusted_payload(handle, part) if b.get("verified") and part_ints is not None else None
+    if src is not None:  # the server hashed this publication: layer 0 under the seqlock, no hash
+        if not arena.reader.copy_current(h["index"], h["gen"], part_ints[0], src[0]):
+            return False
+        stats.shm_frames_trusted += 1
+        b[VERIFIED_VIEW] = src
+        return src
     ints = SAME_SIZE_INTS.get(part.element_size(), (None, None))[1]
     try:
         with arena.reader.lease(handle) as view:

@@ -107,11 +107,18 @@ class ShmPath:
         if arena is None:  # the server restarted without an arena this client can map: HTTP
             return self.http.get_kv(spec, c.kv_parts(spec, toks, None), out, self.pool)
         got = cached_get(arena, spec, toks, out, self.pool, self.out_views, self.namespace, self.stats)
-        if got is not None:  # every block's slot was remembered: no request
+        if got is not None:  # every block's slot was known here (remembered, or indexed): no request
             if arena.accesses.due():
                 self.report()
             return got
         return drive(get_flow(self.colocation, arena, spec, toks, out, self.pool, self.stats), self.http.run)
+
+    def lookup(self, spec: KVSpec, toks: Any) -> int | None:
+        """Tokens of the stored prefix when every full block of ``toks`` is in the arena (found
+        with no request); None when one is not (a lower tier may hold it: ask the server)."""
+        arena = self.arena()
+        blocks = None if arena is None else arena.blocks_for(spec, toks, self.namespace)
+        return None if blocks is None else len(blocks) * spec.block_tokens
 
     def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
         """A put through a staging lease; None when it must go over HTTP."""

@@ -113,8 +113,9 @@ def main(url: str, worker: int, ops: int, seed: int, lossy: bool = False) -> dic
             latencies[op].append(time.perf_counter() - t0)
             done += 1
         medium = client.stats.last_medium
+        no_request = client.stats.shm_cached_gets
     return {"worker": worker, "ops": done, "mismatches": mismatches, "examples": examples,
-            "verified_tokens": verified_tokens,
+            "verified_tokens": verified_tokens, "gets_with_no_request": no_request,
             "errors": dict(errors), "medium": medium, "latencies": {k: v for k, v in latencies.items()}}
 
 

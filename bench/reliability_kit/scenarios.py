@@ -80,6 +80,7 @@ def run_load(tmp_path, ops_per_worker: int, seed: int = 0, lossy: bool = False) 
         "errors": dict(errors), "moves": len(moves), "health": health, "swept_mismatches": swept["mismatches"],
         "examples": [e for r in results for e in r["examples"]][:10],
         "media": sorted({r["medium"] for r in results if r["medium"]}),
+        "gets_with_no_request": sum(r.get("gets_with_no_request", 0) for r in results),
         "p50_ms": {op: 1e3 * statistics.median(ts) for op, ts in latencies.items()},
         "p99_ms": {op: 1e3 * sorted(ts)[int(0.99 * (len(ts) - 1))] for op, ts in latencies.items()},
     }

@@ -1,5 +1,7 @@
 """Concurrent load: 16 client processes of mixed puts, gets, lookups, deletes and evictions against a
 real ``kvstore serve`` whose small upper tiers keep placement moving blocks; every get is checked.
+Half the clients are co-located: they find blocks through the arena's shared key index and read
+them under each slot's seqlock while the server compacts, moves and drops them.
 
 The default run does 2,400 operations; the ``slow`` one 100,000. The figures are zero
 mismatches, zero errors and zero failed workers; latencies are printed (``-s``), never asserted.
@@ -24,6 +26,9 @@ def _check(figures: dict, ops: int) -> None:
     assert figures["verified_tokens"] > 0
     assert figures["moves"] > 0, "placement moved nothing: the scenario did not exercise moves"
     assert figures["media"] == ["http", "shm"]
+    # co-located gets found their blocks through the arena's shared key index while the
+    # server moved, replaced and deleted them under it: and not one was wrong (above)
+    assert figures["gets_with_no_request"] > 0
 
 
 def test_concurrent_mixed_load_serves_no_wrong_kv(tmp_path):
