@@ -134,10 +134,12 @@ def kv_bytes(kv: torch.Tensor) -> memoryview:
     return memoryview(kv.view(-1).view(torch.uint8).numpy())
 
 
-def kv_parts(spec: KVSpec, tokens: np.ndarray, kv: torch.Tensor | None, *, with_kv: bool = True) -> list[Any]:
-    """A KV body as buffers to send one after another (``kvstore.wire.rest``)."""
+def kv_parts(spec: KVSpec, tokens: np.ndarray, kv: torch.Tensor | None, *, with_kv: bool = True,
+             extra: str = "") -> list[Any]:
+    """A KV body as buffers to send one after another (``kvstore.wire.rest``); ``extra``: more
+    members of its JSON head (``encode_kv_head_json``)."""
     kv_tokens = 0 if kv is None else int(kv.shape[3])
-    head, tok_region = encode_kv_head_json(_spec_json(spec), len(tokens), kv_tokens)
+    head, tok_region = encode_kv_head_json(_spec_json(spec), len(tokens), kv_tokens, extra)
     tok = memoryview(tokens).cast("B")
     parts: list[Any] = [head, tok]
     if tok_region > len(tok):

@@ -135,7 +135,7 @@ class AsyncShmPath:
         arena = await self.arena()
         if arena is None or not kv.shape[3]:
             return None
-        return await self.run(put_flow(self.colocation, arena, spec, toks, kv, self.stats))
+        return await self.run(put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace))
 
     async def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
         return await self.run(blocks_exist_flow(self.colocation, await self.arena(), keys))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -29,7 +30,7 @@ from kvstore.memory.shm import SHM_DIR, IndexHit, ShmReader, ShmSlotWriter, Slot
 from kvstore.spec import KVSpec
 from kvstore.wire.rest import MAX_TOUCH_KEYS
 
-__all__ = ["Arena", "HandleCache", "AccessLog", "VerifiedSlots"]
+__all__ = ["Arena", "HandleCache", "AccessLog", "VerifiedSlots", "SlotPool"]
 
 
 def _indexed(key_hex: str, hit: IndexHit) -> dict:
@@ -69,6 +70,55 @@ class VerifiedSlots:
     def clear(self) -> None:
         with self._lock:
             self._slots.clear()
+
+
+class SlotPool:
+    """Top-tier slots the server lent this process for pooled puts (``kvstore.engine.reserved``),
+    by slot size: a put takes what it writes into, the answer gives back what it did not use and
+    the server's new grant.
+
+    The server reclaims a pool that sees no put for ``ttl_s``, and may reuse its slots for other
+    blocks then: a write after that would damage them. So a pool is used only within half its
+    ``ttl_s`` of the last request that refreshed it (timed from when that request was *sent*,
+    before the server refreshed it); after that, its slots are forgotten here and new ones asked for.
+    """
+
+    def __init__(self) -> None:
+        self.name = secrets.token_hex(8)
+        """The server keys a pool by tenant, process and this: each client of a process has its own."""
+        self.used = False
+        """Whether the server was ever asked for slots (then closing gives them back)."""
+        self._free: dict[int, list[dict]] = {}
+        self._fresh_until = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, size: int, n: int) -> list[dict] | None:
+        """``n`` slots of ``size`` bytes, now this caller's alone; None when fewer are free or the
+        pool is too old to write into."""
+        with self._lock:
+            if time.monotonic() >= self._fresh_until:
+                self._free.clear()
+                return None
+            free = self._free.get(size, [])
+            if len(free) < n:
+                return None
+            got, self._free[size] = free[:n], free[n:]
+            return got
+
+    def add(self, size: int, slots: Sequence[dict], sent_s: float, ttl_s: float) -> None:
+        """Slots the server says this process holds (again), refreshed by a request sent at ``sent_s``."""
+        with self._lock:
+            self.used = True
+            self._fresh_until = sent_s + ttl_s / 2
+            self._free.setdefault(size, []).extend(s for s in slots if s["length"] == size)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._free.values())
 
 
 class HandleCache:
@@ -223,6 +273,9 @@ class Arena:
         finally:
             os.close(fd)
         self.handles = HandleCache()
+        self.pool = SlotPool()
+        self.pooled_puts = reserved_puts
+        """The server lends pool slots (one request a put); off once it answers that it does not."""
         self.verified = VerifiedSlots()
         self.accesses = AccessLog()
         self._idle: list[dict] = []
@@ -316,6 +369,8 @@ class Arena:
             Block indexes still to fetch (no handle, stale handle, or a frame that failed).
         """
         missing = []
+        block_shape = (*out.shape[:3], bt, out.shape[4])
+        ref: list = []  # the first trusted header of this get (``trusted_payload``)
         for i, b in enumerate(blocks):
             h = b.get("handle")
             if h is None:
@@ -332,8 +387,7 @@ class Arena:
                     missing.append(i)
                 continue
             handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
-            part = out[:, :, :, i * bt:(i + 1) * bt]
-            src = self.trusted_payload(handle, part) if b.get("verified") else None
+            src = self.trusted_payload(handle, block_shape, out.dtype, ref) if b.get("verified") else None
             if src is not None:  # the server hashed this publication: copy, hash nothing
                 if dst is None:
                     dst = int_view(out)
@@ -344,6 +398,7 @@ class Arena:
                 else:
                     missing.append(i)
                 continue
+            part = out[:, :, :, i * bt:(i + 1) * bt]
             try:
                 with self.reader.lease(handle) as view:
                     if view is None:  # moved or gone since the server looked: generation changed
@@ -361,21 +416,33 @@ class Arena:
                 b[VERIFIED_VIEW] = self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
         return missing
 
-    def trusted_payload(self, handle: SlotHandle, part: torch.Tensor) -> np.ndarray | None:
-        """The payload of a frame the server verified, as ``part``'s same-size ints in the arena,
-        once its header (checked by its own checksum, read under the seqlock) is a raw frame of
-        ``part``'s shape and dtype; None otherwise (the caller reads it the checked way)."""
-        ints = SAME_SIZE_INTS.get(part.element_size(), (None, None))[1]
+    def trusted_payload(self, handle: SlotHandle, shape: tuple[int, ...], dtype: torch.dtype,
+                        ref: list) -> np.ndarray | None:
+        """The payload of a frame the server verified whole (the slot's verified word), as same-size
+        ints in the arena, once it is a raw frame of ``shape`` and ``dtype``; None otherwise (the
+        caller reads it the checked way) or when the slot changed meanwhile.
+
+        ``ref`` carries, across the blocks of one get, the first such header and its layout bytes:
+        a frame whose layout bytes match has that header (same shape, lengths and offsets), so
+        only the first block of a get parses one (``codec.layout_prefix``).
+        """
+        ints = SAME_SIZE_INTS.get(dtype.itemsize, (None, None))[1]
         if ints is None:
             return None
-        try:
-            header = codec_mod.read_header(self.reader.frame_view(handle))
-        except (FrameError, InvalidInput):
-            return None
-        if not self.reader.current(handle):  # the header may be torn: the slot changed
-            return None
-        if (header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != tuple(part.shape)
-                or codec_mod.DTYPES.get(header.dtype) != part.dtype):
+        view = self.reader.frame_view(handle)
+        if ref and len(view) == ref[0].frame_len and codec_mod.layout_prefix(view, len(shape)) == ref[1]:
+            header = ref[0]
+        else:
+            try:
+                header = codec_mod.read_header(view)
+            except FrameError:
+                return None
+            if (header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
+                    or codec_mod.DTYPES.get(header.dtype) != dtype):
+                return None
+            if self.reader.current(handle):
+                ref[:] = [header, codec_mod.layout_prefix(view, len(shape))]
+        if not self.reader.current(handle):  # what was read may be torn: the slot changed
             return None
         return self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
 
@@ -391,7 +458,8 @@ class Arena:
     def write_reserved(self, blocks: Sequence[dict], spec: KVSpec, kv: torch.Tensor) -> list[int]:
         """Encode each reserved block of ``kv`` as a raw frame straight into its slot; the body
         checksums, in order, for the commit. The copy and the hash run in one pass per
-        cache-sized run (``codec.encode_into``), so the bytes are read once."""
+        cache-sized run (``codec.encode_into``), so the bytes are read once. A block's ``meta`` is
+        hex (as a reservation names it) or bytes (a pooled put's, made here)."""
         with self._lock:
             if self._writer is None:
                 self._writer = ShmSlotWriter(self.segment, self._shm_dir)
@@ -399,9 +467,10 @@ class Arena:
         bt, checksums = spec.block_tokens, []
         for b in blocks:
             depth = b["depth"]
+            meta = b["meta"]
             with writer.slot(b["offset"], b["length"]) as view:
                 n = codec_mod.encode_into(kv[:, :, :, depth * bt:(depth + 1) * bt], view, codec_mod.Codec.RAW,
-                                          meta=bytes.fromhex(b["meta"]))
+                                          meta=meta if isinstance(meta, bytes) else bytes.fromhex(meta))
                 checksums.append(codec_mod.read_header(view[:n]).body_checksum)
         return checksums
 

@@ -266,6 +266,25 @@ def commit_put(reservation: str, checksums: list[int]) -> Call[int]:
                      parse=lambda answer: int(answer["stored_tokens"]))
 
 
+def pool_slots(spec: KVSpec, pid: int, pool: str, count: int, slot_bytes: int) -> Call[dict]:
+    """Pool slots for this client's pooled puts (``/v1/kv/pool``): the KV body without tokens or KV."""
+    return Call("POST", f"/v1/kv/pool?pid={pid}&pool={pool}&count={count}&slot_bytes={slot_bytes}",
+                c.kv_parts(spec, c.tokens_of([]), None), KV_MEDIA)
+
+
+def put_pooled(spec: KVSpec, toks: Any, pid: int, pool: str, writes: Sequence[tuple[int, int, int]], count: int,
+               slot_bytes: int) -> Call[dict]:
+    """A put whose new blocks were written into pool slots (``/v1/kv/put-pooled``): one request.
+    ``writes``: (depth, slot offset, body checksum) per block written; ``count`` slots to grant back."""
+    extra = ',"writes":[' + ",".join(f"[{d},{o},{k}]" for d, o, k in writes) + "]"
+    return Call("POST", f"/v1/kv/put-pooled?pid={pid}&pool={pool}&count={count}&slot_bytes={slot_bytes}",
+                c.kv_parts(spec, toks, None, extra=extra), KV_MEDIA)
+
+
+def release_pool(pid: int, pool: str) -> Call[Any]:
+    return json_call("DELETE", f"/v1/kv/pool?pid={pid}&pool={pool}")
+
+
 def abort_put(reservation: str) -> Call[Any]:
     return json_call("DELETE", f"/v1/kv/reserve/{reservation}")
 

@@ -23,6 +23,7 @@ import contextlib
 import os
 import json
 import logging
+import time
 from typing import Any, Awaitable, Callable, Generator, Sequence, TypeVar
 
 import torch
@@ -31,10 +32,11 @@ from client_sdk import _common as c
 from client_sdk.arena import Arena
 from client_sdk import calls
 from client_sdk.calls import Call
-from kvstore.errors import Forbidden, KVStoreError, ServiceError, TierFull
-from kvstore.keys import BlockHash
+from kvstore import codec as codec_mod
+from kvstore.errors import Forbidden, InvalidInput, KVStoreError, ServiceError, TierFull
+from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.spec import KVSpec
-from kvstore.wire.rest import KV_MEDIA, host_id
+from kvstore.wire.rest import KV_MEDIA, RESERVE_NO_ROOM, RESERVE_OFF, host_id
 
 __all__ = ["Copy", "Steps", "Colocation", "drive", "adrive", "get_flow", "missing_flow", "cached_get", "put_flow",
            "staged_flow", "frames_flow", "blocks_exist_flow", "get_blocks_into_flow", "put_blocks_flow"]
@@ -179,11 +181,15 @@ class Colocation:
         return True
 
     def close_flow(self) -> Flow[None]:
-        """Hand back every staging lease (each expires on its own otherwise) and unmap."""
+        """Hand back every staging lease and the put pool (each expires on its own otherwise) and unmap."""
         if self.arena is not None:
             for lease in self.arena.leases:
                 with contextlib.suppress(KVStoreError):
                     yield calls.drop_lease(lease["lease"])
+            if self.arena.pool.used:  # else the server reclaims it once it sees no put for its ttl_s
+                with contextlib.suppress(KVStoreError):
+                    yield calls.release_pool(os.getpid(), self.arena.pool.name)
+                self.arena.pool.clear()
             self.arena.close()
             self.arena = None
         for arena in self.retired:
@@ -321,9 +327,13 @@ def _stored_tokens(body: bytes) -> int:
 
 
 def put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
-             stats: c.ClientStats) -> Flow[int | None]:
-    """A co-located put of ``kv`` (not empty): into slots the server reserved where it offers
-    them, else through a staging lease; None: go over HTTP instead."""
+             stats: c.ClientStats, namespace: str) -> Flow[int | None]:
+    """A co-located put of ``kv`` (not empty): into pool slots (one request), else slots the server
+    reserved, where it offers them; else through a staging lease; None: go over HTTP instead."""
+    if arena.pooled_puts and spec.full_blocks(len(toks)):
+        got = yield from pooled_put_flow(colo, arena, spec, toks, kv, stats, namespace)
+        if got is not None or colo.current() is not arena:
+            return got
     if arena.reserved_puts and spec.full_blocks(len(toks)):
         got = yield from reserved_put_flow(colo, arena, spec, toks, kv, stats)
         if got is not None or colo.current() is not arena:  # stored, or the server restarted: HTTP
@@ -340,6 +350,65 @@ def put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.
     return (yield from staged_flow(colo, arena, nbytes, write, commit, stats))
 
 
+def pool_slot_bytes(spec: KVSpec, namespace: str) -> int:
+    """The pool slot size this client asks for: the raw frame of a block of ``spec`` at any depth
+    (metadata grows with the depth's digits; the server shrinks each frame to its length)."""
+    meta = block_meta(namespace, spec.fingerprint(), 10**15)
+    return codec_mod.frame_size(spec.kv_shape(spec.block_tokens), spec.dtype, codec_mod.Codec.RAW, meta_len=len(meta))
+
+
+def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
+                    stats: c.ClientStats, namespace: str) -> Flow[int | None]:
+    """A put in one request: the blocks the arena's key index does not show stored are written
+    into pool slots this process holds, then ``/v1/kv/put-pooled`` publishes them and lends back
+    as many slots (``kvstore.engine.reserved``, "Pooled puts"). A pool too small (the first put,
+    a larger one) is topped up first: one request more. None when the server lends none (no
+    room, or it takes no reserved puts): the caller puts another way.
+    """
+    keys = block_hashes(spec, toks, namespace)
+    hits = arena.reader.look_up(keys) if arena.reader.indexed else [None] * len(keys)
+    new = [d for d, hit in enumerate(hits) if hit is None]
+    size = pool_slot_bytes(spec, namespace)
+    pid = os.getpid()
+    slots = arena.pool.take(size, len(new))
+    if slots is None:
+        sent = time.monotonic()
+        try:
+            got = yield calls.pool_slots(spec, pid, arena.pool.name, max(len(new), 1), size)
+        except InvalidInput:  # this server sizes slots otherwise (an older one): reservations only
+            arena.pooled_puts = False
+            return None
+        if got.get("reason") == RESERVE_OFF:
+            arena.pooled_puts = False
+            return None
+        if colo.changed(arena, got.get("segment"), "segment"):
+            return None  # the slots are another arena's: the server reclaims them (this put: HTTP)
+        arena.pool.add(size, got["slots"], sent, float(got["ttl_s"]))
+        slots = arena.pool.take(size, len(new))
+        if slots is None:  # no room for them all now
+            return None
+    fp = spec.fingerprint()
+    blocks = [{"depth": d, "offset": slot["offset"], "length": slot["length"], "meta": block_meta(namespace, fp, d)}
+              for d, slot in zip(new, slots)]
+    checksums = (yield Copy(sum(b["length"] for b in blocks), arena.write_reserved, blocks, spec, kv)) if blocks else []
+    sent = time.monotonic()
+    try:
+        answer = yield calls.put_pooled(spec, toks, pid, arena.pool.name,
+                                        [(b["depth"], b["offset"], k) for b, k in zip(blocks, checksums)],
+                                        len(blocks), size)
+    except Forbidden:  # the pool was reclaimed (idle, or a server restart): its slots are not ours
+        arena.pool.clear()
+        return None
+    if colo.changed(arena, answer.get("segment"), "segment"):
+        return None
+    arena.pool.add(size, answer["slots"], sent, float(answer["ttl_s"]))
+    if answer["missing"]:  # evicted between the index read and the put: the whole put the checked way
+        return (yield from reserved_put_flow(colo, arena, spec, toks, kv, stats))
+    stats.shm_puts += 1
+    stats.last_medium = "shm"
+    return int(answer["stored_tokens"])
+
+
 def reserved_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
                       stats: c.ClientStats) -> Flow[int | None]:
     """A put whose frames this client writes straight into top-tier slots the server reserved
@@ -352,7 +421,7 @@ def reserved_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, k
     """
     res = yield calls.reserve_put(spec, toks, os.getpid())
     if res.get("reservation") is None:
-        if "no room" not in str(res.get("why", "")):
+        if res.get("reason") != RESERVE_NO_ROOM:
             arena.reserved_puts = False  # the server takes none: stop asking
         return None
     if colo.changed(arena, res.get("segment"), "segment"):

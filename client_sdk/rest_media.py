@@ -125,7 +125,7 @@ class ShmPath:
         arena = self.arena()
         if arena is None or not kv.shape[3]:
             return None
-        return drive(put_flow(self.colocation, arena, spec, toks, kv, self.stats), self.http.run)
+        return drive(put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace), self.http.run)
 
     def frames(self, keys: Sequence[BlockHash]) -> list[Any]:
         arena = self.arena()

@@ -590,6 +590,15 @@ def read_header(frame: Any, *, prefix: bool = False) -> FrameHeader:
     return header
 
 
+def layout_prefix(frame: Any, ndim: int) -> bytes:
+    """The header bytes that fix a frame's layout: every field but the body checksum, and the
+    dims; not the header's own checksum. Two frames whose prefixes are equal have the same
+    codec, dtype, shape and lengths, so a reader of many frames of one spec, each verified whole
+    by someone it trusts, parses the first header and compares the rest (no parse, no hash)."""
+    mv = _bytes_view(frame)
+    return bytes(mv[:_FIXED.size - 8]) + bytes(mv[_FIXED.size:_FIXED.size + 8 * ndim])
+
+
 def verify(frame: Any) -> FrameHeader:
     """``read_header`` plus the body checksum.
 

@@ -174,7 +174,7 @@ class _BodyTimeout:
 
 
 HOT_ROUTES = (("POST", "/v1/lookup"), ("POST", "/v1/kv/get"), ("POST", "/v1/kv/put"), ("POST", "/v1/kv/handles"),
-              ("POST", "/v1/kv/reserve"), ("POST", "/v1/kv/commit"))
+              ("POST", "/v1/kv/reserve"), ("POST", "/v1/kv/commit"), ("POST", "/v1/kv/put-pooled"))
 """Routes ``_Direct`` dispatches itself: exact paths, handlers that take only the request."""
 
 

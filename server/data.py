@@ -16,8 +16,10 @@ from starlette.background import BackgroundTask
 
 from kvstore._version import __version__
 from kvstore.engine.evict import EvictionQuery, evict
+from kvstore.engine.pools import SLOT_SLACK
 from kvstore.errors import InvalidInput, InvalidKV, MalformedRequest, PayloadTooLarge
-from kvstore.wire.rest import H_DTYPE, H_HINT, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, parse_kv_head
+from kvstore.wire.rest import (H_DTYPE, H_HINT, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, RESERVE_NO_ROOM,
+                               RESERVE_OFF, parse_kv_head)
 from server.auth import Principal
 from server.colocated import handle_json
 from server.errors import field_error
@@ -316,8 +318,9 @@ async def kv_reserve(request: Request) -> JSONResponse:
     Body: a KV body without the KV bytes (it ends at the KV offset). Query: ``pid``, the
     writing process (a reservation whose process exits is reclaimed at once). Answer:
     ``{"reservation", "segment", "n_tokens", "blocks": [{"depth", "offset", "length", "meta"}]}``,
-    offsets into the shm tier's data region; ``reservation`` null (with ``why``) when the top
-    tier has no room for them all or this store takes no reserved puts: put another way.
+    offsets into the shm tier's data region; ``reservation`` null when the top tier has no room
+    for them all (``reason`` ``no_room``) or this store takes no reserved puts
+    (``reserved_puts_off``), with ``why`` in words: put another way.
     """
     svc, p, ns = caller(request, colocated=True)
     raw = await request.body()
@@ -332,10 +335,11 @@ async def kv_reserve(request: Request) -> JSONResponse:
     spec = parse_spec(head.spec)
     why = _reservations_off(svc)
     if why is not None:
-        return JSONResponse({"reservation": None, "why": why})
+        return JSONResponse({"reservation": None, "reason": RESERVE_OFF, "why": why})
     res = await svc.run(_reserve, svc, p, ns, spec, tokens, None if pid is None else int(pid))
     if res is None:
-        return JSONResponse({"reservation": None, "why": f"tier {svc.shm.name!r} has no room for them all"})
+        return JSONResponse({"reservation": None, "reason": RESERVE_NO_ROOM,
+                             "why": f"tier {svc.shm.name!r} has no room for them all"})
     return JSONResponse({**res.to_dict(), "segment": svc.shm.segment})
 
 
@@ -380,6 +384,131 @@ async def kv_commit(request: Request) -> JSONResponse:
     svc.metrics.colocated.labels("put").inc()
     svc.metrics.transfer.labels("in", "shm").inc(nbytes)
     return JSONResponse({"stored_tokens": stored, "medium": "shm"})
+
+
+# -- co-located: pooled puts, one request a put (``kvstore.engine.reserved``, "Pooled puts") ------------
+
+MAX_POOL_SLOTS = 4096
+"""The most pool slots one request may ask for (a 64 MiB pool of 16 KiB blocks)."""
+
+
+def _pool_name(request: Request) -> str:
+    """The ``pool`` query parameter: the client's name for its pool (one per client in a process)."""
+    name = request.query_params.get("pool", "")
+    if not 0 < len(name) <= 64 or not all(ch.isalnum() or ch in "-_" for ch in name):
+        raise field_error(InvalidInput(f"must be 1-64 letters, digits, '-' or '_', got {name!r}"), "pool")
+    return name
+
+
+def _pool_query(request: Request, svc: Service, spec) -> tuple[int, int, int]:
+    """``pid``, ``count`` (slots wanted) and ``slot_bytes`` from the query, checked.
+
+    Raises:
+        InvalidInput: (422, naming the field) a missing or bad value; a slot size that is not
+            between the spec's raw frame and that plus ``SLOT_SLACK``.
+    """
+    got = {}
+    for name, default in (("pid", None), ("count", "0"), ("slot_bytes", None)):
+        raw = request.query_params.get(name, default)
+        if raw is None or not raw.isdigit() or len(raw) > 12:
+            raise field_error(InvalidInput(f"must be a non-negative integer, got {raw!r}"), name)
+        got[name] = int(raw)
+    if got["count"] > MAX_POOL_SLOTS:
+        raise field_error(InvalidInput(f"at most {MAX_POOL_SLOTS} slots a request, got {got['count']}"), "count")
+    least = svc.store.reservations.pools.slot_bytes(spec)
+    if not least <= got["slot_bytes"] <= least + SLOT_SLACK:
+        raise field_error(InvalidInput(f"a {spec.dtype} block of this spec needs a slot of {least} to "
+                                       f"{least + SLOT_SLACK} bytes, got {got['slot_bytes']}"), "slot_bytes")
+    return got["pid"], got["count"], got["slot_bytes"]
+
+
+@router.post("/v1/kv/pool")
+async def kv_pool(request: Request) -> JSONResponse:
+    """Pool slots for the caller's process, which its pooled puts write into (``/v1/kv/put-pooled``).
+
+    Body: a KV body without its KV (it names the spec; its tokens are ignored). Query: ``pid``,
+    ``pool`` (the client's name for its pool), ``count``, ``slot_bytes``. Answer: ``{"segment", "ttl_s", "slots": [{"offset", "length"}]}``,
+    as many as the top tier had room for (none: put another way). ``reservation_off`` (with
+    ``why``) when this store takes no reserved puts.
+    """
+    svc, p, _ = caller(request, colocated=True)
+    raw = await request.body()
+    head = parse_kv_head(raw)
+    spec = parse_spec(head.spec)
+    why = _reservations_off(svc)
+    if why is not None:
+        return JSONResponse({"slots": [], "reason": RESERVE_OFF, "why": why})
+    pid, count, size = _pool_query(request, svc, spec)
+    name = _pool_name(request)
+    try:
+        slots = await svc.run(svc.store.reservations.pools.grant, p.name, pid, name, size, count)
+    except InvalidInput as exc:
+        _raise_named(exc, "pid")
+        raise
+    return JSONResponse({"slots": slots, "segment": svc.shm.segment, "ttl_s": svc.store.reservations.pools.ttl_s,
+                         **({} if slots else {"reason": RESERVE_NO_ROOM})})
+
+
+@router.post("/v1/kv/put-pooled")
+async def kv_put_pooled(request: Request) -> JSONResponse:
+    """A put whose new blocks the caller wrote into its pool slots: one request.
+
+    Body: a KV body without its KV, whose JSON head also holds ``writes``: ``[[depth, offset,
+    body checksum], ...]``, one per block written. Query: ``pid``, ``pool``, ``count`` (slots to
+    grant back), ``slot_bytes``. Answer: ``{"stored_tokens", "missing": [depths], "slots": [...],
+    "segment", "ttl_s"}``: ``missing`` names blocks neither written nor stored (send them another
+    way), ``slots`` the pool slots the caller holds again (unused) or newly.
+    """
+    svc, p, ns = caller(request, colocated=True)
+    raw = await request.body()
+    head = parse_kv_head(raw)
+    if len(raw) != head.kv_at:
+        raise MalformedRequest(f"body: {len(raw)} bytes; a pooled put's body ends at the KV offset {head.kv_at}",
+                               field="body")
+    tokens = head_tokens(svc, raw, head)
+    spec = parse_spec(head.spec)
+    why = _reservations_off(svc)
+    if why is not None:
+        raise field_error(InvalidInput(f"pooled puts are off here: {why}"), "body")
+    pid, count, _ = _pool_query(request, svc, spec)
+    name = _pool_name(request)
+    writes = head.fields.get("writes")
+    if not isinstance(writes, list) or len(writes) > len(tokens) // max(spec.block_tokens, 1) or not all(
+            isinstance(w, list) and len(w) == 3 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                       for v in w) and w[2] < 1 << 64 for w in writes):
+        raise MalformedRequest("header.writes: a list of [depth, offset, checksum] non-negative ints, "
+                               "at most one per block", field="header.writes")
+    done = await svc.run(_put_pooled, svc, p, ns, spec, tokens, pid, name, [tuple(w) for w in writes], count,
+                         agent_of(request))
+    svc.metrics.colocated.labels("put").inc()
+    svc.metrics.transfer.labels("in", "shm").inc(done.nbytes)
+    return JSONResponse({"stored_tokens": done.n_tokens, "missing": done.missing, "slots": done.slots,
+                         "segment": svc.shm.segment, "ttl_s": svc.store.reservations.pools.ttl_s, "medium": "shm"})
+
+
+def _put_pooled(svc: Service, p: Principal, ns: str, spec, tokens, pid: int, name: str, writes: list, count: int,
+                agent: str | None):
+    charge_blocks(svc, p, ns, spec, tokens)
+    svc.store.hints.saw(spec, ns)
+    try:
+        done = svc.store.reservations.pools.put_pooled(spec, tokens, ns, p.name, pid, name, writes, count)
+    except InvalidInput as exc:
+        _raise_named(exc, "writes")
+        _raise_named(exc, "pid")
+        raise
+    if agent is not None:
+        svc.store.locality.wrote(done.keys, ns, spec, agent)
+    return done
+
+
+@router.delete("/v1/kv/pool")
+async def kv_pool_release(request: Request) -> dict:
+    """Give the caller's pool back (query ``pid``, ``pool``): its client closes. ``{"released": slots}``."""
+    svc, p, _ = caller(request, colocated=True)
+    pid = request.query_params.get("pid", "")
+    if not pid.isdigit() or len(pid) > 12:
+        raise field_error(InvalidInput(f"must be a process id, got {pid!r}"), "pid")
+    return {"released": await svc.run(svc.store.reservations.pools.release, p.name, int(pid), _pool_name(request))}
 
 
 @router.delete("/v1/kv/reserve/{rid}")

@@ -22,6 +22,9 @@ refused; a late write into a reaped slot lands in memory that may already hold
 another frame, whose first read then finds it damaged (unless that frame was read
 and vouched for before; ``docs/design.md`` says what this trust gives up).
 
+Pooled puts (``kvstore.engine.pools``) take one request a put from slots lent ahead; their
+pools are reaped here with the reservations.
+
 Reservations are offered only where a put would write raw frames into an shm
 top tier and no tier is shared between nodes (a shared tier's write-through
 needs the bytes on this side); elsewhere ``reserve`` says why and the client
@@ -36,37 +39,21 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.engine.core import EngineCore, is_current
-from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput, TierFull
+from kvstore.errors import Forbidden, InvalidInput, TierFull
 from kvstore.engine.index import IndexEntry
 from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.memory.shm import start_ticks
 from kvstore.engine.placement import RoomHold
+from kvstore.engine.pools import PooledPuts
+from kvstore.engine.slots import ReservedBlock, block_tokens, check_written, give_back
 from kvstore.spec import KVSpec
 
 __all__ = ["ReservedPuts", "Reservation", "ReservedBlock"]
 
 log = logging.getLogger("kvstore.engine.reserved")
-
-
-@dataclass(slots=True)
-class ReservedBlock:
-    depth: int
-    key: BlockHash
-    slot: Any
-    """The tier's handle for the reserved range (``tiers.arena.Slot``)."""
-    size: int
-    meta: bytes
-    parent: BlockHash | None = None
-    """The chain's previous block (for the ``stored`` event)."""
-    tokens: bytes = b""
-    """The block's token ids, <u4 (for the ``stored`` event; empty unless the event log keeps them)."""
-    room: RoomHold | None = None
-    """Placement counts the slot's bytes as in the top tier until the reservation ends."""
 
 
 @dataclass(slots=True)
@@ -112,7 +99,9 @@ class ReservedPuts:
         self._reaper: threading.Thread | None = None
         self._closed = False
         self.reaped = 0
-        """Reservations aborted because their writer died or they expired."""
+        """Reservations aborted, and pools reclaimed, because their writer died or they expired."""
+        self.pools = PooledPuts(core, take_room, self.unavailable, self._lent, ttl_s)
+        """Slots lent ahead for one-request puts (``kvstore.engine.pools``); reaped with the reservations."""
 
     # -- why not --------------------------------------------------------------------------------
 
@@ -168,12 +157,12 @@ class ReservedPuts:
                     room.release()
                     raise
                 blocks.append(ReservedBlock(depth, key, slot, size, meta, keys[depth - 1] if depth else None,
-                                            _block_tokens(tokens, depth, bt) if keep else b"", room))
+                                            block_tokens(tokens, depth, bt) if keep else b"", room))
         except TierFull:
-            _give_back(top, blocks)
+            give_back(top, blocks)
             return None
         except BaseException:
-            _give_back(top, blocks)
+            give_back(top, blocks)
             raise
         self._core.count(put_calls=1, blocks_deduped=deduped)
         res = Reservation(secrets.token_urlsafe(12) if blocks else "", owner, namespace, spec, blocks,
@@ -214,9 +203,9 @@ class ReservedPuts:
                     isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 64 for c in checksums):
                 raise InvalidInput(f"checksums: {len(res.blocks)} unsigned 64-bit ints expected, "
                                    f"one per reserved block")
-            headers = [self._check(top, b, c, res.spec) for b, c in zip(res.blocks, checksums)]
+            headers = [check_written(top, b, c, res.spec) for b, c in zip(res.blocks, checksums)]
         except BaseException:
-            _give_back(top, res.blocks)
+            give_back(top, res.blocks)
             raise
         now, heat_now = self._core.clock(), self._core.placement.clock()
         spec_fp = res.spec.fingerprint()
@@ -224,7 +213,7 @@ class ReservedPuts:
             try:
                 with self._core.claim(b.key):
                     if is_current(self._core.entry(b.key), res.namespace, spec_fp):
-                        _give_back(top, [b])
+                        give_back(top, [b])
                         self._core.count(blocks_deduped=1)
                         continue
                     top.commit_reserved(b.key, b.slot, b.size, header.frame_len)
@@ -235,30 +224,12 @@ class ReservedPuts:
                         reason="reserved", parent=b.parent, tokens=b.tokens or None)
                     self._core.count(blocks_written=1)
             except BaseException:
-                _give_back(top, res.blocks[i + 1:])
+                give_back(top, res.blocks[i + 1:])
                 raise
             finally:
                 if b.room is not None:
                     b.room.release()  # published (placement counts it now), given back, or failed
         return res.n_tokens, sum(h.raw_nbytes for h in headers)
-
-    def _check(self, top: Any, b: ReservedBlock, checksum: int, spec: KVSpec) -> codec_mod.FrameHeader:
-        view = top.reserved_view(b.slot)
-        try:
-            header = codec_mod.read_header(view)
-        except FrameError as exc:
-            raise CorruptFrame(f"block {b.depth}: the frame written into its slot is damaged: {exc}") from None
-        want = spec.kv_shape(spec.block_tokens)
-        if header.codec is not Codec.RAW or header.dtype != spec.dtype or header.shape != tuple(want) \
-                or header.frame_len != b.size or header.meta_len != len(b.meta):
-            raise CorruptFrame(f"block {b.depth}: the frame in its slot is not the raw {spec.dtype} "
-                               f"{list(want)} frame reserved ({b.size} bytes)")
-        if bytes(view[header.meta_offset:header.meta_offset + header.meta_len]) != b.meta:
-            raise CorruptFrame(f"block {b.depth}: the frame's metadata is not the reserved block's")
-        if header.body_checksum != checksum:
-            raise CorruptFrame(f"block {b.depth}: the frame says body checksum {header.body_checksum:#x}, "
-                               f"the commit {checksum:#x}")
-        return header
 
     # -- abort, reap ------------------------------------------------------------------------------
 
@@ -269,7 +240,7 @@ class ReservedPuts:
             Forbidden: no such reservation of ``owner``.
         """
         res = self._take(rid, owner)
-        _give_back(self._core.tiers[0], res.blocks)
+        give_back(self._core.tiers[0], res.blocks)
 
     def _take(self, rid: str, owner: str) -> Reservation:
         with self._lock:
@@ -292,13 +263,21 @@ class ReservedPuts:
                     if now >= r.expires_s or (r.pid is not None and start_ticks(r.pid) != r.ticks)]
             for r in gone:
                 del self._open[r.id]
+        pools = self.pools.reap(now)
+        self.reaped += pools
         top = self._core.tiers[0]
+        reclaimed = len(gone) + pools
         for r in gone:
-            _give_back(top, r.blocks)
+            give_back(top, r.blocks)
             log.info("kvstore: reservation %s of %s reclaimed (%d slots): its writer %s", r.id, r.owner,
                      len(r.blocks), "exited" if now < r.expires_s else f"did not commit within {self.ttl_s:g} s")
         self.reaped += len(gone)
-        return len(gone)
+        return reclaimed
+
+    def _lent(self) -> None:
+        """Slots were lent to a pool: the reaper runs while any pool is held."""
+        with self._lock:
+            self._start_reaper()
 
     def _start_reaper(self) -> None:
         """Under the lock: a reaper runs while any reservation is open."""
@@ -309,7 +288,7 @@ class ReservedPuts:
     def _reap_loop(self) -> None:
         while True:
             with self._lock:
-                if self._closed or not self._open:
+                if self._closed or not (self._open or self.pools.count()):
                     self._reaper = None
                     return
                 self._wake.wait(self.reap_every_s)
@@ -329,24 +308,14 @@ class ReservedPuts:
             self._open.clear()
             self._wake.notify_all()
         top = self._core.tiers[0]
+        try:
+            self.pools.close()
+        except Exception:  # noqa: BLE001 - closing: the arena goes anyway
+            pass
         for r in gone:
             try:
-                _give_back(top, r.blocks)
+                give_back(top, r.blocks)
             except Exception:  # noqa: BLE001 - closing: the arena goes anyway
                 pass
 
 
-def _block_tokens(tokens: Any, depth: int, bt: int) -> bytes:
-    """Block ``depth``'s token ids as <u4 bytes (64 bytes for a 16-token block)."""
-    return np.asarray(tokens[depth * bt:(depth + 1) * bt], dtype="<u4").tobytes()
-
-
-def _give_back(top: Any, blocks: list[ReservedBlock]) -> None:
-    """Return reserved slots to the tier unpublished, and their room to placement."""
-    try:
-        for b in blocks:
-            top.abort_reserved(b.slot, b.size)
-    finally:
-        for b in blocks:
-            if b.room is not None:
-                b.room.release()

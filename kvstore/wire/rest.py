@@ -47,6 +47,7 @@ __all__ = [
     "H_NAMESPACE", "H_TOKENS", "H_SHAPE", "H_DTYPE", "H_MEDIUM", "H_TIER", "H_CODEC", "H_HINT",
     "KVHeader", "encode_kv_head", "encode_kv_head_json", "parse_kv_head", "kv_nbytes",
     "encode_batch_head", "parse_batch_head", "pad64", "host_id", "MAX_TOUCH_KEYS", "MAX_HEADER_BYTES",
+    "RESERVE_NO_ROOM", "RESERVE_OFF",
 ]
 
 KV_MEDIA = "application/x-kvstore-kv"
@@ -97,11 +98,14 @@ def kv_nbytes(spec: Mapping[str, Any], kv_tokens: int) -> int:
 class KVHeader:
     """A parsed KV body head: where tokens and KV start, and how long the body must be."""
 
-    __slots__ = ("spec", "n_tokens", "kv_tokens", "tokens_at", "kv_at", "total")
+    __slots__ = ("spec", "n_tokens", "kv_tokens", "tokens_at", "kv_at", "total", "fields")
 
-    def __init__(self, spec: dict, n_tokens: int, kv_tokens: int, tokens_at: int, kv_at: int, total: int) -> None:
+    def __init__(self, spec: dict, n_tokens: int, kv_tokens: int, tokens_at: int, kv_at: int, total: int,
+                 fields: dict | None = None) -> None:
         self.spec, self.n_tokens, self.kv_tokens = spec, n_tokens, kv_tokens
         self.tokens_at, self.kv_at, self.total = tokens_at, kv_at, total
+        self.fields = fields or {}
+        """The whole JSON head: a route's own fields ride beside spec and counts (a pooled put's writes)."""
 
 
 def encode_kv_head(spec: Mapping[str, Any], n_tokens: int, kv_tokens: int) -> tuple[bytes, int]:
@@ -109,10 +113,11 @@ def encode_kv_head(spec: Mapping[str, Any], n_tokens: int, kv_tokens: int) -> tu
     return encode_kv_head_json(json.dumps(dict(spec), separators=(",", ":")), n_tokens, kv_tokens)
 
 
-def encode_kv_head_json(spec_json: str, n_tokens: int, kv_tokens: int) -> tuple[bytes, int]:
+def encode_kv_head_json(spec_json: str, n_tokens: int, kv_tokens: int, extra: str = "") -> tuple[bytes, int]:
     """``encode_kv_head`` from the spec's JSON, encoded once by the caller (a client sends the
-    same spec with every call: no JSON encoder on its hot path)."""
-    head = f'{{"spec":{spec_json},"n_tokens":{int(n_tokens)},"kv_tokens":{int(kv_tokens)}}}'.encode()
+    same spec with every call: no JSON encoder on its hot path). ``extra``: more members of the
+    head object, as JSON text starting with a comma (``KVHeader.fields`` has them)."""
+    head = f'{{"spec":{spec_json},"n_tokens":{int(n_tokens)},"kv_tokens":{int(kv_tokens)}{extra}}}'.encode()
     raw = _PREFIX.pack(_KV_MAGIC, len(head)) + head
     return raw + bytes(pad64(len(raw)) - len(raw)), pad64(n_tokens * 4)
 
@@ -137,7 +142,7 @@ def parse_kv_head(data: bytes | memoryview) -> KVHeader:
         total = kv_at + (kv_nbytes(spec, kv_tokens) if kv_tokens else 0)
     except (KeyError, TypeError, ValueError) as exc:
         raise MalformedRequest(f"header.spec: cannot size the KV from it: {exc!r}", field="header.spec") from exc
-    return KVHeader(spec, n_tokens, kv_tokens, tokens_at, kv_at, total)
+    return KVHeader(spec, n_tokens, kv_tokens, tokens_at, kv_at, total, head)
 
 
 def _json_head(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict, int]:
@@ -205,3 +210,9 @@ def host_id() -> str:
         except OSError:
             parts.append(b"")
     return hashlib.sha256(b"kvstore-host\x00" + b"\x00".join(parts)).hexdigest()[:32]
+
+
+RESERVE_NO_ROOM = "no_room"
+"""``reason`` of a reservation or pool answer with no slots: the top tier has no room now (try later)."""
+RESERVE_OFF = "reserved_puts_off"
+"""``reason`` of a reservation or pool answer with no slots: this server takes no reserved puts (stop asking)."""

@@ -66,11 +66,13 @@ _DYING_WRITER = """
     from kvstore.memory.shm import ShmSlotWriter
     from tests.conftest import make_kv, make_spec
 
-    url, when = sys.argv[1], sys.argv[2]
+    url, when, path = sys.argv[1], sys.argv[2], sys.argv[3]
     real = arena.Arena.write_reserved
 
     def dying(self, blocks, spec, kv):  # the fault: this process is killed while it holds slots
         print(len(blocks), flush=True)
+        if when == "after-copy":  # every frame whole, the put's request never sent
+            real(self, blocks, spec, kv)
         if when == "mid-copy":
             real(self, blocks[:1], spec, kv)  # one frame whole,
             b = blocks[1]
@@ -82,19 +84,25 @@ _DYING_WRITER = """
     arena.Arena.write_reserved = dying
     spec = make_spec()
     with KVClient(url, plan=False) as c:
+        c.lookup(spec, [1])  # maps the arena
+        c.colocation.arena.pooled_puts = path == "pooled"  # else a reservation, then a commit
         c.put_kv(spec, list(range(9_000, 9_064)), make_kv(spec, 64))
 """
 
 
-@pytest.mark.parametrize("when", ["before-copy", "mid-copy"])
-def test_a_writer_killed_while_holding_slots_leaves_no_block_and_no_slot(server, spec, when):
+@pytest.mark.parametrize("path", ["pooled", "reserved"])
+@pytest.mark.parametrize("when", ["before-copy", "mid-copy", "after-copy"])
+def test_a_writer_killed_while_holding_slots_leaves_no_block_and_no_slot(server, spec, when, path):
+    """Killed before its copy, during it, or after it but before the request that would publish
+    it: a pooled put's slots (its pool) or a reservation's are reclaimed, nothing shows."""
     before = _details(server)["arena_free_bytes"]
-    got = _run(_DYING_WRITER, server.url, when)
+    got = _run(_DYING_WRITER, server.url, when, path)
     assert got.returncode == -signal.SIGKILL and got.stdout.split() == ["4"], got.stderr[-2000:]
+    res = server.store.reservations
     deadline = time.monotonic() + 10  # the reaper looks every 0.5 s; a dead writer's slots go at once
-    while server.store.reservations.open_count() and time.monotonic() < deadline:
+    while (res.open_count() or res.pools.lent_bytes() or not res.reaped) and time.monotonic() < deadline:
         threading.Event().wait(0.05)
-    assert server.store.reservations.open_count() == 0 and server.store.reservations.reaped == 1
+    assert res.open_count() == 0 and res.pools.lent_bytes() == 0 and res.reaped == 1
     assert _details(server)["arena_free_bytes"] == before and _details(server)["reserved_bytes"] == "0"
     with KVClient(server.url, plan=False) as c:
         assert c.lookup(spec, list(range(9_000, 9_064))) == 0
@@ -210,3 +218,79 @@ def test_the_async_client_puts_through_reserved_slots_too(server):
     asyncio.run(main())
     assert server.svc.staging.stats()["leases"] == 0  # every put went into reserved slots
     assert server.store.reservations.open_count() == 0 and _details(server)["reserved_bytes"] == "0"
+
+
+def _requests_by_route(url: str) -> dict[str, float]:
+    """The server's own count of the requests it answered, by route (``/metrics`` reads left out)."""
+    import re
+
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("kvstore_requests_total{") and 'route="/metrics"' not in line:
+            route = re.search(r'route="([^"]*)"', line).group(1)
+            out[route] = out.get(route, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_colocated_put_makes_one_request_once_its_pool_is_lent(server, spec):
+    with KVClient(server.url, plan=False) as c:
+        kv = make_kv(spec, 64)
+        assert c.put_kv(spec, list(range(20_000, 20_064)), kv) == 64  # the first asks for a pool too
+        for i in range(1, 6):
+            before = _requests_by_route(server.url)
+            toks = list(range(20_000 + 1000 * i, 20_064 + 1000 * i))
+            assert c.put_kv(spec, toks, make_kv(spec, 64, seed=i)) == 64
+            after = _requests_by_route(server.url)
+            made = {r: after[r] - before.get(r, 0) for r in after if after[r] != before.get(r, 0)}
+            assert made == {"/v1/kv/put-pooled": 1}, made
+            got, n = c.get_kv(spec, toks)
+            assert n == 64 and torch.equal(got, make_kv(spec, 64, seed=i))
+        before = _requests_by_route(server.url)  # a put of stored blocks: still one request, nothing written
+        assert c.put_kv(spec, list(range(20_000, 20_064)), kv) == 64
+        assert sum(_requests_by_route(server.url).values()) - sum(before.values()) == 1
+        assert c.stats.shm_puts == 7 and c.stats.http_puts == 0
+        assert server.store.reservations.pools.lent_bytes() > 0
+    assert server.store.reservations.pools.lent_bytes() == 0  # closing the client gave its pool back
+    assert _details(server)["reserved_bytes"] == "0"
+
+
+def _pooled_body(spec, tokens, writes) -> bytes:
+    from client_sdk._common import kv_parts, tokens_of
+
+    extra = ',"writes":' + json.dumps(writes) if writes is not None else ""
+    return b"".join(bytes(p) for p in kv_parts(spec, tokens_of(tokens), None, extra=extra))
+
+
+def test_bad_pooled_puts_are_4xx_naming_the_field_and_store_nothing(server, spec):
+    from kvstore.engine.pools import SLOT_SLACK
+
+    size = server.store.reservations.pools.slot_bytes(spec) + 64
+    tokens = list(range(30_000, 30_032))
+    q = f"pid={os.getpid()}&pool=t1&count=2&slot_bytes={size}"
+    h = {"content-type": KV_MEDIA}
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        r = http.post(f"/v1/kv/pool?{q}", content=_pooled_body(spec, [], None), headers=h)
+        assert r.status_code == 200 and len(r.json()["slots"]) == 2, r.text
+        slot = r.json()["slots"][0]
+        cases = [
+            (q.replace(f"slot_bytes={size}", f"slot_bytes={size + SLOT_SLACK}"), [], "slot_bytes"),
+            (q.replace(f"slot_bytes={size}", "slot_bytes=12"), [], "slot_bytes"),
+            (q.replace("pool=t1", "pool=../x"), [], "pool"),
+            (q.replace("count=2", "count=99999"), [], "count"),
+            (q.replace(f"pid={os.getpid()}", "pid=x"), [], "pid"),
+            (q, "nope", "header.writes"),
+            (q, [[0, slot["offset"]]], "header.writes"),
+            (q, [[0, slot["offset"], -1]], "header.writes"),
+            (q, [[0, 1, 2], [1, 2, 3], [2, 3, 4]], "header.writes"),  # more writes than blocks
+        ]
+        for query, writes, field in cases:
+            r = http.post(f"/v1/kv/put-pooled?{query}", content=_pooled_body(spec, tokens, writes), headers=h)
+            assert r.status_code in (400, 422) and r.json()["error"].get("field") == field, (field, r.text)
+        r = http.post(f"/v1/kv/put-pooled?{q}", content=_pooled_body(spec, tokens, [[0, slot["offset"], 1]]),
+                      headers=h)
+        assert r.status_code == 422 and r.json()["error"]["type"] == "CorruptFrame"  # the slot holds no frame
+        r = http.post(f"/v1/kv/put-pooled?{q}", content=_pooled_body(spec, tokens, [[0, 64, 1]]), headers=h)
+        assert r.status_code == 403  # not a slot of this pool
+        assert server.store.lookup(spec, tokens) == 0
+        assert http.delete(f"/v1/kv/pool?pid={os.getpid()}&pool=t1").json() == {"released": 2}
+    assert server.store.reservations.pools.lent_bytes() == 0 and _details(server)["reserved_bytes"] == "0"

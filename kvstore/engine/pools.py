@@ -1,0 +1,304 @@
+"""Pooled puts: one request a put, into top-tier slots lent to the writer ahead.
+
+A reservation costs a request before the writer can copy and
+another to commit. So a writer may also hold a *pool*: top-tier slots of one size, granted ahead
+(``grant``) to its process, invisible and kept out of reuse like a reservation's. It writes a
+put's new blocks into pool slots (it computes their keys and metadata itself, and skips blocks
+the arena's key index shows stored) and sends one request (``put_pooled``) that names, per
+block, its depth, slot and body checksum; the server computes the keys from the tokens, checks
+each frame's header as a commit does, publishes, and grants as many fresh slots as were used.
+A slot whose block was stored meanwhile goes back to the pool. A pool that sees no put for
+``ttl_s``, or whose process exits, is reclaimed by the reaper; the writer, told ``ttl_s``,
+stops writing into its slots well before (``client_sdk``: after half of it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvstore import codec as codec_mod
+from kvstore.codec import Codec
+from kvstore.engine.core import EngineCore, is_current
+from kvstore.engine.index import IndexEntry
+from kvstore.engine.placement import RoomHold
+from kvstore.engine.slots import ReservedBlock, block_tokens, check_written
+from kvstore.errors import Forbidden, InvalidInput, TierFull
+from kvstore.keys import BlockHash, block_hashes, block_meta
+from kvstore.memory.shm import start_ticks
+from kvstore.spec import KVSpec
+
+__all__ = ["PooledPuts", "PooledPut", "POOL_KEY", "MAX_POOL_BYTES", "SLOT_SLACK"]
+
+log = logging.getLogger("kvstore.engine.pools")
+
+
+POOL_KEY = bytes(32)
+"""The key a pool slot is reserved under until a put names its block: never a block's (a block
+key is a cryptographic hash)."""
+
+MAX_POOL_BYTES = 64 << 20
+"""The most pool bytes one writer process holds, and at most an eighth of the top tier: enough
+for a 32 MiB put and the next one's, without a few idle writers holding the tier apart."""
+
+SLOT_SLACK = 4096
+"""How much larger than a block's raw frame a pool slot may be asked for (room for metadata that
+grows with the chain's depth; the frame is shrunk to its length at publish)."""
+
+
+@dataclass(slots=True)
+class PoolSlot:
+    slot: Any
+    """The tier's handle for the reserved range (``tiers.arena.Slot``)."""
+    size: int
+    room: RoomHold | None
+
+    def to_dict(self) -> dict[str, int]:
+        return {"offset": self.slot.offset, "length": self.size}
+
+
+@dataclass(slots=True)
+class Pool:
+    """One writer process's granted slots, by offset."""
+
+    owner: str
+    pid: int
+    name: str
+    """The writer's own name for it: two clients in one process hold a pool each."""
+    ticks: int | None
+    slots: dict[int, PoolSlot]
+    expires_s: float
+
+
+@dataclass(slots=True)
+class PooledPut:
+    """What ``put_pooled`` did: tokens covered, KV bytes published, depths neither written nor
+    stored (the writer sends those another way), and the slots now the writer's again (returned
+    unused, or newly granted)."""
+
+    n_tokens: int
+    nbytes: int
+    missing: list[int]
+    slots: list[dict[str, int]]
+    keys: list[BlockHash]
+
+
+class PooledPuts:
+    """The pools of one store.
+
+    Args:
+        core: the engine core (index, tiers, counters, clock).
+        take_room: the store's admission rule (as ``ReservedPuts``'s).
+        unavailable: why the store takes no writes into lent slots now, or None.
+        lent: called once slots are lent (the reaper must run).
+        ttl_s: how long a pool lives without a put, by the engine's clock.
+    """
+
+    def __init__(self, core: EngineCore, take_room: Callable[[int], RoomHold], unavailable: Callable[[], str | None],
+                 lent: Callable[[], None], ttl_s: float) -> None:
+        self._core, self._take_room, self.unavailable, self._lent = core, take_room, unavailable, lent
+        self.ttl_s = ttl_s
+        self._pools: dict[tuple[str, int, str], Pool] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.reaped = 0
+
+    def slot_bytes(self, spec: KVSpec) -> int:
+        """The raw frame size of one of ``spec``'s blocks at depth 0: the least a pool slot for it holds."""
+        meta = block_meta("default", spec.fingerprint(), 0)
+        return codec_mod.frame_size(spec.kv_shape(spec.block_tokens), spec.dtype, Codec.RAW, meta_len=len(meta))
+
+    def grant(self, owner: str, pid: int, name: str, size: int, count: int) -> list[dict[str, int]]:
+        """Up to ``count`` more pool slots of ``size`` bytes for ``owner``'s pool ``name`` in process ``pid``, as
+        many as the top tier has room for and ``MAX_POOL_BYTES`` allows: their offsets and length.
+
+        Raises:
+            InvalidInput: the store takes no reserved puts, or no process ``pid`` runs here.
+        """
+        why = self.unavailable()
+        if why is not None:
+            raise InvalidInput(f"reserved puts are off here: {why}")
+        top = self._core.tiers[0]
+        cap = min(MAX_POOL_BYTES, top.capacity_bytes // 8) if hasattr(top, "capacity_bytes") else MAX_POOL_BYTES
+        with self._lock:
+            pool = self._pools.get((owner, pid, name))
+            if pool is None:
+                ticks = start_ticks(pid)
+                if ticks is None:
+                    raise InvalidInput(f"pid: no process {pid} on this host")
+                pool = self._pools[(owner, pid, name)] = Pool(owner, pid, name, ticks, {}, 0.0)
+            pool.expires_s = self._core.clock() + self.ttl_s
+            held = sum(s.size for s in pool.slots.values())
+        count = max(0, min(count, (cap - held) // size if size else 0))
+        got: list[PoolSlot] = []
+        for _ in range(count):
+            try:
+                room = self._take_room(size)
+            except TierFull:
+                break
+            try:
+                if room.tier != 0:  # placement would put new blocks lower: no slot up top to lend
+                    raise TierFull(f"placement puts new blocks below {top.name!r}", tier=top.name)
+                slot = top.reserve(POOL_KEY, size)
+            except TierFull:
+                room.release()
+                break
+            except BaseException:
+                room.release()
+                self._give_back_pool(got)
+                raise
+            got.append(PoolSlot(slot, size, room))
+        self._lent()  # the reaper watches pools from now on
+        with self._lock:
+            live = self._pools.get((owner, pid, name))
+            if live is None or self._closed:  # reaped or closed meanwhile: nothing to lend into
+                stale = got
+                got = []
+            else:
+                stale = []
+                for ps in got:
+                    live.slots[ps.slot.offset] = ps
+        self._give_back_pool(stale)
+        return [ps.to_dict() for ps in got]
+
+    def put_pooled(self, spec: KVSpec, tokens: Any, namespace: str, owner: str, pid: int, name: str,
+                   writes: list[tuple[int, int, int]], refill: int) -> PooledPut:
+        """Publish the blocks a writer wrote into its pool slots, one ``(depth, offset, checksum)``
+        each, then grant it ``refill`` more slots of the size it used.
+
+        Blocks of ``tokens`` not written must be stored already (the writer's key index showed
+        them); one that is not is reported ``missing``, and the tokens covered stop before it.
+
+        Raises:
+            Forbidden: a named slot is not one of this writer's pool (never granted, used, or
+                reclaimed); nothing is stored and its other slots stay in its pool.
+            InvalidInput: a depth outside the sequence or named twice.
+            CorruptFrame: a frame's header is damaged, or is not the raw frame of its block, or
+                does not carry the claimed checksum: nothing is stored, the slots go back to
+                the pool.
+        """
+        keys = block_hashes(spec, tokens, namespace)
+        bt, spec_fp = spec.block_tokens, spec.fingerprint()
+        depths = [d for d, _, _ in writes]
+        if any(not 0 <= d < len(keys) for d in depths) or len(set(depths)) != len(depths):
+            raise InvalidInput(f"writes: each depth once, within the sequence's {len(keys)} blocks")
+        with self._lock:
+            pool = self._pools.get((owner, pid, name))
+            taken = [] if pool is None else [pool.slots.pop(off, None) for _, off, _ in writes]
+            if pool is None or None in taken:
+                if pool is not None:
+                    for ps in taken:
+                        if ps is not None:
+                            pool.slots[ps.slot.offset] = ps
+                raise Forbidden(f"slot(s) not in this writer's pool (never granted, already used, or "
+                                f"reclaimed after {self.ttl_s:g} s without a put or its process's exit)")
+            pool.expires_s = self._core.clock() + self.ttl_s
+        top = self._core.tiers[0]
+        keep = self._core.events.keep_tokens
+        blocks = [ReservedBlock(d, keys[d], ps.slot, ps.size, block_meta(namespace, spec_fp, d),
+                                keys[d - 1] if d else None, block_tokens(tokens, d, bt) if keep else b"", None)
+                  for (d, _, _), ps in zip(writes, taken)]
+        try:
+            headers = [check_written(top, b, c, spec, exact=False) for b, (_, _, c) in zip(blocks, writes)]
+        except BaseException:
+            self._back_to_pool(owner, pid, name, taken)
+            raise
+        now, heat_now = self._core.clock(), self._core.placement.clock()
+        returned: list[PoolSlot] = []
+        nbytes = 0
+        for i, (b, header, ps) in enumerate(zip(blocks, headers, taken)):
+            kept = False
+            try:
+                with self._core.claim(b.key):
+                    if is_current(self._core.entry(b.key), namespace, spec_fp):
+                        returned.append(ps)  # stored meanwhile by another writer: the slot stays lent
+                        kept = True
+                        self._core.count(blocks_deduped=1)
+                        continue
+                    top.commit_reserved(b.key, b.slot, b.size, header.frame_len)
+                    self._core.publish(IndexEntry(
+                        key=b.key, tier=top.name, size=header.frame_len, codec=header.codec,
+                        checksum=header.body_checksum, raw_bytes=header.raw_nbytes, namespace=namespace,
+                        spec_fp=spec_fp, depth=b.depth, created_s=now, last_access_s=now), now=heat_now,
+                        reason="reserved", parent=b.parent, tokens=b.tokens or None)
+                    self._core.count(blocks_written=1)
+                    nbytes += header.raw_nbytes
+            except BaseException:
+                self._back_to_pool(owner, pid, name, taken[i + 1:] + returned)
+                raise
+            finally:
+                if ps.room is not None and not kept:
+                    ps.room.release()  # published (placement counts the block now), or failed
+        written = set(depths)
+        missing = [d for d in range(len(keys))
+                   if d not in written and not is_current(self._core.entry(keys[d]), namespace, spec_fp)]
+        self._core.count(put_calls=1, blocks_deduped=len(keys) - len(written) - len(missing))
+        self._back_to_pool(owner, pid, name, returned)
+        size = taken[0].size if taken else self.slot_bytes(spec) + SLOT_SLACK
+        granted = self.grant(owner, pid, name, size, refill) if refill else []
+        return PooledPut((missing[0] if missing else len(keys)) * bt, nbytes, missing,
+                         [ps.to_dict() for ps in returned] + granted, keys)
+
+    def _back_to_pool(self, owner: str, pid: int, name: str, slots: list[PoolSlot | None]) -> None:
+        """Slots the writer keeps (unused by this put); to the tier when its pool is gone."""
+        slots = [ps for ps in slots if ps is not None]
+        with self._lock:
+            pool = self._pools.get((owner, pid, name))
+            if pool is not None and not self._closed:
+                for ps in slots:
+                    pool.slots[ps.slot.offset] = ps
+                return
+        self._give_back_pool(slots)
+
+    def _give_back_pool(self, slots: list[PoolSlot]) -> None:
+        top = self._core.tiers[0]
+        try:
+            for ps in slots:
+                top.abort_reserved(ps.slot, ps.size)
+        finally:
+            for ps in slots:
+                if ps.room is not None:
+                    ps.room.release()
+
+    def release(self, owner: str, pid: int, name: str) -> int:
+        """Give ``owner``'s pool ``name`` of process ``pid`` back to the tier (its writer closes); slots returned."""
+        with self._lock:
+            pool = self._pools.pop((owner, pid, name), None)
+        if pool is None:
+            return 0
+        self._give_back_pool(list(pool.slots.values()))
+        return len(pool.slots)
+
+    def lent_bytes(self) -> int:
+        """Bytes lent out in pools now."""
+        with self._lock:
+            return sum(ps.size for pool in self._pools.values() for ps in pool.slots.values())
+
+    def count(self) -> int:
+        """Pools held now (the reaper runs while any is)."""
+        with self._lock:
+            return len(self._pools)
+
+    def reap(self, now: float) -> int:
+        """Reclaim pools whose writer is gone or that saw no put for ``ttl_s``; how many."""
+        with self._lock:
+            gone = [p for p in self._pools.values() if now >= p.expires_s or start_ticks(p.pid) != p.ticks]
+            for pool in gone:
+                del self._pools[(pool.owner, pool.pid, pool.name)]
+        for pool in gone:
+            self._give_back_pool(list(pool.slots.values()))
+            if pool.slots:
+                log.info("kvstore: pool of %s's process %d reclaimed (%d slots): its writer %s", pool.owner, pool.pid,
+                         len(pool.slots), "exited" if now < pool.expires_s else f"made no put for {self.ttl_s:g} s")
+        self.reaped += len(gone)
+        return len(gone)
+
+    def close(self) -> None:
+        """Give every lent slot back (before the tiers close)."""
+        with self._lock:
+            self._closed = True
+            lent = [ps for pool in self._pools.values() for ps in pool.slots.values()]
+            self._pools.clear()
+        self._give_back_pool(lent)

@@ -1,0 +1,86 @@
+"""A block a co-located writer wrote into a lent top-tier slot, and the checks before it is published.
+
+Reservations (``kvstore.engine.reserved``) and pools (``kvstore.engine.pools``) both lend slots of
+the shm tier to a writer in another process and publish what it wrote: the frame's header must
+be the block's raw frame with the checksum the writer claims. The body is not hashed here: the
+server verifies it in the background right after publish (``kvstore.engine.scrub``), and a
+reader hashes it itself until then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore import codec as codec_mod
+from kvstore.codec import Codec
+from kvstore.engine.placement import RoomHold
+from kvstore.errors import CorruptFrame, FrameError
+from kvstore.keys import BlockHash
+from kvstore.spec import KVSpec
+
+__all__ = ["ReservedBlock", "check_written", "block_tokens", "give_back"]
+
+
+@dataclass(slots=True)
+class ReservedBlock:
+    depth: int
+    key: BlockHash
+    slot: Any
+    """The tier's handle for the reserved range (``tiers.arena.Slot``)."""
+    size: int
+    meta: bytes
+    parent: BlockHash | None = None
+    """The chain's previous block (for the ``stored`` event)."""
+    tokens: bytes = b""
+    """The block's token ids, <u4 (for the ``stored`` event; empty unless the event log keeps them)."""
+    room: RoomHold | None = None
+    """Placement counts the slot's bytes as in the top tier until the reservation ends."""
+
+
+def check_written(top: Any, b: ReservedBlock, checksum: int, spec: KVSpec, *,
+              exact: bool = True) -> codec_mod.FrameHeader:
+    """The header of the frame written into ``b``'s slot, once it is the block's raw frame with
+    ``checksum``. ``exact``: the slot was sized for this very frame (a reservation); a pool
+    slot may be larger than the frame."""
+    view = top.reserved_view(b.slot)
+    if not exact:
+        try:
+            # the header's own bytes first (at most 120: 8 dims), then the frame it says it is
+            view = view[:codec_mod.read_header(view[:min(len(view), 128)], prefix=True).frame_len]
+        except FrameError as exc:
+            raise CorruptFrame(f"block {b.depth}: the frame written into its slot is damaged: {exc}") from None
+    try:
+        header = codec_mod.read_header(view)
+    except FrameError as exc:
+        raise CorruptFrame(f"block {b.depth}: the frame written into its slot is damaged: {exc}") from None
+    want = spec.kv_shape(spec.block_tokens)
+    if header.codec is not Codec.RAW or header.dtype != spec.dtype or header.shape != tuple(want) \
+            or header.frame_len > b.size or (exact and header.frame_len != b.size) \
+            or header.meta_len != len(b.meta):
+        raise CorruptFrame(f"block {b.depth}: the frame in its slot is not the raw {spec.dtype} "
+                           f"{list(want)} frame reserved ({b.size} bytes)")
+    if bytes(view[header.meta_offset:header.meta_offset + header.meta_len]) != b.meta:
+        raise CorruptFrame(f"block {b.depth}: the frame's metadata is not the reserved block's")
+    if header.body_checksum != checksum:
+        raise CorruptFrame(f"block {b.depth}: the frame says body checksum {header.body_checksum:#x}, "
+                           f"the commit {checksum:#x}")
+    return header
+
+
+def block_tokens(tokens: Any, depth: int, bt: int) -> bytes:
+    """Block ``depth``'s token ids as <u4 bytes (64 bytes for a 16-token block)."""
+    return np.asarray(tokens[depth * bt:(depth + 1) * bt], dtype="<u4").tobytes()
+
+
+def give_back(top: Any, blocks: list[ReservedBlock]) -> None:
+    """Return reserved slots to the tier unpublished, and their room to placement."""
+    try:
+        for b in blocks:
+            top.abort_reserved(b.slot, b.size)
+    finally:
+        for b in blocks:
+            if b.room is not None:
+                b.room.release()
