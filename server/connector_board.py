@@ -1,12 +1,16 @@
 """Engine connectors' own counters: what vLLM (or another engine) saw of the store, by namespace.
 
 A connector inside an engine knows things the server cannot: how many prompt
-tokens it looked up and missed, how many blocks it had to recompute after a
-failed load, how long its loads and saves took. It sends its cumulative counters
-every few seconds (``POST /v1/connectors/report``, ``server.connectors``); the
-board keeps the latest report of each instance and sums them by namespace and
-engine for ``/metrics`` (``kvstore_connector_*``), ``/admin/connectors`` and the
-dashboard. Reports are advisory: a lost one is made good by the next.
+tokens the engine asked it about past what the engine held itself (looked up),
+how many of those it said the store could provide (offered), how many its loads
+put into the engine's cache (loaded) and its saves stored (saved); how many
+blocks the engine recomputed after a failed load, how long loads and saves took.
+The hit ratio is loaded over looked-up tokens (``hit_ratio``). Each connector
+instance sends its cumulative counters every few seconds (``POST
+/v1/connectors/report``, ``server.connectors``); the board keeps the latest
+report of each instance and sums them by namespace and engine for ``/metrics``
+(``kvstore_connector_*``), ``/admin/connectors`` and the dashboard. Reports are
+advisory: a lost one is made good by the next.
 """
 
 from __future__ import annotations
@@ -17,14 +21,41 @@ from typing import Any, Iterator
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-__all__ = ["ConnectorBoard", "COUNTERS"]
+__all__ = ["ConnectorBoard", "COUNTERS", "RETIRED", "hit_ratio"]
 
-COUNTERS = ("lookups", "hit_tokens", "miss_tokens", "lookup_errors", "loads", "loaded_tokens", "load_errors",
-            "failed_blocks", "load_seconds", "saves", "saved_tokens", "save_errors", "save_seconds")
-"""The counters a report may carry (``kvstore.integrations.vllm_transfer.Counters``)."""
+COUNTERS = {
+    "lookups": "Lookups the connectors sent to the store.",
+    "looked_up_tokens": "Prompt tokens the engines asked their connectors about, past those the engine "
+                        "held itself (its own prefix cache), counted when a request was scheduled.",
+    "offered_tokens": "Of the looked-up tokens, those the connectors answered the store could provide.",
+    "lookup_errors": "Lookups that failed (each a miss for its request).",
+    "loads": "Requests' loads that put blocks into the engine's cache.",
+    "loaded_tokens": "Tokens the connectors' loads put into the engine's cache: what the engine took from "
+                     "the store. The hit ratio is loaded over looked-up tokens.",
+    "load_errors": "Loads that failed or broke part-way.",
+    "failed_blocks": "Blocks promised by a lookup that did not load: the engine recomputed them.",
+    "load_seconds": "Time the connectors spent loading, seconds.",
+    "saves": "Saves the connectors finished.",
+    "saved_tokens": "Tokens the connectors' saves stored that the store lacked.",
+    "save_errors": "Saves that failed or were dropped.",
+    "save_seconds": "Time the connectors spent saving, seconds.",
+}
+"""The counters a report may carry (``kvstore.integrations.vllm_transfer.Counters``), with the help
+text ``/metrics`` gives ``kvstore_connector_<name>_total``."""
+RETIRED = frozenset({"hit_tokens", "miss_tokens"})
+"""Counters of connectors from before the looked-up/offered split: what the store held of a prompt,
+whether or not the engine then took it from the store. Accepted and dropped, so that an engine not
+yet upgraded still reports its other counters."""
 _MAX_INSTANCES = 1024
 _STALE_S = 3600.0
 """An instance silent this long (an engine that exited) leaves the board; its totals go with it."""
+
+
+def hit_ratio(counters: dict[str, float]) -> float | None:
+    """``loaded_tokens / looked_up_tokens``: of the prompt tokens the engine asked about past its own
+    prefix cache, the share the store put into the engine's cache; None when nothing was looked up."""
+    looked = counters.get("looked_up_tokens", 0)
+    return counters.get("loaded_tokens", 0) / looked if looked else None
 
 
 class ConnectorBoard:
@@ -36,6 +67,7 @@ class ConnectorBoard:
         self._latest: dict[tuple[str, str, str], tuple[dict[str, float], float]] = {}
 
     def report(self, namespace: str, engine: str, instance: str, counters: dict[str, float]) -> None:
+        """Keep ``counters`` (cumulative, names of ``COUNTERS``) as the instance's latest report."""
         now = self._clock()
         with self._lock:
             self._latest.pop((namespace, engine, instance), None)  # re-inserted last: dict order is recency
@@ -49,7 +81,8 @@ class ConnectorBoard:
             del self._latest[next(iter(self._latest))]
 
     def summary(self) -> list[dict[str, Any]]:
-        """One row per (namespace, engine): summed counters, instances and the newest report's age."""
+        """One row per (namespace, engine): summed counters, ``hit_ratio``, instances and the newest
+        report's age."""
         now = self._clock()
         rows: dict[tuple[str, str], dict[str, Any]] = {}
         with self._lock:
@@ -61,12 +94,13 @@ class ConnectorBoard:
                 row["age_s"] = min(row["age_s"], now - seen)
                 for name in COUNTERS:
                     row[name] += counters.get(name, 0)
+        for row in rows.values():  # over the row's sums: scheduler (looked up) and workers (loaded) report apart
+            row["hit_ratio"] = hit_ratio(row)
         return [rows[k] for k in sorted(rows)]
 
     def collect(self) -> Iterator[Metric]:
-        families = {name: CounterMetricFamily(f"kvstore_connector_{name}",
-                                              f"Engine connectors' {name.replace('_', ' ')}, as they reported.",
-                                              labels=["namespace", "engine"]) for name in COUNTERS}
+        families = {name: CounterMetricFamily(f"kvstore_connector_{name}", doc, labels=["namespace", "engine"])
+                    for name, doc in COUNTERS.items()}
         for row in self.summary():
             for name, family in families.items():
                 family.add_metric([row["namespace"], row["engine"]], row[name])

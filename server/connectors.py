@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from kvstore.errors import InvalidInput
-from server.connector_board import COUNTERS
+from server.connector_board import COUNTERS, RETIRED
 from server.errors import field_error
 from server.requests import caller
 from server.service import json_body, require
@@ -24,7 +24,10 @@ _MAX_COUNTER = 1e18
 
 
 def parse_report(data: Any) -> tuple[str, str, dict[str, float]]:
-    """``(engine, instance, counters)`` of a report body, or a 422 naming the field."""
+    """``(engine, instance, counters)`` of a report body, or a 422 naming the field.
+
+    Retired counter names (``connector_board.RETIRED``) are checked like the others, then left out.
+    """
     engine = require(data, "engine", str)
     if not _ENGINE.fullmatch(engine):
         raise field_error(InvalidInput("must be 1-32 characters of [a-z0-9_-]"), "engine")
@@ -32,14 +35,14 @@ def parse_report(data: Any) -> tuple[str, str, dict[str, float]]:
     if not _INSTANCE.fullmatch(instance):
         raise field_error(InvalidInput("must be 1-160 printable ASCII characters without spaces"), "instance")
     counters = require(data, "counters", dict)
-    unknown = sorted(set(counters) - set(COUNTERS))
+    unknown = sorted(set(counters) - set(COUNTERS) - RETIRED)
     if unknown:
         raise field_error(InvalidInput(f"unknown counters {unknown[:5]}; known: {list(COUNTERS)}"), "counters")
     for name, value in counters.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _MAX_COUNTER:
             raise field_error(InvalidInput(f"must be a number in [0, {_MAX_COUNTER:g}], got {value!r}"),
                               f"counters.{name}")
-    return engine, instance, {k: float(v) for k, v in counters.items()}
+    return engine, instance, {k: float(v) for k, v in counters.items() if k not in RETIRED}
 
 
 router = APIRouter()

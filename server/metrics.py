@@ -3,16 +3,21 @@
 Each app has its own registry, so several apps in one process (tests) never
 share series. Store figures come from one ``store.stats()`` per scrape, taken
 by a custom collector; ``/metrics`` runs it off the event loop because a
-Redis tier's stats are a network round trip.
+Redis tier's stats are a network round trip. The planner's prediction error is
+worked out at scrape too, from the decision records the server keeps
+(``Metrics.read_decisions``), by the one definition (``kvstore.decisions``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+import math
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvstore.decisions import PREDICTION_ERROR, prediction_error
 
 __all__ = ["Metrics"]
 
@@ -110,6 +115,35 @@ class _StoreCollector:
             yield GaugeMetricFamily(f"kvstore_{name}", f"Service figure {name}.", value=value)
 
 
+class _PlannerCollector:
+    """The planner's prediction error at scrape time, over the decision records the server keeps.
+
+    The figure is ``kvstore.decisions.prediction_error`` of every kept record, the one the
+    dashboard's decisions panel and ``/admin/decisions`` (unfiltered) show; ``records`` is where
+    those records are read (``Metrics.read_decisions``), off the event loop.
+    """
+
+    def __init__(self) -> None:
+        self.records: Callable[[], Iterable[Mapping[str, Any]]] = tuple
+
+    def describe(self) -> list[Metric]:
+        return []  # collected at scrape time only
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            error = prediction_error(self.records())
+        except Exception as exc:  # a record source that failed: leave the figure out rather than fail the scrape
+            log.warning("metrics: planner decision records failed: %s", exc)
+            return
+        median = error["median"]
+        yield GaugeMetricFamily("kvstore_planner_prediction_error",
+                                f"The planner's prediction error, as the dashboard shows it: the {PREDICTION_ERROR}. "
+                                "NaN while no transfer counts.", value=math.nan if median is None else median)
+        yield GaugeMetricFamily("kvstore_planner_prediction_error_samples",
+                                "Transfers kvstore_planner_prediction_error is the median over.",
+                                value=error["samples"])
+
+
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, float("inf"))
 """actual/predicted: 1.0 is a perfect prediction; the buckets are finer near it."""
 
@@ -146,3 +180,15 @@ class Metrics:
         self.lmcache_connections = Gauge("kvstore_lmcache_connections", "Open lm:// connections.",
                                          registry=self.registry)
         self.registry.register(_StoreCollector(stats, extra))  # type: ignore[arg-type]
+        self._planner = _PlannerCollector()
+        self.registry.register(self._planner)  # type: ignore[arg-type]
+
+    def read_decisions(self, records: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+        """Make ``kvstore_planner_prediction_error`` the prediction error of ``records()``.
+
+        Args:
+            records: the server's kept decision records, oldest first (as ``/admin/decisions``
+                reads them). Called at each scrape from a pool thread, so it must be safe to call
+                while the event loop adds records.
+        """
+        self._planner.records = records

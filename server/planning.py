@@ -74,7 +74,8 @@ class PlanState:
 
     def decisions(self) -> list[dict[str, Any]]:
         """Every tenant's kept records, in the order they arrived."""
-        return sorted((d for ring in self.rings.values() for d in ring), key=lambda d: d["seq"])
+        # Snapshots: ``/metrics`` reads this from a pool thread while the loop appends to the rings
+        return sorted((d for ring in list(self.rings.values()) for d in tuple(ring)), key=lambda d: d["seq"])
 
     def record(self, svc: Service, who: str, namespace: str, records: list[dict[str, Any]]) -> str | None:
         """Take a batch of checked reports; returns the reason when it rolled the candidate back.
@@ -139,6 +140,7 @@ def plan_state(svc: Service) -> PlanState:
     state = getattr(svc, "planning", None)
     if state is None:  # created on first use, on the event loop: no race
         state = svc.planning = PlanState()  # type: ignore[attr-defined]
+        svc.metrics.read_decisions(state.decisions)  # the prediction-error gauge reads the same records
     return state
 
 

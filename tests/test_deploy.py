@@ -29,6 +29,8 @@ from bench.reliability_kit.serve_process import ServeProcess, small_env
 from bench.serving import free_port
 from client_sdk import KVClient
 from kvstore import KVSpec
+from kvstore.decisions import PREDICTION_ERROR
+from server.connector_board import RETIRED
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,8 +228,8 @@ def _drive(url: str, lm_port: int) -> None:
     assert resp.status_code == 200, resp.text
     resp = httpx.post(f"{url}/v1/connectors/report", headers=admin, json={
         "engine": "vllm", "instance": "deploy-test", "counters": {
-            "lookups": 2, "hit_tokens": 48, "miss_tokens": 16, "loads": 1, "loaded_tokens": 48, "load_seconds": 0.01,
-            "saves": 1, "saved_tokens": 16, "save_seconds": 0.01, "failed_blocks": 0}})
+            "lookups": 2, "looked_up_tokens": 64, "offered_tokens": 48, "loads": 1, "loaded_tokens": 48,
+            "load_seconds": 0.01, "saves": 1, "saved_tokens": 16, "save_seconds": 0.01, "failed_blocks": 0}})
     assert resp.status_code == 200, resp.text
     sock = lmwire.connect(lm_port)
     try:
@@ -246,7 +248,8 @@ def _drive(url: str, lm_port: int) -> None:
 _NEEDED = ("kvstore_requests_total", "kvstore_request_duration_seconds_bucket", "kvstore_auth_failures_total",
            "kvstore_planner_rollbacks_total", "kvstore_planner_decisions_total",
            "kvstore_planner_prediction_ratio_bucket", "kvstore_colocated_ops_total", "kvstore_lmcache_requests_total",
-           "kvstore_lmcache_closed_connections_total", "kvstore_connector_hit_tokens_total", "kvstore_tier_bytes")
+           "kvstore_lmcache_closed_connections_total", "kvstore_connector_looked_up_tokens_total", "kvstore_tier_bytes",
+           "kvstore_planner_prediction_error")
 
 
 def _sample_names(text: str) -> set[str]:
@@ -292,10 +295,31 @@ def test_the_deploy_files_cover_the_main_families(exported):
                  "kvstore_tier_bytes", "kvstore_tier_capacity_bytes", "kvstore_tier_reads_total", "kvstore_moves_total",
                  "kvstore_colocated_ops_total", "kvstore_planner_decisions_total",
                  "kvstore_planner_prediction_ratio_bucket", "kvstore_planner_rollbacks_total",
-                 "kvstore_auth_failures_total", "kvstore_lmcache_connections", "kvstore_tier_up"):
+                 "kvstore_auth_failures_total", "kvstore_lmcache_connections", "kvstore_tier_up",
+                 "kvstore_planner_prediction_error", "kvstore_connector_looked_up_tokens_total",
+                 "kvstore_connector_offered_tokens_total", "kvstore_connector_loaded_tokens_total",
+                 "kvstore_connector_saved_tokens_total"):
         assert name in used, name
     deprecated = {f"kvstore_tier_{n}_total" for n in ("hits", "misses", "puts", "gets", "errors", "deletes")}
+    deprecated |= {f"kvstore_connector_{n}_total" for n in RETIRED}
     assert not used & deprecated, used & deprecated
+
+
+def test_the_panels_of_defined_figures_use_the_servers_definitions():
+    """The prediction error panel quotes ``kvstore.decisions``' definition, so the two cannot drift
+    apart; the connector hit ratio is loaded over looked-up tokens, as the server's dashboard shows it."""
+    panels = list(_panels(_dashboard()))
+
+    def querying(name: str) -> list[dict[str, Any]]:
+        return [p for p in panels if any(name in promql_metric_names(t["expr"]) for t in p["targets"])]
+
+    [error] = querying("kvstore_planner_prediction_error")
+    assert PREDICTION_ERROR in error["description"]
+    [ratio] = [p for p in querying("kvstore_connector_looked_up_tokens_total") if "hit ratio" in p["title"]]
+    [expr] = [t["expr"] for t in ratio["targets"]]
+    loaded, looked_up = expr.split(" / ")
+    assert promql_metric_names(loaded) == {"kvstore_connector_loaded_tokens_total"}
+    assert promql_metric_names(looked_up) == {"kvstore_connector_looked_up_tokens_total"}
 
 
 # --------------------------------------------------------------------------- promtool, where there is one

@@ -20,6 +20,8 @@ never covering the last prompt token; the loads and saves it plans ride to the
 worker in ``KVStoreConnectorMetadata``. Worker side: ``vllm_transfer.Load`` and
 ``vllm_transfer.Saver``. A request that had a save keeps its blocks
 (``request_finished`` answers True) until the worker reports the save done.
+Both sides count what they did (``vllm_transfer.Counters``: tokens looked up, offered,
+loaded and saved) for vLLM's stats and for the server (``POST /v1/connectors/report``).
 
 Extra config keys: ``url`` (default ``$KVSTORE_URL`` or ``http://127.0.0.1:8470``),
 ``namespace`` (``default``), ``token`` (default ``$KVSTORE_TOKEN``),
@@ -96,7 +98,12 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 
 class KVStoreConnectorStats(KVConnectorStats):
-    """kvstore's counters in vLLM's connector stats (summed over workers and intervals)."""
+    """kvstore's counters in vLLM's connector stats (summed over workers and intervals).
+
+    vLLM sums the scheduler's and the workers' counters of an interval and logs them on its
+    "KV Transfer metrics" line, with ``hit_ratio``: loaded over looked-up tokens, the share of
+    what vLLM asked kvstore about that kvstore put into its cache (``vllm_transfer.Counters``).
+    """
 
     def reset(self) -> None:
         self.data = {}
@@ -108,9 +115,9 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
-        looked = self.data.get("hit_tokens", 0) + self.data.get("miss_tokens", 0)
+        looked = self.data.get("looked_up_tokens", 0)
         if looked:
-            out["hit_ratio"] = round(self.data.get("hit_tokens", 0) / looked, 4)
+            out["hit_ratio"] = round(self.data.get("loaded_tokens", 0) / looked, 4)
         return out
 
     def is_empty(self) -> bool:
@@ -252,6 +259,19 @@ def _log_with_vllm() -> None:
         ours.setLevel(theirs.level)
 
 
+@dataclass(slots=True)
+class _Asked:
+    """One admission of a request, from vLLM's first question until it schedules the request.
+
+    vLLM asks again each step while it finds no room for a request: the store is looked up once,
+    and the figures are counted once, when vLLM allocates for it (``update_state_after_alloc``).
+    """
+
+    held: int  # prompt tokens kvstore holds: whole blocks, never the last token
+    looked_up: int = 0  # tokens vLLM asked about last: the request's, past those it computed or cached itself
+    offered: int = 0  # what the connector answered: held, past those vLLM has
+
+
 @dataclass
 class _Tracked:
     """The scheduler's view of one request."""
@@ -293,7 +313,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         log.info("kvstore connector (%s) on %s, namespace %s, spec %s fingerprint %s", role.name,
                  self.settings["url"], self.settings["namespace"], self.spec.model_id, self.spec.weights_fingerprint)
         # scheduler side
-        self._hits: dict[str, int] = {}
+        self._asked: dict[str, _Asked] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, LoadJob] = {}
         self._finish_saves: list[SaveJob] = []
@@ -326,9 +346,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         req_id = request.request_id
-        if req_id not in self._hits:
-            self._hits[req_id] = self._lookup(request)
-        return max(0, self._hits[req_id] - num_computed_tokens), False
+        asked = self._asked.get(req_id)
+        if asked is None:
+            asked = self._asked[req_id] = _Asked(self._lookup(request))
+        asked.looked_up = request.num_tokens - num_computed_tokens
+        asked.offered = max(0, asked.held - num_computed_tokens)
+        return asked.offered, False
 
     @staticmethod
     def _unshareable(request: "Request") -> str | None:
@@ -354,7 +377,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         if usable <= 0:
             return 0
         if time.monotonic() < self._down_until:
-            self.counters.add(miss_tokens=usable)
             return 0
         try:
             hit = min(usable, self._lookups.lookup(self.spec, list(tokens[:usable])))
@@ -363,16 +385,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._down_for = min(most, self._down_for * 2 or first)
             self._down_until = time.monotonic() + self._down_for
             log.warning("kvstore lookup failed, recomputing for %.0f s: %s", self._down_for, exc)
-            self.counters.add(lookup_errors=1, miss_tokens=usable)
+            self.counters.add(lookup_errors=1)
             return 0
         self._down_for = 0.0
-        self.counters.add(lookups=1, hit_tokens=hit, miss_tokens=usable - hit)
+        self.counters.add(lookups=1)
         return hit
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         req_id = request.request_id
-        hit = self._hits.pop(req_id, 0)
+        asked = self._asked.pop(req_id, None) or _Asked(0)
+        hit = asked.held
+        self.counters.add(looked_up_tokens=asked.looked_up, offered_tokens=asked.offered)
         tracked = self._tracked.get(req_id)
         if tracked is None:
             if self._unshareable(request) is not None:
@@ -435,7 +459,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        self._hits.pop(req_id, None)
+        self._asked.pop(req_id, None)
         self._loads.pop(req_id, None)
         tracked = self._tracked.pop(req_id, None)
         if tracked is None:

@@ -75,13 +75,29 @@ class SaveJob:
 
 @dataclass
 class Counters:
-    """What one connector did, cumulative; ``delta()`` hands out what changed since the last call."""
+    """What one connector did, cumulative; ``delta()`` hands out what changed since the last call.
+
+    Four token figures follow a prompt from vLLM's question to the store's bytes, each counted
+    where it happens (docs/engines.md, "What the connector counts"):
+
+    - ``looked_up_tokens`` (scheduler): the prompt tokens vLLM asked about in
+      ``get_num_new_matched_tokens``, past those it holds itself (its own prefix cache);
+    - ``offered_tokens`` (scheduler): of those, what the connector answered kvstore can provide;
+    - ``loaded_tokens`` (worker): what the loads put into vLLM's paged cache;
+    - ``saved_tokens`` (worker): what the saves stored that kvstore lacked.
+
+    The first two are counted once per admission of a request (when vLLM allocates for it, as
+    vLLM counts its own external prefix-cache queries and hits), so a request that waits several
+    steps for room is not counted once per step. A hit ratio is ``loaded / looked_up``.
+    """
 
     lookups: int = 0
-    hit_tokens: int = 0
-    miss_tokens: int = 0
+    """Lookups sent to kvstore (each request's answer is kept until it is scheduled)."""
+    looked_up_tokens: int = 0
+    offered_tokens: int = 0
     lookup_errors: int = 0
     loads: int = 0
+    """Requests' loads that put blocks into vLLM's cache (a shorter one than promised counts for what it put)."""
     loaded_tokens: int = 0
     load_errors: int = 0
     failed_blocks: int = 0

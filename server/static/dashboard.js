@@ -292,15 +292,17 @@ function renderHeat(data) {
 }
 
 function renderConnectors(data) {
+  // The four token figures as the connectors counted them, and the server's hit ratio (loaded over
+  // looked up: server/connector_board.py hit_ratio), not one worked out again here.
   const rows = data.connectors;
   fill($("connectors"), rows.length ? rows.map((r) => {
-    const looked = r.hit_tokens + r.miss_tokens;
     const errors = r.lookup_errors + r.load_errors + r.save_errors;
     return el("tr", {}, el("td", { text: r.namespace }), el("td", { text: r.engine }),
       el("td", { text: String(r.instances) }),
-      el("td", { text: looked ? (100 * r.hit_tokens / looked).toFixed(1) + "%" : "–" }),
-      el("td", { text: String(r.hit_tokens) }), el("td", { text: String(r.miss_tokens) }),
+      el("td", { text: String(r.looked_up_tokens) }), el("td", { text: String(r.offered_tokens) }),
       el("td", { text: String(r.loaded_tokens) }), el("td", { text: String(r.saved_tokens) }),
+      el("td", { text: r.hit_ratio === null || r.hit_ratio === undefined ? "–" :
+        (100 * r.hit_ratio).toFixed(1) + "%" }),
       el("td", { text: fmtSeconds(r.load_seconds) }), el("td", { text: fmtSeconds(r.save_seconds) }),
       el("td", { class: errors ? "bad" : "", text: errors + (r.failed_blocks ? " (" + r.failed_blocks +
         " blocks recomputed)" : "") }),

@@ -65,8 +65,10 @@ def seeded(tmp_path) -> Iterator[ServeProcess]:
             c.put_kv(spec, list(range(i * 100, i * 100 + 64)), make_kv(spec, 64, seed=i))
         for _ in range(5):
             c.get_kv(spec, list(range(64)))
-        c.report_connector("vllm", "engine-1/worker", {"hit_tokens": 384, "miss_tokens": 128, "saved_tokens": 512,
-                                                       "load_errors": 1, "failed_blocks": 3})
+        # an engine's scheduler and worker report apart; the board sums them
+        c.report_connector("vllm", "engine-1/scheduler", {"looked_up_tokens": 512, "offered_tokens": 448})
+        c.report_connector("vllm", "engine-1/worker", {"loaded_tokens": 384, "saved_tokens": 640, "load_errors": 1,
+                                                       "failed_blocks": 3})
     with KVClient(proc.url, token=ADMIN, namespace="scratch") as c:
         for i in range(3):
             c.put_kv(spec, list(range(9000 + i * 100, 9000 + i * 100 + 32)), make_kv(spec, 32, seed=50 + i))
@@ -143,8 +145,14 @@ def test_dashboard_in_headless_chromium(seeded):
             expect(page.locator("#canary")).to_contain_text("prediction error: the " + error["definition"])
             row = page.locator("#connectors tbody tr").first  # an engine connector's report
             expect(row).to_contain_text("vllm")
-            assert row.locator("td").nth(3).text_content() == "75.0%"
-            assert row.locator("td").nth(10).text_content() == "1 (3 blocks recomputed)"
+            heads = page.locator("#connectors thead th").all_text_contents()
+            cells = dict(zip(heads, row.locator("td").all_text_contents()))
+            assert (cells["instances"], cells["looked up"], cells["offered"], cells["loaded"], cells["saved"]) == \
+                ("2", "512", "448", "384", "640")
+            assert cells["hit ratio"] == "75.0%"  # loaded / looked up: the server's figure
+            assert _admin(proc, "/admin/connectors")["connectors"][0]["hit_ratio"] == 0.75
+            assert cells["errors"] == "1 (3 blocks recomputed)"
+            expect(page.locator("#connectors-note")).to_contain_text("Hit ratio: loaded / looked up.")
 
             # Explain on click, then pin: the pin lands in the audit log.
             first = page.locator("#entries tbody tr").first

@@ -167,8 +167,8 @@ def test_a_failed_save_is_counted_and_releases_its_blocks():
 
 def test_counters_hand_out_deltas():
     c = Counters()
-    c.add(lookups=2, hit_tokens=10)
-    assert c.delta() == {"lookups": 2, "hit_tokens": 10}
+    c.add(lookups=2, looked_up_tokens=10)
+    assert c.delta() == {"lookups": 2, "looked_up_tokens": 10}
     assert c.delta() == {}
     c.add(lookups=1)
     assert c.delta() == {"lookups": 1} and c.snapshot()["lookups"] == 3
@@ -214,25 +214,46 @@ def test_the_weights_fingerprint_refuses_what_it_cannot_name(tmp_path):
 def test_connector_reports_show_in_metrics_and_admin_by_namespace(auth_server):
     with KVClient(auth_server.url, token=ACME, namespace="acme") as acme, \
             KVClient(auth_server.url, token=BETA, namespace="beta") as beta:
-        acme.report_connector("vllm", "engine-1/worker", {"hit_tokens": 384, "saved_tokens": 512})
-        acme.report_connector("vllm", "engine-2/worker", {"hit_tokens": 128, "load_seconds": 0.25})
-        acme.report_connector("vllm", "engine-1/worker", {"hit_tokens": 512, "saved_tokens": 640})  # cumulative
-        beta.report_connector("vllm", "engine-9/scheduler", {"miss_tokens": 99})
+        # a scheduler counts what it was asked and offered, the workers what they loaded and saved
+        acme.report_connector("vllm", "engine-1/scheduler", {"looked_up_tokens": 1024, "offered_tokens": 640})
+        acme.report_connector("vllm", "engine-1/worker", {"loaded_tokens": 384, "saved_tokens": 512})
+        acme.report_connector("vllm", "engine-2/worker", {"loaded_tokens": 128, "load_seconds": 0.25})
+        acme.report_connector("vllm", "engine-1/worker", {"loaded_tokens": 512, "saved_tokens": 640})  # cumulative
+        beta.report_connector("vllm", "engine-9/scheduler", {"looked_up_tokens": 99})
     with KVClient(auth_server.url, token=ADMIN) as admin:
         rows = {(r["namespace"], r["engine"]): r for r in admin.admin.connectors()}
         text = admin.metrics()
     acme_row = rows[("acme", "vllm")]
-    assert acme_row["hit_tokens"] == 640 and acme_row["saved_tokens"] == 640 and acme_row["instances"] == 2
-    assert rows[("beta", "vllm")]["miss_tokens"] == 99
-    assert 'kvstore_connector_hit_tokens_total{engine="vllm",namespace="acme"} 640.0' in text
+    assert (acme_row["looked_up_tokens"], acme_row["offered_tokens"], acme_row["loaded_tokens"],
+            acme_row["saved_tokens"], acme_row["instances"]) == (1024, 640, 640, 640, 3)
+    assert acme_row["hit_ratio"] == 640 / 1024  # loaded over looked up, across the row's instances
+    assert rows[("beta", "vllm")]["looked_up_tokens"] == 99 and rows[("beta", "vllm")]["hit_ratio"] == 0
+    for name, value in (("looked_up_tokens", 1024), ("offered_tokens", 640), ("loaded_tokens", 640),
+                        ("saved_tokens", 640)):
+        assert f'kvstore_connector_{name}_total{{engine="vllm",namespace="acme"}} {value:.1f}' in text
+    assert "# HELP kvstore_connector_looked_up_tokens_total Prompt tokens the engines asked" in text
+
+
+def test_a_connector_from_before_the_split_still_reports_its_other_counters(server):
+    """``hit_tokens`` and ``miss_tokens`` counted what the store held, whether or not the engine took it:
+    a server takes a report that carries them and keeps the rest."""
+    with KVClient(server.url) as old:
+        old.report_connector("vllm", "engine-0/scheduler", {"lookups": 3, "hit_tokens": 384, "miss_tokens": 128})
+        old.report_connector("vllm", "engine-0/worker", {"loaded_tokens": 256, "saved_tokens": 128})
+    row = server.svc.connectors.summary()[0]
+    assert (row["lookups"], row["loaded_tokens"], row["saved_tokens"]) == (3, 256, 128)
+    assert "hit_tokens" not in row and "miss_tokens" not in row
+    assert row["hit_ratio"] is None  # nothing counted as looked up: no ratio rather than a made-up one
 
 
 @pytest.mark.parametrize("body, field", [
     ({"engine": "vLLM!", "instance": "i", "counters": {}}, "engine"),
     ({"engine": "vllm", "instance": "has space", "counters": {}}, "instance"),
     ({"engine": "vllm", "instance": "i", "counters": {"rm -rf": 1}}, "counters"),
+    ({"engine": "vllm", "instance": "i", "counters": {"looked_up_tokens": -1}}, "counters.looked_up_tokens"),
+    ({"engine": "vllm", "instance": "i", "counters": {"offered_tokens": True}}, "counters.offered_tokens"),
+    # a retired name is still checked before it is dropped
     ({"engine": "vllm", "instance": "i", "counters": {"hit_tokens": -1}}, "counters.hit_tokens"),
-    ({"engine": "vllm", "instance": "i", "counters": {"hit_tokens": True}}, "counters.hit_tokens"),
     ({"engine": "vllm", "instance": "i", "counters": []}, "counters"),
 ])
 def test_bad_reports_get_422_naming_the_field(server, body, field):
@@ -242,7 +263,7 @@ def test_bad_reports_get_422_naming_the_field(server, body, field):
 
 
 def test_a_report_needs_a_token_granting_the_namespace(auth_server):
-    body = {"engine": "vllm", "instance": "i", "counters": {"hit_tokens": 1}}
+    body = {"engine": "vllm", "instance": "i", "counters": {"looked_up_tokens": 1}}
     assert httpx.post(f"{auth_server.url}/v1/connectors/report", json=body).status_code == 401
     resp = httpx.post(f"{auth_server.url}/v1/connectors/report", json=body,
                       headers={"authorization": f"Bearer {ACME}", "x-kv-namespace": "beta"})

@@ -2,7 +2,7 @@
 
 vLLM runs in a venv of its own (``bench.engines``: ``.ci/run`` makes it), one engine
 per process (``bench/vllm_driver.py``), on a seeded random Llama saved to disk. Engines
-start about six times in this module: each costs seconds, so fixtures are module-wide and
+start about seven times in this module: each costs seconds, so fixtures are module-wide and
 the tests run in file order. Where the venv is missing the tests skip, unless
 ``KVSTORE_REQUIRE_VLLM=1`` (set by ``.ci/run``) makes that a failure.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from client_sdk import KVClient
 from kvstore.integrations.weights import weights_fingerprint
 from kvstore.keys import block_hashes
 from kvstore.spec import KVSpec
-from tests.conftest import require_venv
+from tests.conftest import require_venv, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -109,10 +110,11 @@ def engine2(python, model, work, server_a, engine1):  # started after engine1 st
         yield engine
 
 
-def wait_stored(url: str, spec: KVSpec, tokens: list[int], want: int, timeout_s: float = 20.0) -> int:
+def wait_stored(url: str, spec: KVSpec, tokens: list[int], want: int, timeout_s: float = 20.0,
+                namespace: str = NS) -> int:
     """Saves run in the background after the step: poll until ``want`` tokens are found."""
     deadline = time.monotonic() + timeout_s
-    with KVClient(url, namespace=NS, plan=False) as client:
+    with KVClient(url, namespace=namespace, plan=False) as client:
         while True:
             got = client.lookup(spec, tokens)
             if got >= want or time.monotonic() > deadline:
@@ -186,22 +188,118 @@ def test_kv_put_by_transformers_is_a_hit_for_vllm_and_the_reverse(engine1, engin
     assert greedy(s[n:], cache_from_kv(kv, hf.config)) == greedy(s)
 
 
+FIGURES = ("looked_up_tokens", "offered_tokens", "loaded_tokens", "saved_tokens")
+
+
+def connector_row(admin: KVClient, namespace: str) -> dict | None:
+    return next((r for r in admin.admin.connectors() if r["namespace"] == namespace and r["engine"] == "vllm"), None)
+
+
+def settled_row(url: str, namespace: str, ready) -> tuple[dict, str]:
+    """The namespace's connector row once ``ready(row)``, and a ``/metrics`` text scraped while it held still.
+
+    A connector's scheduler and worker report apart, every few seconds each: poll until they agree.
+    """
+    seen: list[dict | None] = [None]
+    with KVClient(url) as admin:
+        def read() -> tuple[dict, str] | None:
+            row = seen[0] = connector_row(admin, namespace)
+            if row is None or not ready(row):
+                return None
+            text = admin.metrics()
+            again = connector_row(admin, namespace)
+            return (row, text) if all(again[k] == row[k] for k in FIGURES) else None
+        try:
+            return wait_until(read, timeout_s=30, what=f"the connectors' reports in {namespace}", step_s=0.2)
+        except pytest.fail.Exception as exc:
+            raise AssertionError(f"{exc}; the last row: {seen[0]}") from None
+
+
+def exported(text: str, namespace: str, row: dict) -> None:
+    """``/metrics`` shows the four figures of ``row``."""
+    for name in FIGURES:
+        assert f'kvstore_connector_{name}_total{{engine="vllm",namespace="{namespace}"}} {float(row[name])}' in text
+
+
 def test_the_connector_counts_show_on_the_server(server_a):
-    deadline = time.monotonic() + 20
-    with KVClient(server_a.url) as admin:
-        while True:
-            rows = [r for r in admin.admin.connectors() if r["namespace"] == NS and r["engine"] == "vllm"]
-            # scheduler (lookups) and worker (loads, saves) report apart, every few seconds each
-            if rows and rows[0]["hit_tokens"] >= 384 + 256 + 384 and rows[0]["saved_tokens"] >= 1024 and \
-                    rows[0]["loaded_tokens"] >= 384 + 256 + 384:
-                break
-            assert time.monotonic() < deadline, rows
-            time.sleep(0.1)
-        row = rows[0]
-        assert row["load_errors"] == 0 and row["save_errors"] == 0 and row["lookup_errors"] == 0
-        assert row["miss_tokens"] > 0 and row["instances"] >= 4  # scheduler and worker of two engines
-        text = admin.metrics()
-    assert f'kvstore_connector_hit_tokens_total{{engine="vllm",namespace="{NS}"}}' in text
+    loaded = 384 + 256 + 384  # what engine2 took from kvstore in the tests above
+    row, text = settled_row(server_a.url, NS, lambda r: r["loaded_tokens"] >= loaded and r["saved_tokens"] >= 1024
+                            and r["offered_tokens"] == r["loaded_tokens"])
+    assert row["load_errors"] == 0 and row["save_errors"] == 0 and row["lookup_errors"] == 0
+    assert row["instances"] >= 4  # scheduler and worker of two engines
+    # these engines run without vLLM's own prefix cache: every prompt token but those offered was recomputed
+    assert row["looked_up_tokens"] > row["offered_tokens"]
+    assert row["hit_ratio"] == pytest.approx(row["loaded_tokens"] / row["looked_up_tokens"])
+    exported(text, NS, row)
+
+
+# -- the four figures against vLLM's own: an engine with its prefix cache on ------------------------
+
+PC_NS = "vllm-prefix-cache"
+_TRANSFER_LINE = re.compile(r"KV Transfer metrics: (.*)$", re.M)
+_RATE_LINE = re.compile(r"Prefix cache hit rate: ([\d.]+)%.*External prefix cache hit rate: ([\d.]+)%")
+
+
+def vllm_stats(log: str) -> dict:
+    """What vLLM logged of one stretch of its log: the connector's counters summed over its "KV Transfer
+    metrics" lines (``hit_ratio`` checked on each), and the last local and external prefix-cache hit rates."""
+    summed: dict[str, float] = {}
+    for m in _TRANSFER_LINE.finditer(log):
+        line = {k: float(v) for k, v in (kv.split("=") for kv in m.group(1).split(", "))}
+        if line.get("looked_up_tokens"):  # the connector's own ratio: loaded over looked up, interval by interval
+            assert line["hit_ratio"] == round(line.get("loaded_tokens", 0) / line["looked_up_tokens"], 4), line
+        for k, v in line.items():
+            summed[k] = summed.get(k, 0) + v
+    rates = _RATE_LINE.findall(log)
+    assert rates, "vLLM logged no prefix-cache hit rates"
+    local, external = rates[-1]
+    return {**{k: int(summed.get(k, 0)) for k in FIGURES}, "local_rate": float(local), "external_rate": float(external)}
+
+
+def test_the_four_figures_agree_with_what_vllm_counts(python, model, work, server_a, spec, ref):
+    """vLLM's own prefix cache on, as in production: a prompt it holds itself is looked up past that part
+    only, and neither offered nor loaded. Each stretch is checked against what vLLM reports: each request's
+    cached tokens (its own cache plus kvstore's), and its local and external prefix-cache hit rates."""
+    p, short = prompt(512, 21), prompt(16, 22)
+    looked_up = 512 + 128 + len(short) + 512
+    # INFO: vLLM's stats lines; every step: each stretch of the log holds its own steps' lines
+    env = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_LOG_STATS_INTERVAL": "0.001"}
+    with VLLMEngine(python, model, work / "counted.log", connector="kvstore", env=env, prefix_caching=True,
+                    kv_config={"url": server_a.url, "namespace": PC_NS}, max_model_len=MAX_LEN) as engine:
+        def run(tokens: list[int]) -> tuple[list[int], int, dict]:
+            start = engine.log.stat().st_size
+            out = engine.generate([tokens])
+            assert out["tokens"][0] == ref(tokens)
+            return tokens, out["cached"][0], vllm_stats(engine.log.read_bytes()[start:].decode(errors="replace"))
+
+        first = run(p)  # held by neither vLLM nor kvstore: all looked up, nothing offered; the prompt is saved
+        assert wait_stored(server_a.url, spec, p, 512, namespace=PC_NS) == 512
+        repeat = run(p)  # vLLM's cache holds 384 (never the last token): the 128 past them looked up, none offered
+        # vLLM keeps a finished request's blocks until a step reports its save done, and cannot empty a cache
+        # whose blocks are held: a step of a short prompt (no whole block: nothing to save) reports it
+        flush = run(short)
+        engine.call(cmd="reset_prefix_cache")
+        fresh = run(p)  # vLLM's cache emptied: kvstore offers its 384, and they are loaded
+        row, text = settled_row(server_a.url, PC_NS, lambda r: r["looked_up_tokens"] >= looked_up
+                                and r["loaded_tokens"] >= 384 and r["saved_tokens"] >= 512)
+    stretches = (first, repeat, flush, fresh)
+    for (asked, cached, got), want in zip(stretches, ((0, 512, 0), (384, 128, 0), (0, len(short), 0), (384, 512, 384))):
+        assert (cached, got["looked_up_tokens"], got["offered_tokens"]) == want, got
+        assert got["loaded_tokens"] == got["offered_tokens"]
+        # vLLM's cached tokens are its own prefix-cache hit plus what it took from kvstore; its own hit is
+        # what it did not look up
+        assert cached == (len(asked) - got["looked_up_tokens"]) + got["offered_tokens"]
+    # vLLM's rates, as its log prints them. The external one over every request so far (vLLM's
+    # reset_prefix_cache leaves it): offered over looked up. The local one since the reset.
+    assert repeat[2]["local_rate"] == round(100 * 384 / 1024, 1) and repeat[2]["external_rate"] == 0.0
+    assert fresh[2]["local_rate"] == 0.0 and fresh[2]["external_rate"] == round(100 * 384 / looked_up, 1)
+    # the server's row: the totals vLLM's lines carried, whatever the reports' timing; and the prompt saved
+    # once (a save's count reaches vLLM's stats with a later step, so it is left out of the lines' sum)
+    assert {k: row[k] for k in FIGURES} == {"looked_up_tokens": looked_up, "offered_tokens": 384,
+                                           "loaded_tokens": 384, "saved_tokens": 512}
+    assert all(row[k] == sum(got[k] for _, _, got in stretches) for k in FIGURES[:3])
+    assert row["hit_ratio"] == 384 / looked_up and row["load_errors"] == row["failed_blocks"] == 0
+    exported(text, PC_NS, row)
 
 
 # -- integrity and faults: one engine against a server on nvme alone, restarted in between ----------
