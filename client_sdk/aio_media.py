@@ -108,7 +108,14 @@ class AsyncShmPath:
             async with self._lock:
                 if colo.undecided:
                     await self.run(colo.pick_flow())
-        return colo.current()
+        arena = colo.current()
+        if arena is not None and arena.accesses.on_pending is None:
+            # reads added to an empty log (maybe in a copy's worker thread) are reported once of
+            # age, even when no later read asks: a timer on this loop
+            loop, log_ = asyncio.get_running_loop(), arena.accesses
+            arena.accesses.on_pending = lambda: loop.call_soon_threadsafe(loop.call_later, log_.max_age_s,
+                                                                          self.report)
+        return arena
 
     async def run(self, flow: Any) -> Any:
         return await adrive(flow, self.http.run, off_loop)
@@ -138,7 +145,7 @@ class AsyncShmPath:
         return await self.run(put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace))
 
     async def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
-        return await self.run(blocks_exist_flow(self.colocation, await self.arena(), keys))
+        return await self.run(blocks_exist_flow(self.colocation, await self.arena(), keys, self.namespace))
 
     async def get_blocks_into(self, keys: list[BlockHash], sink: c.BlockSink) -> list[bool]:
         return await self.run(get_blocks_into_flow(self.colocation, await self.arena(), keys, sink, self.namespace,

@@ -16,7 +16,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from client_sdk._common import VERIFIED_VIEW, BlockSink, ClientStats, give_frame
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, KVStoreError, ServiceError
-from kvstore.keys import block_hashes
+from kvstore.keys import block_hashes, meta_prefix
 from kvstore.memory.shm import SHM_DIR, IndexHit, ShmReader, ShmSlotWriter, SlotHandle
 from kvstore.spec import KVSpec
 from kvstore.wire.rest import MAX_TOUCH_KEYS
@@ -205,6 +205,9 @@ class AccessLog:
 
     def __init__(self, max_keys: int = 4096, max_age_s: float = 1.0) -> None:
         self.max_keys, self.max_age_s = max_keys, max_age_s
+        self.on_pending: Callable[[], None] | None = None
+        """Called (outside the lock, from the reading thread) when a read is added to an empty log:
+        the client then sends the report within ``max_age_s`` even if no further read comes."""
         self._counts: dict[str, int] = {}
         self._reads = self._gets = self._requested = self._hit = 0
         self._since: float | None = None
@@ -219,8 +222,11 @@ class AccessLog:
             self._gets += 1
             self._requested += requested
             self._hit += hit
-            if self._since is None:
+            first = self._since is None
+            if first:
                 self._since = time.monotonic()
+        if first and self.on_pending is not None:
+            self.on_pending()
 
     def due(self) -> bool:
         # One read of _since: the reporter thread's drain() may set it to None in between.
@@ -306,15 +312,22 @@ class Arena:
             self.handles.remember(new)
         return found  # type: ignore[return-value]
 
-    def blocks_by_key(self, hexes: Sequence[str], keys: Sequence[bytes]) -> list[dict | None]:
+    def blocks_by_key(self, hexes: Sequence[str], keys: Sequence[bytes], namespace: str) -> list[dict | None]:
         """The slot of each key in this arena as far as this client can tell with no request (a
-        remembered handle whose generation stands, else the shared key index), or None."""
+        remembered handle whose generation stands, else the shared key index), or None.
+
+        A key given by the caller (not hashed here from tokens under ``namespace``) may name
+        another namespace's block: one the index finds counts only when its frame's metadata
+        names ``namespace``, read under the slot's seqlock (the server's answers are checked so).
+        """
         found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
         ask = [i for i, b in enumerate(found) if b is None]
         if ask and self.reader.indexed:
             new = []
+            prefix = meta_prefix(namespace)
             for i, hit in zip(ask, self.reader.look_up([keys[j] for j in ask])):
-                if hit is not None:
+                if hit is not None and codec_mod.meta_starts_with(self.reader.frame_view(hit.handle), prefix) \
+                        and self.reader.current(hit.handle):
                     found[i] = _indexed(hexes[i], hit)
                     new.append(found[i])
             self.handles.remember(new)

@@ -98,6 +98,7 @@ class KVClient(ClientShell):
                          colocated=colocated, buffer_pool_bytes=buffer_pool_bytes, plan=plan, slo_s=slo_s,
                          redis_url=redis_url, agent=agent)
         self._reporter = _Reporter(self)
+        self.colocation.on_pending = self._reporter.start
         self.shm = ShmPath(self.http, self.colocation, self.pool, c.OutViews(), self._reporter.soon)
         self._http_medium = HttpMedium(self.http, self.pool)
         self._inproc = inproc
@@ -324,6 +325,10 @@ class KVClient(ClientShell):
                 break
 
 
+AGE_CHECK_S = 0.25
+"""How often the report thread looks whether pending reads have come of age (``AccessLog.max_age_s``)."""
+
+
 class _Reporter:
     """The client's report thread: access reports and decisions leave here, so no get waits on them.
 
@@ -332,6 +337,7 @@ class _Reporter:
 
     def __init__(self, client: KVClient) -> None:
         self._send = client._reports
+        self._colocation = client.colocation
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._wanted = self._busy = self._closing = False
@@ -339,17 +345,33 @@ class _Reporter:
     def soon(self) -> None:
         with self._cv:
             self._wanted = True
-            if self._thread is None and not self._closing:
-                self._thread = threading.Thread(target=self._loop, name="kvstore-access-report", daemon=True)
-                self._thread.start()
+            self._start()
             self._cv.notify_all()
+
+    def start(self) -> None:
+        """Reads are pending: the thread runs (it sends them once they are ``max_age_s`` old, even
+        when no later read asks it to). Wakes nothing when it runs already: called per first read."""
+        if self._thread is None:
+            with self._cv:
+                self._start()
+
+    def _start(self) -> None:
+        if self._thread is None and not self._closing:
+            self._thread = threading.Thread(target=self._loop, name="kvstore-access-report", daemon=True)
+            self._thread.start()
+
+    def _aged(self) -> bool:
+        arena = self._colocation.arena
+        return arena is not None and arena.accesses.due()
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._wanted or self._closing)
+                self._cv.wait_for(lambda: self._wanted or self._closing or self._aged(), AGE_CHECK_S)
                 if self._closing:
                     return  # close() sends what is left
+                if not (self._wanted or self._aged()):
+                    continue
                 self._wanted, self._busy = False, True
             try:
                 self._send()

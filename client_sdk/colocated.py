@@ -133,6 +133,8 @@ class Colocation:
         self.decided: str | None = None
         """"shm" or "http" once picked; None again after a restart retired the arena."""
         self.retired: list[Arena] = []
+        self.on_pending: Callable[[], None] | None = None
+        """Handed to each arena's access log (``AccessLog.on_pending``): the client's report timer."""
 
     @property
     def undecided(self) -> bool:
@@ -155,6 +157,7 @@ class Colocation:
             try:
                 self.arena = Arena(offer["segment"], offer["staging_segment"],
                                    reserved_puts=bool(offer.get("reserved_puts")))
+                self.arena.accesses.on_pending = self.on_pending
                 self.decided = "shm"
                 return "shm"
             except KVStoreError as exc:
@@ -476,12 +479,13 @@ def put_blocks_flow(colo: Colocation, arena: Arena | None, keys: list[BlockHash]
 # -- blocks by key ------------------------------------------------------------------------------
 
 
-def blocks_exist_flow(colo: Colocation, arena: Arena | None, keys: Sequence[BlockHash]) -> Flow[list[bool]]:
+def blocks_exist_flow(colo: Colocation, arena: Arena | None, keys: Sequence[BlockHash],
+                      namespace: str) -> Flow[list[bool]]:
     """Whether each key holds a block of this namespace. Co-located, remembered slots whose
     generation stands answer without a request, and the answer's slots are remembered."""
     hexes = calls.hexes(keys)
     if arena is not None and hexes:
-        present = [b is not None for b in arena.blocks_by_key(hexes, [bytes.fromhex(h) for h in hexes])]
+        present = [b is not None for b in arena.blocks_by_key(hexes, [bytes.fromhex(h) for h in hexes], namespace)]
         ask = [i for i, here in enumerate(present) if not here]
         if not ask:
             return present
@@ -503,7 +507,7 @@ def get_blocks_into_flow(colo: Colocation, arena: Arena | None, keys: list[Block
     if arena is not None and keys:
         hexes = [k.hex() for k in keys]
         served, ask = [], []
-        for i, b in enumerate(arena.blocks_by_key(hexes, keys)):
+        for i, b in enumerate(arena.blocks_by_key(hexes, keys, namespace)):
             if b is not None and arena.read_block(b["handle"], b.get("checksum"), namespace, i, sink, stats):
                 done[i] = True
                 served.append(b)

@@ -47,6 +47,8 @@ from kvstore.spec import DTYPES
 
 __all__ = [
     "transcode",
+    "layout_prefix",
+    "meta_starts_with",
     "SAME_SIZE_INTS",
     "int_view",
     "Codec",
@@ -588,6 +590,17 @@ def read_header(frame: Any, *, prefix: bool = False) -> FrameHeader:
     if header.frame_len != len(mv) and not (prefix and header.frame_len >= len(mv)):
         raise CorruptFrame(f"frame is {len(mv)} bytes but its header says {header.frame_len}")
     return header
+
+
+def meta_starts_with(frame: Any, prefix: bytes) -> bool:
+    """Whether a frame's metadata starts with ``prefix``, read without parsing or checking its
+    header (for a frame someone trusted verified whole: a reader under a seqlock, who checks the
+    slot did not change meanwhile). False for bytes too short to hold it."""
+    mv = _bytes_view(frame)
+    if len(mv) < _FIXED.size:
+        return False
+    start = _header_len(mv[10])  # the fixed part's ndim byte
+    return bytes(mv[start:start + len(prefix)]) == prefix
 
 
 def layout_prefix(frame: Any, ndim: int) -> bytes:

@@ -26,6 +26,7 @@ from kvstore.spec import KVSpec
 
 __all__ = [
     "BlockHash",
+    "meta_prefix",
     "HASH_BYTES",
     "root_hash",
     "block_hashes",
@@ -164,6 +165,11 @@ def block_meta(namespace: str, spec_fingerprint: str, depth: int, **extra: Any) 
     """
     return json.dumps({"v": 1, "ns": validate_namespace(namespace), "spec": spec_fingerprint, "depth": depth,
                        **extra}, separators=(",", ":")).encode()
+
+
+def meta_prefix(namespace: str) -> bytes:
+    """How every ``block_meta`` of ``namespace`` begins: a reader checks a frame's namespace by it."""
+    return b'{"v":1,"ns":' + json.dumps(validate_namespace(namespace)).encode() + b","
 
 
 def named_key(namespace: str, domain: str, name: str) -> BlockHash:

@@ -228,7 +228,8 @@ _MAX_TOUCH_COUNT = 1 << 30
 
 @router.post("/v1/kv/touch")
 async def kv_touch(request: Request) -> dict:
-    """Reads a co-located client served from slot handles it remembered: counted as gets.
+    """Reads a co-located client served with no request (the arena's key index, remembered slots):
+    counted as gets, as reads for heat and, by the caller's agent, for learning hand-offs.
 
     Body: ``{"keys": [hex], "counts": [n], "gets": n, "tokens_requested": n, "tokens_hit": n}``;
     ``counts`` (optional, default 1 each) says how many reads of each key.
@@ -252,12 +253,17 @@ async def kv_touch(request: Request) -> dict:
     if counts["tokens_hit"] > counts["tokens_requested"]:
         raise field_error(InvalidInput("cannot exceed tokens_requested"), "tokens_hit")
     wanted = parse_keys(keys)
-    return {"touched": await svc.run(_touch, svc, ns, wanted, reads, counts)}
+    return {"touched": await svc.run(_touch, svc, ns, wanted, reads, counts, agent_of(request))}
 
 
-def _touch(svc: Service, ns: str, keys: list, reads: list[int], counts: dict[str, int]) -> int:
+def _touch(svc: Service, ns: str, keys: list, reads: list[int], counts: dict[str, int], agent: str | None) -> int:
     mine = [(k, n) for k, n, e in zip(keys, reads, svc.store.core.entries_of(keys)) if e is not None and e.namespace == ns]
     svc.store.core.touch([k for k, _ in mine], [n for _, n in mine])
+    if agent is not None and counts["gets"]:
+        # reads served with no request teach hand-offs as a get does: a report mixes several
+        # gets' keys, so each key is offered on its own (a chain is known by its last key)
+        for k, _ in mine:
+            svc.store.locality.handoffs.read([k], ns, agent)
     svc.store.core.count(get_calls=counts["gets"], tokens_requested=counts["tokens_requested"],
                          tokens_hit=counts["tokens_hit"])
     if counts["gets"]:

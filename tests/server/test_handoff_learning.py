@@ -62,6 +62,8 @@ def test_a_candidate_policy_without_prefetch_stops_it_and_rollback_restores_it(s
             toks = ctx + list(range(1000 * (i + 1), 1000 * (i + 1) + 16))
             planner.put_kv(spec, toks, make_kv(spec, len(toks)))
             coder.get_kv(spec, toks)
+        # co-located reads need no request: the server learns of them from the coder's report
+        _until(lambda: server.store.locality.handoffs.describe().get("team", {}).get("handoffs") == 2)
         resp = httpx.post(f"{server.url}/admin/policy", json={
             "action": "candidate", "policy": {"version": 2, "prefetch": False}, "fraction": 1.0}, timeout=10)
         assert resp.status_code == 200, resp.text
