@@ -15,7 +15,7 @@ from typing import Mapping
 from kvstore.codec import Codec
 from kvstore.errors import InvalidInput
 
-__all__ = ["Settings", "parse_size", "TIER_KINDS"]
+__all__ = ["Settings", "parse_size", "parse_rate", "TIER_KINDS", "SCRUB_BYTES_PER_S"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -27,6 +27,10 @@ _MAX_SIZE = 2**60
 _REDIS_URL = re.compile(r"^(redis|rediss|redis\+cluster)://")
 TIER_KINDS = ("memory", "device", "shm", "cxl", "redis", "nvme")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SCRUB_BYTES_PER_S = 256 * 2**20
+"""The background scrub's default rate, bytes per second: xxh3 hashes an arena's frames (out of
+cache) at ~8 GB/s here, so 3% of a core in hashing; the scrub thread measured 4.8% in all
+(``kvstore.engine.scrub``; docs/design.md, "Verified once")."""
 
 
 def parse_size(text: str | int) -> int:
@@ -46,6 +50,19 @@ def parse_size(text: str | int) -> int:
     if not 0 < value <= _MAX_SIZE:
         raise InvalidInput(f"a size must be positive and at most 1 EiB, got {text!r}")
     return value
+
+
+def parse_rate(text: str | int) -> int:
+    """Bytes per second from ``"256MiB"``, ``268435456`` or ``0`` (off): a size, or zero.
+
+    Raises:
+        InvalidInput: anything else.
+    """
+    if isinstance(text, bool):
+        raise InvalidInput(f"a rate is bytes per second, e.g. 256MiB, or 0; got {text!r}")
+    if text == 0 or (isinstance(text, str) and text.strip() == "0"):
+        return 0
+    return parse_size(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +94,17 @@ class Settings:
     """Frame bytes kvstore may keep in Redis, shared by every server on that keyspace (KVSTORE_REDIS_BYTES)."""
     redis_keyspace: str = "default"
     """Key prefix part, so several deployments can share one Redis (KVSTORE_REDIS_KEYSPACE)."""
+    scrub_bytes_per_s: int = SCRUB_BYTES_PER_S
+    """How fast the background scrub re-hashes the shm and cxl arenas, bytes per second (e.g.
+    256MiB); 0 turns it off. Damage at rest is found within arena bytes / rate seconds
+    (KVSTORE_SCRUB_BYTES_PER_S)."""
 
     def __post_init__(self) -> None:
         # Accept "4GiB" as well as ints; store plain bytes and the canonical codec name.
         for f in fields(self):
             if f.name.endswith("_bytes"):
                 object.__setattr__(self, f.name, parse_size(getattr(self, f.name)))
+        object.__setattr__(self, "scrub_bytes_per_s", parse_rate(self.scrub_bytes_per_s))
         object.__setattr__(self, "codec", Codec.parse(self.codec).value)
         object.__setattr__(self, "tiers", ",".join(self.tier_names()))
         if self.cxl_node is not None and (isinstance(self.cxl_node, bool) or not isinstance(self.cxl_node, int)
@@ -132,6 +154,8 @@ class Settings:
 def _parse_field(name: str, raw: str) -> object:
     if name.endswith("_bytes"):
         return parse_size(raw)
+    if name.endswith("_bytes_per_s"):
+        return parse_rate(raw)
     if name == "cxl_node":
         if not raw.strip():
             return None

@@ -111,6 +111,20 @@ class _StoreCollector:
                      "tokens_requested", "tokens_hit", "corrupt_blocks", "stale_blocks", "tier_errors"):
             ops.add_metric([name], getattr(s.counters, name))
         yield ops
+        sc = s.scrub or {}
+        for name, key, doc in (
+                ("verify_behind_blocks", "verified_blocks", "Frames the server verified right after their publish."),
+                ("verify_behind_bytes", "verified_bytes", "Bytes of the frames verified right after their publish."),
+                ("scrub_blocks", "scrubbed_blocks", "Arena frames re-verified by the scrubber."),
+                ("scrub_bytes", "scrubbed_bytes", "Arena bytes re-verified by the scrubber."),
+                ("scrub_cycles", "cycles", "Scrub cycles completed over every arena block."),
+                ("scrub_damaged", "damaged_found", "Damaged frames the verifier or scrubber found and dropped.")):
+            yield CounterMetricFamily(f"kvstore_{name}", doc, value=sc.get(key, 0))
+        yield GaugeMetricFamily("kvstore_scrub_last_cycle_seconds", "How long the last scrub cycle took.",
+                                value=sc.get("last_cycle_s", 0.0))
+        yield GaugeMetricFamily("kvstore_scrub_rate_bytes_per_second",
+                                "The scrubber's rate (KVSTORE_SCRUB_BYTES_PER_S; 0: off).",
+                                value=sc.get("rate_bytes_per_s", 0))
         for name, value in self._extra().items():
             yield GaugeMetricFamily(f"kvstore_{name}", f"Service figure {name}.", value=value)
 

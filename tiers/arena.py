@@ -10,7 +10,9 @@ Stamps. Each publish of a slot (a put, a move by compaction) takes a new stamp f
 tier-wide count, never reused, so a slot whose stamp is unchanged holds the bytes it
 held then. A reader that checked those bytes may ``vouch`` for them at that stamp, and
 ``read_vouched`` tells the next reader so: the store then skips hashing a frame again
-(``kvstore/engine/frames.py``). The note lives on the slot and goes with its publication.
+(``kvstore/engine/frames.py``). The note lives on the slot and goes with its publication, except
+that a compaction move, which copies checked bytes within the arena, keeps it (the store's
+scrubber re-checks every slot in its cycle: ``kvstore/engine/scrub.py``).
 
 Concurrency. One lock guards the maps; bytes move outside it. A put reserves
 its range under the lock, fills it unlocked and publishes under the lock, so an
@@ -495,8 +497,12 @@ class ArenaTier(Tier):
         self._move(moves)
         moved = {m.src: m.dst for m in moves}
         for key, slot in live:
+            vouched = slot.vouched
             slot.offset = moved.get(slot.offset, slot.offset)
             self._publish_stamped(key, slot)
+            if vouched:  # the bytes that were checked, moved in memory: still checked (the scrub re-checks)
+                slot.vouched = True
+                self._vouched(slot)
         self._compactions += 1
 
     def _check_open(self) -> None:

@@ -179,6 +179,9 @@ def _serve_parser(sub: Any) -> None:
     flag("--tier-codecs", default=None, help="per-tier codecs, e.g. redis=raw (KVSTORE_TIER_CODECS)")
     for name in ("memory", "device", "shm", "cxl", "nvme", "redis"):
         flag(f"--{name}-bytes", default=None, help=f"{name} tier capacity, e.g. 1GiB (KVSTORE_{name.upper()}_BYTES)")
+    flag("--scrub-bytes-per-s", default=None,
+         help="how fast the shm and cxl arenas are re-hashed in the background, e.g. 256MiB; 0: off "
+              "(KVSTORE_SCRUB_BYTES_PER_S, default 256MiB)")
     flag("--max-body-bytes", default=None, help="request body limit; more gets 413 (KVSTORE_MAX_BODY_BYTES)")
     flag("--max-inflight-bytes", default=None,
          help="memory all request bodies in flight may hold; past it 503 (KVSTORE_MAX_INFLIGHT_BYTES; "
@@ -365,6 +368,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine = Settings.from_env()
         changes = {k: v for k, v in {
             "data_dir": args.data_dir, "redis_url": args.redis_url, "tiers": args.tiers, "codec": args.codec,
+            "scrub_bytes_per_s": args.scrub_bytes_per_s,
             **{f"{n}_bytes": getattr(args, f"{n}_bytes") for n in ("memory", "device", "shm", "cxl", "nvme", "redis")},
         }.items() if v is not None}
         engine = dataclasses.replace(engine, **changes)

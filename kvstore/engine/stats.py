@@ -34,6 +34,10 @@ class StoreStats:
     block routes, co-located reads reported back): with ``tokens_hit`` it splits hits by tier.
     The one account of reads by tier: ``/admin/stats``, ``/admin/tiers``, ``/metrics``
     (``kvstore_tier_reads_total``), the dashboard and ``kvstore stats`` all report this."""
+    scrub: dict[str, Any] = field(default_factory=dict)
+    """The background verifier and scrubber (``kvstore.engine.scrub.ScrubStats``): frames verified
+    behind their publish, blocks and bytes scrubbed, cycles completed and the last one's length,
+    damaged frames they found (``counters.corrupt_blocks`` counts those with the readers')."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

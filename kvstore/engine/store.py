@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from kvstore.codec import Codec
-from kvstore.config import Settings
+from kvstore.config import SCRUB_BYTES_PER_S, Settings
 from kvstore.errors import InvalidInput, InvalidKV, StoreClosed, TierError
 from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.events import DEFAULT_CAPACITY, EventLog
@@ -39,6 +39,7 @@ from kvstore.engine.puts import Puts, check_finite, tier_codecs_of
 from kvstore.engine.recovery import recover
 from kvstore.engine.reserved import Reservation, ReservedPuts
 from kvstore.engine.reads import decode_chain
+from kvstore.engine.scrub import Scrubber
 from kvstore.engine.shared import SharedTier, WritePolicy, find_shared
 from kvstore.engine.stats import StoreStats
 from kvstore.keys import BlockHash, block_hashes, check_key, iter_block_hashes, normalize_tokens
@@ -64,8 +65,8 @@ class KVStore:
         tier_policies: per-tier ``TierPolicy`` fields by tier name, e.g.
             ``{"shm": {"high_watermark_frac": 0.8}}``.
         scorer: heat strategy (default: decayed access rate).
-        background: run the placement mover in a thread; tests and the
-            simulator call ``run_placement()`` themselves instead.
+        background: run the placement mover and the scrubber in threads; tests and the simulator
+            call ``run_placement()`` themselves instead (and frames are hashed by their readers).
         write_policy: when blocks reach a shared tier (Redis), if there is one:
             ``write_through``, ``write_back``, ``selective`` (or a ``WritePolicy``).
         clock: a function returning seconds, non-decreasing (default ``time.time``).
@@ -80,6 +81,7 @@ class KVStore:
             must not) and entries keep wall time, as before.
         event_capacity: events kept for subscribers (``kvstore.engine.events``): how far one may fall
             behind before it must resynchronise from a snapshot.
+        scrub_bytes_per_s: the scrub's rate over the shm and cxl arenas, bytes/s; 0: off (``scrubber``).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class KVStore:
         write_policy: str | WritePolicy = "write_through",
         clock: Callable[[], float] | None = None,
         event_capacity: int = DEFAULT_CAPACITY,
+        scrub_bytes_per_s: int = SCRUB_BYTES_PER_S,
     ) -> None:
         tiers = list(tiers)
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
@@ -146,9 +149,12 @@ class KVStore:
         hand-offs learned per namespace from the agents' puts and reads."""
         self.hints = SpecHints(core)
         """The specs stored per namespace and model, for a missed get's hint (``kvstore.engine.hints``)."""
+        self.scrubber = Scrubber(core, bytes_per_s=scrub_bytes_per_s)
+        """Verifies frames published into shm and cxl arenas, and scrubs them (``kvstore.engine.scrub``)."""
         self.recovered = recover(core)
         if background:
             self._mover.start()
+            self.scrubber.start()
 
     # -- public API -------------------------------------------------------------
 
@@ -519,9 +525,7 @@ class KVStore:
         blocks, frame_bytes, raw_bytes = self.core.totals()
         counters = self.core.counters()
         return StoreStats(
-            blocks=blocks,
-            frame_bytes=frame_bytes,
-            raw_bytes=raw_bytes,
+            blocks=blocks, frame_bytes=frame_bytes, raw_bytes=raw_bytes,
             codec_bytes_saved=raw_bytes - frame_bytes,
             counters=counters,
             tiers=[t.stats() for t in self.core.tiers],
@@ -529,12 +533,14 @@ class KVStore:
             heat=self.placement.scorer_state(),
             shared=self._shared.stats() if self._shared is not None else {},
             reads_by_tier=self.core.reads_by_tier(),
+            scrub=self.scrubber.stats(),
         )
 
     def close(self) -> None:
         """Close every tier. Idempotent; the store refuses calls afterwards."""
         if self.core.closed:
             return
+        self.scrubber.close()  # it reads the arenas: stopped before they close
         self.prefetcher.close()
         self._mover.stop()  # no move may start against tiers that are closing
         self.reservations.close()
@@ -570,24 +576,19 @@ class EmbeddedStore(KVStore):
         codec, tier_codecs: as for ``KVStore``; ``codec`` defaults to the settings'.
         settings: defaults to ``Settings.from_env()``.
         placement: ``placement``, ``tier_policies``, ``scorer``, ``background``, ``write_policy``,
-            ``clock``, as for ``KVStore``.
+            ``clock``, as for ``KVStore``. The scrub's rate is the settings' ``scrub_bytes_per_s``.
     """
 
-    def __init__(
-        self,
-        tiers: Sequence[Tier] | None = None,
-        *,
-        codec: str | Codec | None = None,
-        tier_codecs: Mapping[str, str | Codec] | None = None,
-        settings: Settings | None = None,
-        **placement: Any,
-    ) -> None:
+    def __init__(self, tiers: Sequence[Tier] | None = None, *, codec: str | Codec | None = None,
+                 tier_codecs: Mapping[str, str | Codec] | None = None, settings: Settings | None = None,
+                 **placement: Any) -> None:
         settings = settings or Settings.from_env()
         if tiers is None:
             from kvstore.engine.build import build_tiers  # lazy: tiers import kvstore.tier
 
             tiers = build_tiers(settings)
-        super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs, **placement)
+        super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs,
+                         **{"scrub_bytes_per_s": settings.scrub_bytes_per_s, **placement})
 
 
 # -- helpers ---------------------------------------------------------------------
