@@ -300,6 +300,8 @@ class Arena:
         # A remembered slot whose generation moved on (moved, replaced) is looked up again
         found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
         ask = [i for i, b in enumerate(found) if b is None]
+        if not self.reader.owner_alive():  # the server was killed: its arena is not the store now
+            return None
         if ask:
             if not self.reader.indexed:
                 return None
@@ -320,6 +322,8 @@ class Arena:
         another namespace's block: one the index finds counts only when its frame's metadata
         names ``namespace``, read under the slot's seqlock (the server's answers are checked so).
         """
+        if not self.reader.owner_alive():  # the server was killed: its arena is not the store now
+            return [None] * len(hexes)
         found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
         ask = [i for i, b in enumerate(found) if b is None]
         if ask and self.reader.indexed:

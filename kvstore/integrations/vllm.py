@@ -299,9 +299,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                                connect_timeout_s=min(2.0, self.settings["timeout_s"]), retries=1, plan=False,
                                colocated=self.settings["colocated"])
         lookup_s = min(_LOOKUP_TIMEOUT_S, self.settings["timeout_s"])
+        # Co-located, a lookup whose blocks are all in the server's arena is answered from its
+        # shared key index with no request (``KVClient.lookup``); the rest ask over HTTP
         self._lookups = KVClient(self.settings["url"], token=self.settings["token"],
                                  namespace=self.settings["namespace"], timeout_s=lookup_s,
-                                 connect_timeout_s=lookup_s, plan=False, colocated=False,
+                                 connect_timeout_s=lookup_s, plan=False, colocated=self.settings["colocated"],
                                  retries=1)  # a kept-alive connection the server closed is redialled
         instance = f"{self._kv_transfer_config.engine_id}/{role.name.lower()}"
         self._reporter = Reporter(lambda counters: self.client.report_connector("vllm", instance, counters),

@@ -41,8 +41,10 @@ import fcntl
 import math
 import mmap
 import os
+import select
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -172,6 +174,45 @@ def lock_row(fd: int, kind: int, index: int, *, test: bool = False) -> bool:
     return True
 
 
+class _OwnerWatch:
+    """Whether an arena's owner process lives, asked on every index read: a pidfd polled with no
+    wait (about a microsecond), where the kernel has pidfds; else its start time, read from
+    ``/proc`` at most every ``RECHECK_S``."""
+
+    RECHECK_S = 0.05
+
+    def __init__(self, pid: int, ticks: int) -> None:
+        self._pid, self._ticks = pid, ticks
+        self._poll: select.poll | None = None
+        self._fd: int | None = None
+        self._dead = start_ticks(pid) != ticks or ticks == 0  # gone, or its pid reused already
+        self._checked = time.monotonic()
+        if not self._dead:
+            try:
+                self._fd = os.pidfd_open(pid)
+                self._poll = select.poll()
+                self._poll.register(self._fd, select.POLLIN)
+            except (AttributeError, OSError):  # no pidfds here: the /proc check
+                self._fd = None
+            if start_ticks(pid) != ticks:  # the pid's owner exited before the pidfd was opened
+                self._dead = True
+
+    def alive(self) -> bool:
+        if self._dead:
+            return False
+        if self._poll is not None:
+            self._dead = bool(self._poll.poll(0))  # a pidfd turns readable when its process exits
+        elif time.monotonic() - self._checked >= self.RECHECK_S:
+            self._checked = time.monotonic()
+            self._dead = start_ticks(self._pid) != self._ticks
+        return not self._dead
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = self._poll = None
+
+
 class ShmReader:
     """Attaches to a ``ShmTier``'s arena by segment name from any process.
 
@@ -187,6 +228,8 @@ class ShmReader:
         self.segment = segment
         self._fd, self._map, rows, data_at, data_bytes, index_at, buckets = _open_arena(segment, shm_dir,
                                                                                        writable=False)
+        _, _, self.owner_pid, self.owner_ticks = HEADER.unpack(self._map[:HEADER.size])[:4]
+        self._owner = _OwnerWatch(self.owner_pid, self.owner_ticks)
         self._rows = np.frombuffer(self._map, np.uint64, rows * ROW_WORDS, TABLE_AT).reshape(rows, ROW_WORDS)
         self._buckets = np.frombuffer(self._map, np.uint32, buckets, index_at) if buckets else None
         self.indexed = buckets > 0
@@ -205,6 +248,12 @@ class ShmReader:
             if gen % 2 == 0 and np.array_equal(self._rows[index, KEY:KEY + 4], want):
                 return SlotHandle(self.segment, int(index), off, length, gen)
         return None
+
+    def owner_alive(self) -> bool:
+        """Whether the server that owns this arena still runs. A server killed outright leaves its
+        arena mapped here with every slot still published: answering from it would serve blocks
+        the store no longer holds (deleted since, or never known to a restarted server)."""
+        return self._owner.alive()
 
     def look_up(self, keys: Sequence[bytes]) -> list[IndexHit | None]:
         """Each key's frame as the shared key index shows it now, or None: not in this arena (or
@@ -360,6 +409,7 @@ class ShmReader:
         with contextlib.suppress(BufferError):
             self._map.close()
         os.close(self._fd)
+        self._owner.close()
 
     def __enter__(self) -> "ShmReader":
         return self

@@ -464,3 +464,27 @@ def test_a_first_read_of_stored_blocks_makes_no_request(server, spec, how):
     # closing reported them: the get (64 tokens) and the block read (by key: no tokens of its own)
     assert counters.get_calls == 2 and counters.tokens_hit == 64
     assert server.store.entry(keys[0]).hits == 2  # the get and the block read, as placement's heat
+
+
+def test_a_killed_servers_arena_answers_nothing(tmp_path, spec):
+    """A server killed outright leaves its arena mapped in the client with every slot still
+    published. Reads that need no request must not go on answering from it: the client sees
+    the owner gone (its pidfd) and asks the server, which is not there."""
+    from bench.reliability_kit.serve_process import ServeProcess, small_env
+    from client_sdk import ConnectionFailed
+
+    srv = ServeProcess(small_env(tmp_path)).start()
+    tokens = list(range(64))
+    keys = block_hashes(spec, tokens)
+    try:
+        with KVClient(srv.url, plan=False, timeout_s=2, retries=0) as c:
+            c.put_kv(spec, tokens, make_kv(spec, 64))
+            assert c.lookup(spec, tokens) == 64 and c.blocks_exist(keys) == [True] * 4
+            assert c.get_kv(spec, tokens)[1] == 64
+            srv.kill()
+            for call in (lambda: c.lookup(spec, tokens), lambda: c.blocks_exist(keys),
+                         lambda: c.get_kv(spec, tokens)):
+                with pytest.raises(ConnectionFailed):
+                    call()
+    finally:
+        srv.stop()
