@@ -164,7 +164,8 @@ def test_key_index_matches_the_tier_after_random_churn(make_tier):
                 except TierFull:
                     tier.delete(keys[int(rng.integers(len(keys)))])
             if step % 50 == 0 or step > 2900:
-                hits = reader.look_up(keys)
+                hits = reader.look_up(keys)  # a batch: numpy's gathers
+                assert hits == [reader.look_up([k])[0] for k in keys]  # one key: scalar loads
                 for k, hit in zip(keys, hits):
                     want = tier.handle(k)
                     assert (hit is None) == (want is None), (step, k.hex())
