@@ -46,14 +46,10 @@ def check_written(top: Any, b: ReservedBlock, checksum: int, spec: KVSpec, *,
     ``checksum``. ``exact``: the slot was sized for this very frame (a reservation); a pool
     slot may be larger than the frame."""
     view = top.reserved_view(b.slot)
-    if not exact:
-        try:
-            # the header's own bytes first (at most 120: 8 dims), then the frame it says it is
-            view = view[:codec_mod.read_header(view[:min(len(view), 128)], prefix=True).frame_len]
-        except FrameError as exc:
-            raise CorruptFrame(f"block {b.depth}: the frame written into its slot is damaged: {exc}") from None
     try:
-        header = codec_mod.read_header(view)
+        # A pool slot may be longer than its frame: parse the header alone (at most 120 bytes: 8
+        # dims; its own checksum checked), then hold the frame to the length it says it is
+        header = codec_mod.read_header(view if exact else view[:min(len(view), 128)], prefix=not exact)
     except FrameError as exc:
         raise CorruptFrame(f"block {b.depth}: the frame written into its slot is damaged: {exc}") from None
     want = spec.kv_shape(spec.block_tokens)
