@@ -27,6 +27,7 @@ from typing import Any, Callable, Generator, Iterator
 
 import torch
 
+from client_sdk._common import VERIFIED_VIEW
 from client_sdk.colocated import Steps
 from client_sdk.media import Medium
 from kvstore.errors import ConnectionFailed
@@ -47,9 +48,11 @@ remembered slots: the "cached" path). A put has the server reserve room and comm
 shm put's two requests, done inside the one request of an HTTP or Flight put (whose probes fetch
 filler). Measured on one host, the real extra was 3-6 round trips; without it a first 64 KiB shm
 put was predicted 0.04 ms and took 1.7 ms."""
-PATHS = {("get", "shm"): ("cached",)}
+PATHS = {("get", "shm"): ("cached", "indexed")}
 """(op, medium) -> its other paths, each with its own estimate, which its probes seed too (the shm
-probe times exactly what a cached get does: a copy out of the arena)."""
+probe times exactly what a cached get does: a copy out of the arena). "indexed": a first read of
+blocks found in the arena's key index, with no request either, but a header checked per block
+and, for a frame the server has not verified yet, a hash: costlier than a remembered copy."""
 
 
 _MEMINFO_TTL_S = 1.0
@@ -199,16 +202,18 @@ class PlanCore:
                 self.planner.model.set_overhead(op, option.name, extra * rtt)
 
     def _paths(self, spec: KVSpec, toks: Any) -> dict[str, str] | None:
-        """``{"shm": "cached"}`` when the shm medium would serve this get from slots it knows
-        (remembered, or in the arena's shared key index), without asking the server: a copy, against a request and a first read
+        """``{"shm": "cached"}`` when the shm medium would serve this get from slots it remembers
+        and checked before, ``{"shm": "indexed"}`` from slots the arena's key index names (a first
+        read), both without asking the server: a copy, against a request and a first read
         (64 KiB: 0.08 ms against 1.0; 4 MiB: 0.9 against 8.4). Without it the two were one
         estimate, wrong by 10x either way. None otherwise (a wrapped medium hides its path)."""
         shm = getattr(self.media.get("shm"), "shm", None)
         colocation = getattr(shm, "colocation", None)
         arena = None if colocation is None else colocation.current()
-        if arena is None or arena.blocks_for(spec, toks, shm.namespace) is None:  # type: ignore[union-attr]
+        blocks = None if arena is None else arena.blocks_for(spec, toks, shm.namespace)  # type: ignore[union-attr]
+        if blocks is None:
             return None
-        return {"shm": "cached"}
+        return {"shm": "cached" if all(VERIFIED_VIEW in b for b in blocks) else "indexed"}
 
     def _probe_failed(self, option: Option, policy: Policy, exc: KVStoreError) -> None:
         log.info("probe of %s failed: %s", option.name, exc)
