@@ -6,6 +6,7 @@ one on the event loop. The mapped arena is ``client_sdk.arena``.
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import json
 import math
@@ -19,6 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from client_sdk._http import Strided
 from kvstore import codec as codec_mod
 from kvstore.memory.buffers import BufferPool
 from kvstore.codec import SAME_SIZE_INTS, int_view
@@ -30,7 +32,7 @@ from kvstore.wire.rest import H_AGENT, H_NAMESPACE, encode_batch_head, encode_kv
 
 __all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor",
            "check_spec", "fill_from_batch", "batch_parts", "frames_of", "give_frame", "verified_header", "BlockSink",
-           "BlockWriter", "headers_for", "warn_hint", "SHM_DIR", "VERIFIED_VIEW"]
+           "BlockWriter", "headers_for", "warn_hint", "SHM_DIR", "VERIFIED_VIEW", "KVPutBody"]
 
 
 VERIFIED_VIEW = object()
@@ -147,6 +149,46 @@ def kv_parts(spec: KVSpec, tokens: np.ndarray, kv: torch.Tensor | None, *, with_
     if kv is not None and with_kv:
         parts.append(kv_bytes(kv))
     return parts
+
+
+class KVPutBody(collections.abc.Sequence):
+    """A put's KV body in both layouts ``POST /v1/kv/put`` takes (``kvstore.wire.rest``).
+
+    As a sequence of buffers it is the token-major body (``KV_MEDIA``), which every server takes;
+    ``blocks()`` is the block-major one (``KV_BLOCKS_MEDIA``), which a server that lists it in
+    ``/v1/info``'s ``put_media`` receives straight into its slots. The transport picks
+    (``client_sdk.transport``); both are views of ``kv``, neither copies it (once contiguous).
+    """
+
+    __slots__ = ("spec", "tokens", "_parts")
+
+    def __init__(self, spec: KVSpec, tokens: np.ndarray, kv: torch.Tensor) -> None:
+        self.spec, self.tokens = spec, tokens
+        self._parts = kv_parts(spec, tokens, kv)  # its last part: the KV's bytes, C order
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._parts[i]
+
+    def blocks(self) -> list[Any]:
+        """The block-major body: head and tokens, then each full block's ``[L, 2, H, bt, D]``
+        bytes, sent as rows of the KV's memory (``client_sdk._http.Strided``)."""
+        spec, n = self.spec, len(self.tokens)
+        blocks, bt = spec.full_blocks(n), spec.block_tokens
+        head, tok_region = encode_kv_head_json(_spec_json(spec), n, blocks * bt)
+        tok = memoryview(self.tokens).cast("B")
+        parts: list[Any] = [head, tok, bytes(tok_region - len(tok))]
+        if blocks:
+            kv = np.frombuffer(self._parts[-1], np.uint8)
+            rows = spec.num_layers * 2 * spec.num_kv_heads
+            run = bt * spec.bytes_per_token // rows  # one (layer, K/V, head)'s bytes of a block
+            # [rows, T x D] -> [rows, blocks, run] (the tail past the full blocks left out) -> block-major
+            grid = kv.reshape(rows, -1)[:, :blocks * run].reshape(rows, blocks, run).transpose(1, 0, 2)
+            # contiguous already (one block, no tail): one buffer, not a writev of its rows
+            parts.append(memoryview(grid.reshape(-1)) if grid.flags.c_contiguous else Strided(grid))
+        return parts
 
 
 @functools.lru_cache(maxsize=256)

@@ -148,7 +148,10 @@ def check_handoff(handoff: Any, wait: bool) -> None:
 
 
 def put_kv_http(spec: KVSpec, toks: Any, kv: Any) -> Call[int]:
-    return kv_call("/v1/kv/put", spec, toks, kv, parse=lambda a: int(a["stored_tokens"]))
+    """``POST /v1/kv/put``: a token-major KV body that also offers its block-major layout
+    (``c.KVPutBody``), which the transport sends instead to a server that takes it."""
+    return Call("POST", "/v1/kv/put", c.KVPutBody(spec, toks, kv), KV_MEDIA,
+                lambda body: int(json_answer(body)["stored_tokens"]))
 
 
 def get_block(key: BlockHash) -> Call[bytes | None]:

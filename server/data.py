@@ -18,12 +18,13 @@ from kvstore._version import __version__
 from kvstore.engine.evict import EvictionQuery, evict
 from kvstore.engine.pools import SLOT_SLACK
 from kvstore.errors import InvalidInput, InvalidKV, MalformedRequest, PayloadTooLarge
-from kvstore.wire.rest import (H_DTYPE, H_HINT, H_MEDIUM, H_SHAPE, H_TOKENS, KV_MEDIA, MAX_TOUCH_KEYS, RESERVE_NO_ROOM,
-                               RESERVE_OFF, parse_kv_head)
+from kvstore.wire.rest import (H_DTYPE, H_HINT, H_MEDIUM, H_SHAPE, H_TOKENS, KV_BLOCKS_MEDIA, KV_MEDIA, MAX_TOUCH_KEYS,
+                               PUT_MEDIA, RESERVE_NO_ROOM, RESERVE_OFF, parse_kv_head)
 from server.auth import Principal
+from server.block_puts import put_blocks
 from server.colocated import handle_json
 from server.errors import field_error
-from server.requests import (agent_of, authenticate, caller, charge_blocks, head_tokens, is_kv_body, parse_keys,
+from server.requests import (agent_of, authenticate, caller, charge_blocks, head_tokens, media_of, parse_keys,
                              spec_and_tokens)
 from server.service import Service, json_body, kv_view, parse_spec, parse_tokens, released, require
 
@@ -44,15 +45,22 @@ async def info(request: Request) -> dict:
     return {"service": "kvstore", "version": __version__, "host_id": svc.host_id, "colocated": colocated,
             "tiers": [t.name for t in svc.store.tiers], "auth": svc.auth.enabled, "tenant": p.name,
             "namespaces": None if p.namespaces is None else sorted(p.namespaces),
-            "max_body_bytes": svc.settings.max_body_bytes, "media": dict(svc.offers)}
+            "max_body_bytes": svc.settings.max_body_bytes, "media": dict(svc.offers),
+            "put_media": list(PUT_MEDIA)}
 
 
 @router.post("/v1/kv/put")
 async def kv_put(request: Request) -> JSONResponse:
-    """Store the KV of every full block. Body: a KV body (``kvstore.wire.rest``)."""
+    """Store the KV of every full block. Body: a KV body, token-major (``KV_MEDIA``) or
+    block-major (``KV_BLOCKS_MEDIA``: ``server.block_puts``), ``kvstore.wire.rest``."""
     svc, p, ns = caller(request)
-    if not is_kv_body(request):
-        raise MalformedRequest(f"content-type: must be {KV_MEDIA}", field="content-type")
+    media = media_of(request)
+    if media == KV_BLOCKS_MEDIA:  # straight into reserved slots where the top tier takes them
+        stored, nbytes = await put_blocks(request, svc, p, ns, reserving=_reservations_off(svc) is None, put=_put)
+        svc.metrics.transfer.labels("in", "http").inc(nbytes)
+        return JSONResponse({"stored_tokens": stored})
+    if media != KV_MEDIA:
+        raise MalformedRequest(f"content-type: must be {KV_MEDIA} or {KV_BLOCKS_MEDIA}", field="content-type")
     buf, n = await svc.read_body(request)
     with released(svc.buffers, buf):
         head = parse_kv_head(memoryview(buf)[:n])

@@ -21,6 +21,9 @@ charge until ``body_timeout_s`` ends it with 408 (``server.app``).
 
 The budget lives on the event loop's thread only: no lock, and a waiter is an
 ``asyncio.Future`` woken when a charge is given back.
+
+``BodyStream`` reads a body part by part, in order, straight into where each range belongs
+(a block-major put's reserved slots: ``server.block_puts``), rather than whole into one buffer.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ import os
 from collections import deque
 from typing import Any
 
-from kvstore.errors import PayloadTooLarge, ServerBusy
+from kvstore.errors import MalformedRequest, PayloadTooLarge, ServerBusy
 from server.errors import send_error
 
-__all__ = ["InflightBudget", "InflightCap", "lazy_buffer", "default_inflight_bytes"]
+__all__ = ["InflightBudget", "InflightCap", "BodyStream", "lazy_buffer", "default_inflight_bytes"]
 
 SMALL_SHARE = 16
 """A body of at most cap / SMALL_SHARE bytes may use the reserved quarter."""
@@ -174,3 +177,89 @@ class InflightCap:
         finally:
             budget.give(held)
 
+
+class BodyStream:
+    """A request body read in order, each range copied straight to where it goes.
+
+    The parts the ASGI server hands over (``receive``, charged by ``InflightCap`` as they
+    arrive) are split at the ranges asked for: ``read`` a small range as bytes,
+    ``read_into`` a buffer, ``skip`` one; ``end`` checks that nothing follows.
+
+    Args:
+        request: the request whose body to read (not read yet).
+        limit: the most bytes a body may hold (``max_body_bytes``).
+
+    Raises (every read):
+        MalformedRequest: (400, ``body``) the body ends, or its client goes, before the range.
+        PayloadTooLarge: (413, ``body``) past ``limit``.
+        BodyTimeout, ServerBusy: as the middlewares raise them from ``receive``.
+    """
+
+    def __init__(self, request: Any, limit: int) -> None:
+        self._receive = request.receive  # the ASGI receive itself: Starlette's stream() is one more generator a part
+        self._more = True
+        self._part = memoryview(b"")
+        self.received = 0
+        """Body bytes taken off the stream so far (read, copied or skipped)."""
+        self.expected: int | None = None
+        """How long the body must be, once its head says: named when it ends short."""
+        self._limit = limit
+
+    async def _next(self) -> memoryview:
+        """The rest of the current part, or the next one; empty at the body's end."""
+        while not self._part and self._more:
+            message = await self._receive()
+            if message["type"] != "http.request":  # http.disconnect
+                raise MalformedRequest(f"body: the client went away after {self.received} bytes"
+                                       f"{self._of()}", field="body")
+            part = message.get("body", b"")
+            self._more = message.get("more_body", False)
+            if self.received + len(part) > self._limit:
+                raise PayloadTooLarge(f"body is over the {self._limit}-byte limit", field="body")
+            self._part = memoryview(part)
+        return self._part
+
+    def _of(self) -> str:
+        return "" if self.expected is None else f" of the {self.expected} its header describes"
+
+    async def read_into(self, out: memoryview) -> None:
+        """Fill ``out`` (a writable byte view) with the body's next ``len(out)`` bytes."""
+        at, want = 0, len(out)
+        while at < want:
+            part = await self._next()
+            if not part:
+                raise MalformedRequest(f"body: ended after {self.received} bytes{self._of()}", field="body")
+            n = min(len(part), want - at)
+            out[at:at + n] = part[:n]
+            self._part = part[n:]
+            self.received += n
+            at += n
+
+    async def read(self, n: int) -> bytes:
+        """The body's next ``n`` bytes (a small range: a head)."""
+        out = bytearray(n)
+        await self.read_into(memoryview(out))
+        return bytes(out)
+
+    async def skip(self, n: int) -> None:
+        """Take the body's next ``n`` bytes and drop them."""
+        left = n
+        while left:
+            part = await self._next()
+            if not part:
+                raise MalformedRequest(f"body: ended after {self.received} bytes{self._of()}", field="body")
+            k = min(len(part), left)
+            self._part = part[k:]
+            self.received += k
+            left -= k
+
+    async def end(self) -> None:
+        """Check that the body holds nothing more.
+
+        Raises:
+            MalformedRequest: (400, ``body``) bytes follow the last range the head describes.
+        """
+        part = await self._next()
+        if part:
+            raise MalformedRequest(f"body: longer than the {self.received} bytes its header describes",
+                                   field="body")

@@ -12,8 +12,9 @@ token get 401 (403 for a tenant at ``/admin``) rather than a 422 about a paramet
 call the same functions.
 
 Bodies: ``spec_and_tokens`` reads the input of a get, lookup or handles request (a KV body, or
-JSON ``{"spec", "tokens"}``); ``parse_key`` and ``parse_keys`` turn hex keys into block keys,
-naming the field when one is bad.
+JSON ``{"spec", "tokens"}``); ``streamed_kv_head`` reads a streamed KV body's head and tokens
+(a block-major put's, whose KV goes on to its slots); ``parse_key`` and ``parse_keys`` turn hex
+keys into block keys, naming the field when one is bad.
 
 Token counts: no request carries more than ``max_tokens_per_request`` token ids
 (``KVSTORE_MAX_TOKENS_PER_REQUEST``; 413 ``TooManyTokens``, field ``tokens``). A KV body says how
@@ -37,14 +38,17 @@ from fastapi import Request
 from kvstore.errors import InvalidInput, InvalidSpec, MalformedRequest, RouteNotFound
 from kvstore.keys import BlockHash, from_hex
 from kvstore.spec import KVSpec
-from kvstore.wire.rest import H_AGENT, H_NAMESPACE, KV_MEDIA, MAX_HEADER_BYTES, KVHeader, parse_kv_head
+from kvstore.wire.rest import (H_AGENT, H_NAMESPACE, KV_MEDIA, KV_PREFIX_BYTES, MAX_HEADER_BYTES,
+                               KVHeader, kv_tokens_at, parse_kv_head)
 from server.auth import Authenticator, Principal
 from server.errors import field_error
+from server.inflight import BodyStream
 from server.service import Service, json_body, parse_spec, parse_tokens, require, too_many_tokens
 
 __all__ = [
     "svc_of", "authenticate", "caller", "namespace_of", "admin_caller", "check_namespace", "authenticated", "admin_only",
-    "colocated_only", "agent_of", "is_kv_body", "spec_and_tokens", "head_tokens", "JSON_BYTES_PER_TOKEN",
+    "colocated_only", "agent_of", "is_kv_body", "media_of", "spec_and_tokens", "head_tokens", "streamed_kv_head",
+    "JSON_BYTES_PER_TOKEN",
     "parse_key", "parse_keys",
     "BLOCK_OVERHEAD_BYTES", "charge_blocks", "put_frames",
 ]
@@ -152,7 +156,12 @@ def agent_of(request: Request) -> str | None:
 
 def is_kv_body(request: Request) -> bool:
     """Whether the body is a KV body (``kvstore.wire.rest``) rather than JSON."""
-    return request.headers.get("content-type", "").split(";")[0].strip() == KV_MEDIA
+    return media_of(request) == KV_MEDIA
+
+
+def media_of(request: Request) -> str:
+    """The body's media type (``content-type`` without its parameters)."""
+    return request.headers.get("content-type", "").split(";")[0].strip()
 
 
 JSON_BYTES_PER_TOKEN = 24
@@ -178,10 +187,32 @@ def head_tokens(svc: Service, raw: Any, head: KVHeader) -> np.ndarray:
     Raises:
         TooManyTokens: (413, ``tokens``) over ``max_tokens_per_request``.
     """
+    _head_fits(svc, head)
+    return np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
+
+
+def _head_fits(svc: Service, head: KVHeader) -> None:
     cap = svc.settings.max_tokens_per_request
     if head.n_tokens > cap:
         raise too_many_tokens(f"{head.n_tokens} token ids", cap)
-    return np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
+
+
+async def streamed_kv_head(svc: Service, body: BodyStream) -> tuple[KVHeader, np.ndarray]:
+    """The head and token ids at the start of a KV body read part by part (``KV_BLOCKS_MEDIA``):
+    ``body`` is left at the KV, and ``body.expected`` set to the length the head describes. The
+    token count is checked before its ids are read.
+
+    Raises:
+        MalformedRequest: (400) the head cannot be parsed, or the body ends inside it.
+        TooManyTokens: (413, ``tokens``) more ids than ``max_tokens_per_request``.
+    """
+    prefix = await body.read(KV_PREFIX_BYTES)
+    start = prefix + await body.read(kv_tokens_at(prefix) - KV_PREFIX_BYTES)
+    head = parse_kv_head(start)
+    body.expected = head.total
+    _head_fits(svc, head)
+    raw = start + await body.read(head.kv_at - head.tokens_at)
+    return head, np.frombuffer(raw, "<u4", head.n_tokens, head.tokens_at)
 
 
 async def spec_and_tokens(request: Request) -> tuple[KVSpec, np.ndarray]:

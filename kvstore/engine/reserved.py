@@ -181,11 +181,13 @@ class ReservedPuts:
         with self._lock:
             return self._open.get(rid)
 
-    def commit(self, rid: str, owner: str, checksums: list[int]) -> tuple[int, int]:
+    def commit(self, rid: str, owner: str, checksums: list[int], *, sealed: bool = False) -> tuple[int, int]:
         """Publish the reservation's frames, written by its owner with these body checksums.
 
         A block written meanwhile by another put (the same prefix from another writer) keeps
         that writer's frame; this one's slot goes back.
+        ``sealed``: the server wrote and sealed these frames itself (an HTTP block-major put),
+        hashing the bytes in the slot: they are vouched for at once, not hashed again behind.
 
         Returns:
             Tokens covered, as ``put_kv`` returns them, and the KV bytes the writer put in the slots.
@@ -217,6 +219,8 @@ class ReservedPuts:
                         self._core.count(blocks_deduped=1)
                         continue
                     top.commit_reserved(b.key, b.slot, b.size, header.frame_len)
+                    if sealed:  # this process hashed the bytes in place as it sealed them: verified
+                        top.vouch(b.key, b.slot.stamp)
                     self._core.publish(IndexEntry(
                         key=b.key, tier=top.name, size=header.frame_len, codec=header.codec,
                         checksum=header.body_checksum, raw_bytes=header.raw_nbytes, namespace=res.namespace,

@@ -264,12 +264,12 @@ class KVStore:
         return self.reservations.reserve(spec, normalize_tokens(tokens), namespace, owner, pid)
 
     def commit_put(self, reservation: str, owner: str, checksums: list[int], *,
-                   agent: str | None = None) -> tuple[int, int]:
+                   agent: str | None = None, sealed: bool = False) -> tuple[int, int]:
         """Publish a reservation's frames: (tokens covered, KV bytes written). ``ReservedPuts.commit``
-        has the rest; ``agent`` is the writer, for learning hand-offs."""
+        has the rest (``sealed`` too); ``agent`` is the writer, for learning hand-offs."""
         self._check_open()
         res = self.reservations.get(reservation) if agent is not None else None
-        done = self.reservations.commit(reservation, owner, checksums)
+        done = self.reservations.commit(reservation, owner, checksums, sealed=sealed)
         if res is not None:
             self.locality.wrote(res.keys, res.namespace, res.spec, agent)
         return done

@@ -31,6 +31,14 @@ nothing was found but the tokens are stored under another spec of the model.
              pad  zeros to a multiple of 64
     data_at  ...  frames; each at data_at + offset, 64-byte aligned
 
+**Block-major KV body** (``application/x-kvstore-kv-blocks``), a request of ``POST /v1/kv/put``
+only: the KV body's head and tokens as above, ``kv_tokens`` = the tokens of the full blocks
+(``n_tokens`` rounded down to ``block_tokens``), then each full block's KV one after another,
+block 0 first, each ``[num_layers, 2, num_kv_heads, block_tokens, head_dim]`` in C order: exactly
+the payload of that block's raw frame. The body is as long as the token-major one; only the
+order of the KV bytes differs, so the server can receive each block straight into its frame.
+``/v1/info`` lists the put bodies a server takes in ``put_media`` (absent: ``KV_MEDIA`` only).
+
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ __all__ = [
     "KVHeader", "encode_kv_head", "encode_kv_head_json", "parse_kv_head", "kv_nbytes",
     "encode_batch_head", "parse_batch_head", "pad64", "host_id", "MAX_TOUCH_KEYS", "MAX_HEADER_BYTES",
     "RESERVE_NO_ROOM", "RESERVE_OFF",
+    "KV_BLOCKS_MEDIA", "PUT_MEDIA", "KV_PREFIX_BYTES", "kv_tokens_at", "check_block_head",
 ]
 
 KV_MEDIA = "application/x-kvstore-kv"
@@ -216,3 +225,46 @@ RESERVE_NO_ROOM = "no_room"
 """``reason`` of a reservation or pool answer with no slots: the top tier has no room now (try later)."""
 RESERVE_OFF = "reserved_puts_off"
 """``reason`` of a reservation or pool answer with no slots: this server takes no reserved puts (stop asking)."""
+
+
+# -- block-major KV bodies (``POST /v1/kv/put``) ---------------------------------------------
+
+KV_BLOCKS_MEDIA = "application/x-kvstore-kv-blocks"
+"""A put whose KV comes block after block, each as its raw frame's payload (module docstring)."""
+PUT_MEDIA = (KV_MEDIA, KV_BLOCKS_MEDIA)
+"""The KV bodies ``POST /v1/kv/put`` takes, as ``/v1/info`` lists them (``put_media``)."""
+KV_PREFIX_BYTES = _PREFIX.size
+"""A KV body's first bytes (magic, header length): what ``kv_tokens_at`` reads."""
+
+
+def kv_tokens_at(prefix: bytes | memoryview) -> int:
+    """Where a KV body's token ids start (its head, padded), from its first ``KV_PREFIX_BYTES``:
+    how much a reader that receives a body part by part must take before ``parse_kv_head``.
+
+    Raises:
+        MalformedRequest: not a KV body's start (magic), or a header over ``MAX_HEADER_BYTES``.
+    """
+    data = memoryview(prefix).cast("B")
+    if len(data) < _PREFIX.size:
+        raise MalformedRequest(f"body: a KV body starts with {_PREFIX.size} bytes (magic, header length); "
+                               f"got {len(data)}", field="body")
+    magic, hlen = _PREFIX.unpack(data[:_PREFIX.size])
+    if magic != _KV_MAGIC:
+        raise MalformedRequest(f"body: magic must be {_KV_MAGIC!r}, got {bytes(magic)!r}", field="body")
+    if hlen > MAX_HEADER_BYTES:
+        raise MalformedRequest(f"body: header length {hlen} is over 1 MiB", field="body")
+    return pad64(_PREFIX.size + hlen)
+
+
+def check_block_head(head: KVHeader, block_tokens: int) -> int:
+    """The full blocks a block-major body's head describes, once its ``kv_tokens`` is theirs.
+
+    Raises:
+        InvalidInput: (``header.kv_tokens``) not ``n_tokens`` rounded down to whole blocks.
+    """
+    blocks = head.n_tokens // block_tokens
+    if head.kv_tokens != blocks * block_tokens:
+        raise InvalidInput(f"header.kv_tokens: a block-major body carries the KV of its {blocks} full blocks "
+                           f"({blocks * block_tokens} tokens of {head.n_tokens}, {block_tokens} a block), "
+                           f"got {head.kv_tokens}", field="header.kv_tokens")
+    return blocks
