@@ -3,8 +3,9 @@
 Agent A is the bench process: a synchronous co-located ``put_kv`` of fresh token ids.
 Agent B is ``AgentB``, a child process with one long-lived co-located ``KVClient``
 that gets the sequence into a reused ``out=`` tensor. B's client has never seen the
-new blocks, so it remembers no slot handles for them: each get is a first get of
-its sequence (it asks the server for the slots and verifies the frames).
+new blocks, so it remembers no slots for them: each get is a first get of its
+sequence (it finds the slots in the arena's key index, with no request, and
+copies frames the server verified, or hashes one it has not verified yet).
 
 The clock runs from just before A's put to just after B's get returns. Both ends
 read ``time.perf_counter``, which is ``CLOCK_MONOTONIC`` on Linux, one clock for
@@ -169,7 +170,6 @@ def _serve(url: str, spec: KVSpec, tokens: int, namespace: str, warm_base: int) 
             if client.get_kv(spec, range(warm_base, warm_base + tokens), out=out)[1] != tokens:
                 raise AssertionError(f"the warm-up sequence at {warm_base} is not stored")
         _answer("ok", time.get_clock_info("perf_counter").implementation)
-        cached = client.stats.shm_cached_gets  # the warm-up's repeats; a hand-off adds none
         for line in sys.stdin:
             cmd, *args = line.split()
             if cmd == "quit":
@@ -178,13 +178,14 @@ def _serve(url: str, spec: KVSpec, tokens: int, namespace: str, warm_base: int) 
                 _answer("ok", repr(time.perf_counter()))
                 continue
             first, check = int(args[0]), args[1] == "1"
-            over_shm = client.stats.shm_gets
+            over_shm, copied = client.stats.shm_gets, client.stats.shm_frames_copied
             kv, n = client.get_kv(spec, range(first, first + tokens), out=out)
             end = time.perf_counter()
             if n != tokens:
                 raise AssertionError(f"a get of the sequence at {first} returned {n} of {tokens} tokens")
-            if client.stats.shm_cached_gets != cached or client.stats.shm_gets != over_shm + 1:
-                raise AssertionError("a hand-off get was served from remembered handles, or not over shm")
+            # A first get: found in the arena's key index (no request), never from slots B read before
+            if client.stats.shm_frames_copied != copied or client.stats.shm_gets != over_shm + 1:
+                raise AssertionError("a hand-off get was served from remembered slots, or not over shm")
             _answer("ok", repr(end), n, digest(kv) if check else "-")
 
 

@@ -279,6 +279,9 @@ class Arena:
         finally:
             os.close(fd)
         self.handles = HandleCache()
+        self.namespaces: frozenset[str] | None = None
+        """The namespaces the client's token may read (``/v1/info``; None: all). Reads with no
+        request serve only these: another tenant's blocks in the arena are the server's to refuse."""
         self.pool = SlotPool()
         self.pooled_puts = reserved_puts
         """The server lends pool slots (one request a put); off once it answers that it does not."""
@@ -300,8 +303,8 @@ class Arena:
         # A remembered slot whose generation moved on (moved, replaced) is looked up again
         found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
         ask = [i for i, b in enumerate(found) if b is None]
-        if not self.reader.owner_alive():  # the server was killed: its arena is not the store now
-            return None
+        if not self.reader.owner_alive() or (self.namespaces is not None and namespace not in self.namespaces):
+            return None  # a killed server's arena is not the store; a namespace not granted: the server says so
         if ask:
             if not self.reader.indexed:
                 return None
@@ -322,8 +325,8 @@ class Arena:
         another namespace's block: one the index finds counts only when its frame's metadata
         names ``namespace``, read under the slot's seqlock (the server's answers are checked so).
         """
-        if not self.reader.owner_alive():  # the server was killed: its arena is not the store now
-            return [None] * len(hexes)
+        if not self.reader.owner_alive() or (self.namespaces is not None and namespace not in self.namespaces):
+            return [None] * len(hexes)  # a killed server's arena is not the store; an ungranted namespace: ask
         found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
         ask = [i for i, b in enumerate(found) if b is None]
         if ask and self.reader.indexed:

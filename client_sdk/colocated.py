@@ -158,6 +158,9 @@ class Colocation:
                 self.arena = Arena(offer["segment"], offer["staging_segment"],
                                    reserved_puts=bool(offer.get("reserved_puts")))
                 self.arena.accesses.on_pending = self.on_pending
+                granted = (info or {}).get("namespaces")
+                # the key index answers only for namespaces this token may read: the server checks the rest
+                self.arena.namespaces = None if granted is None else frozenset(granted)
                 self.decided = "shm"
                 return "shm"
             except KVStoreError as exc:

@@ -40,7 +40,7 @@ def test_agent_b_gets_what_a_just_put_once(stored) -> None:
         assert hashed == digest(kv)
         client.put_kv(spec, range(FRESH + 1000, FRESH + 1000 + tokens), kv)
         assert agent.get(FRESH + 1000)[1] is None  # no digest unless asked
-        with pytest.raises(RuntimeError, match="served from remembered handles"):
+        with pytest.raises(RuntimeError, match="served from remembered slots"):
             agent.get(FRESH)  # a second get of a sequence is no hand-off: B remembers its slots
     finally:
         agent.close()

@@ -112,7 +112,8 @@ class PooledPuts:
 
     def grant(self, owner: str, pid: int, name: str, size: int, count: int) -> list[dict[str, int]]:
         """Up to ``count`` more pool slots of ``size`` bytes for ``owner``'s pool ``name`` in process ``pid``, as
-        many as the top tier has room for and ``MAX_POOL_BYTES`` allows: their offsets and length.
+        many as the top tier has free (nothing is demoted or evicted for them) and ``MAX_POOL_BYTES``
+        allows: their offsets and length.
 
         Raises:
             InvalidInput: the store takes no reserved puts, or no process ``pid`` runs here.
@@ -132,6 +133,13 @@ class PooledPuts:
             pool.expires_s = self._core.clock() + self.ttl_s
             held = sum(s.size for s in pool.slots.values())
         count = max(0, min(count, (cap - held) // size if size else 0))
+        if count:
+            # Lend free room only: demoting or evicting stored blocks for a put that may never
+            # come would take the top tier from readers (a prefetch found it held apart). In a
+            # full tier the writer reserves per put instead (two requests).
+            st = top.stats()
+            free = st.capacity_bytes - st.used_bytes - int(st.details.get("reserved_bytes", 0))
+            count = min(count, max(0, free // size - 1))
         got: list[PoolSlot] = []
         for _ in range(count):
             try:
