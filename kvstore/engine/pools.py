@@ -24,7 +24,7 @@ from kvstore.codec import Codec
 from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.placement import RoomHold
-from kvstore.engine.slots import ReservedBlock, block_tokens, check_written
+from kvstore.engine.slots import ReservedBlock, block_tokens, check_written, give_back
 from kvstore.errors import Forbidden, InvalidInput, TierFull
 from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.memory.shm import start_ticks
@@ -261,14 +261,7 @@ class PooledPuts:
         self._give_back_pool(slots)
 
     def _give_back_pool(self, slots: list[PoolSlot]) -> None:
-        top = self._core.tiers[0]
-        try:
-            for ps in slots:
-                top.abort_reserved(ps.slot, ps.size)
-        finally:
-            for ps in slots:
-                if ps.room is not None:
-                    ps.room.release()
+        give_back(self._core.tiers[0], slots)  # a pool slot has what a reserved block gives back: slot, size, room
 
     def release(self, owner: str, pid: int, name: str) -> int:
         """Give ``owner``'s pool ``name`` of process ``pid`` back to the tier (its writer closes); slots returned."""

@@ -71,8 +71,9 @@ def block_tokens(tokens: Any, depth: int, bt: int) -> bytes:
     return np.asarray(tokens[depth * bt:(depth + 1) * bt], dtype="<u4").tobytes()
 
 
-def give_back(top: Any, blocks: list[ReservedBlock]) -> None:
-    """Return reserved slots to the tier unpublished, and their room to placement."""
+def give_back(top: Any, blocks: list[Any]) -> None:
+    """Return reserved slots to the tier unpublished, and their room to placement (``ReservedBlock``s
+    or pool slots: anything with ``slot``, ``size`` and ``room``)."""
     try:
         for b in blocks:
             top.abort_reserved(b.slot, b.size)
