@@ -32,7 +32,7 @@ from kvstore.wire.rest import H_AGENT, H_NAMESPACE, encode_batch_head, encode_kv
 
 __all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor",
            "check_spec", "fill_from_batch", "batch_parts", "frames_of", "give_frame", "verified_header", "BlockSink",
-           "BlockWriter", "headers_for", "warn_hint", "SHM_DIR", "VERIFIED_VIEW", "KVPutBody"]
+           "BlockWriter", "BlockFill", "headers_for", "warn_hint", "SHM_DIR", "VERIFIED_VIEW", "KVPutBody"]
 
 
 VERIFIED_VIEW = object()
@@ -361,6 +361,10 @@ def frame_in_namespace(frame: Any, namespace: str) -> bool:
 
 BlockSink = Callable[[int, "codec_mod.FrameHeader", memoryview], None]
 """``sink(i, header, payload)``: takes block ``i``'s verified raw payload (valid only during the call)."""
+
+BlockFill = Callable[[int, np.ndarray], None]
+"""``fill(depth, dst)``: writes block ``depth``'s KV into ``dst`` (``[L, 2, H, block_tokens, D]``
+of the dtype's bits as same-size ints: a slot's payload, or a slice of a tensor)."""
 
 BlockWriter = Callable[[int, memoryview], int]
 """``writer(i, view) -> n``: writes block ``i``'s sealed frame into ``view``; returns its length."""

@@ -26,15 +26,17 @@ import torch
 
 from client_sdk import _common as c
 from client_sdk import calls
-from client_sdk._common import BlockSink, BlockWriter
+from client_sdk._common import BlockFill, BlockSink, BlockWriter
+from client_sdk.blockwise import Place
 from client_sdk.aio_media import AsyncHttpMedium, AsyncMedium, AsyncShmMedium, AsyncShmPath
 from client_sdk.aio_planning import AsyncClientPlanner
 from client_sdk.calls import put_layout
+from client_sdk.colocated import filled_kv
 from client_sdk.layers import AsyncLayerStream, aget_kv_layers
 from client_sdk.pending import MAX_PENDING_BYTES, AsyncPutHandle, AsyncPutQueue
 from client_sdk.shell import ClientShell
 from client_sdk.transport import AsyncHttpTransport
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidInput, KVStoreError
 from kvstore.keys import BlockHash, check_key
 from kvstore.planner import Planner
 from kvstore.spec import KVSpec
@@ -114,6 +116,26 @@ class AsyncKVClient(ClientShell):
     async def get_kv_layers(self, spec: KVSpec, tokens: Any) -> AsyncLayerStream:
         """As ``KVClient.get_kv_layers``: ``async for layer, kv_layer in await client.get_kv_layers(...)``."""
         return await aget_kv_layers(self.shm, c.check_spec(spec), tokens)
+
+    async def reads_arena(self) -> bool:
+        """As ``KVClient.reads_arena``."""
+        return await self.shm.arena() is not None
+
+    async def put_kv_blocks(self, spec: KVSpec, tokens: Any, fill: BlockFill) -> int:
+        """As ``KVClient.put_kv_blocks``."""
+        spec = c.check_spec(spec)
+        toks = c.tokens_of(tokens)
+        got = await self.shm.put_kv_blocks(spec, toks, fill)
+        if got is None:
+            got = await self.put_kv(spec, toks, filled_kv(spec, toks, fill))
+        return int(got)
+
+    async def get_kv_blocks(self, spec: KVSpec, tokens: Any, place: Place, *, first: int = 0) -> int:
+        """As ``KVClient.get_kv_blocks``."""
+        spec = c.check_spec(spec)
+        if first < 0:
+            raise InvalidInput(f"get_kv_blocks: first={first} is negative")
+        return await self.shm.get_kv_blocks(spec, c.tokens_of(tokens), first, place)
 
     async def lookup(self, spec: KVSpec, tokens: Any) -> Any:
         """As ``KVClient.lookup``."""

@@ -18,8 +18,9 @@ import torch
 from client_sdk import _common as c
 from client_sdk.arena import Arena
 from client_sdk import calls
+from client_sdk.blockwise import Place, place_flow, place_from_tensor
 from client_sdk.colocated import (Colocation, adrive, blocks_exist_flow, cached_get, get_blocks_into_flow, get_flow,
-                                  put_blocks_flow, put_flow)
+                                  pooled_put_flow, put_blocks_flow, put_flow)
 from client_sdk.media import Throttled
 from client_sdk.rest_media import shm_probe
 from client_sdk.transport import AsyncHttpTransport
@@ -132,6 +133,17 @@ class AsyncShmPath:
             return got
         return await self.run(get_flow(self.colocation, arena, spec, toks, out, self.pool, self.stats))
 
+    async def get_kv_blocks(self, spec: KVSpec, toks: Any, first: int, place: Place) -> int:
+        """``ShmPath.get_kv_blocks``, awaited (``place`` runs off the loop for a large prefix)."""
+        arena = await self.arena()
+        got = None if arena is None else await self.run(place_flow(self.colocation, arena, spec, toks, first, place,
+                                                                   self.namespace, self.stats, self.report))
+        if got is None:
+            kv, got = await self.get_kv(spec, toks, None)
+            await off_loop(kv.nbytes, place_from_tensor, kv[:, :, :, first * spec.block_tokens:got], spec, first,
+                           place)
+        return got
+
     async def lookup(self, spec: KVSpec, toks: Any) -> int | None:
         """``ShmPath.lookup``, awaited (the probe itself runs on the loop: a few numpy gathers)."""
         arena = await self.arena()
@@ -143,6 +155,13 @@ class AsyncShmPath:
         if arena is None or not kv.shape[3]:
             return None
         return await self.run(put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace))
+
+    async def put_kv_blocks(self, spec: KVSpec, toks: Any, fill: c.BlockFill) -> int | None:
+        """``ShmPath.put_kv_blocks``, awaited."""
+        arena = await self.arena()
+        if arena is None or not arena.pooled_puts or not spec.full_blocks(len(toks)):
+            return None
+        return await self.run(pooled_put_flow(self.colocation, arena, spec, toks, fill, self.stats, self.namespace))
 
     async def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
         return await self.run(blocks_exist_flow(self.colocation, await self.arena(), keys, self.namespace))

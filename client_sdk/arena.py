@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from client_sdk._common import VERIFIED_VIEW, BlockSink, ClientStats, give_frame, kv_bytes, verified_header
+from client_sdk._common import VERIFIED_VIEW, BlockFill, BlockSink, ClientStats, give_frame, kv_bytes, verified_header
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, KVStoreError, ServiceError
@@ -475,22 +475,32 @@ class Arena:
         del dst  # drop the export, so the mapping can close
         return len(src)
 
-    def write_reserved(self, blocks: Sequence[dict], spec: KVSpec, kv: torch.Tensor) -> list[int]:
+    def write_reserved(self, blocks: Sequence[dict], spec: KVSpec, kv: "torch.Tensor | BlockFill") -> list[int]:
         """Encode each reserved block of ``kv`` as a raw frame straight into its slot; the body
         checksums, in order, for the commit. The copy and the hash run in one pass per
-        cache-sized run (``codec.encode_into``), so the bytes are read once. A block's ``meta`` is
-        hex (as a reservation names it) or bytes (a pooled put's, made here)."""
+        cache-sized run (``codec.encode_into``), so the bytes are read once. ``kv`` may instead
+        be a ``fill(depth, dst)`` that writes block ``depth`` into the slot's payload itself
+        (``KVClient.put_kv_blocks``: an engine's own layout, copied once), then hashed in place.
+        A block's ``meta`` is hex (as a reservation names it) or bytes (a pooled put's, made here)."""
         with self._lock:
             if self._writer is None:
                 self._writer = ShmSlotWriter(self.segment, self._shm_dir)
             writer = self._writer
         bt, checksums = spec.block_tokens, []
+        shape, ints = spec.kv_shape(bt), SAME_SIZE_INTS[spec.torch_dtype.itemsize][1]
         for b in blocks:
             depth = b["depth"]
-            meta = b["meta"]
+            meta = b["meta"] if isinstance(b["meta"], bytes) else bytes.fromhex(b["meta"])
             with writer.slot(b["offset"], b["length"]) as view:
-                n = codec_mod.encode_into(kv[:, :, :, depth * bt:(depth + 1) * bt], view, codec_mod.Codec.RAW,
-                                          meta=meta if isinstance(meta, bytes) else bytes.fromhex(meta))
+                if isinstance(kv, torch.Tensor):
+                    n = codec_mod.encode_into(kv[:, :, :, depth * bt:(depth + 1) * bt], view, codec_mod.Codec.RAW,
+                                              meta=meta)
+                else:
+                    at = codec_mod.raw_payload_offset(len(shape), len(meta))
+                    dst = np.frombuffer(view, ints, spec.bytes_per_token * bt // ints().itemsize, at).reshape(shape)
+                    kv(depth, dst)
+                    del dst  # drop the export before the slot closes
+                    n = codec_mod.seal_raw(view, spec.dtype, shape, meta)
                 checksums.append(codec_mod.read_header(view[:n]).body_checksum)
         return checksums
 

@@ -34,8 +34,9 @@ import torch
 
 from client_sdk import _common as c
 from client_sdk import calls
-from client_sdk._common import BlockSink, BlockWriter
-from client_sdk.colocated import drive
+from client_sdk._common import BlockFill, BlockSink, BlockWriter
+from client_sdk.blockwise import Place
+from client_sdk.colocated import drive, filled_kv
 from client_sdk.layers import LayerStream, get_kv_layers
 from client_sdk.media import Medium
 from client_sdk.pending import MAX_PENDING_BYTES, PutHandle, PutQueue
@@ -43,7 +44,7 @@ from client_sdk.planning import ClientPlanner
 from client_sdk.rest_media import HttpMedium, InprocMedium, ShmMedium, ShmPath, side_media
 from client_sdk.shell import ClientShell
 from client_sdk.transport import HttpTransport
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidInput, KVStoreError
 from kvstore.keys import BlockHash, check_key
 from kvstore.spec import KVSpec
 
@@ -182,6 +183,48 @@ class KVClient(ClientShell):
         Over shm when co-located, else streamed HTTP.
         """
         return get_kv_layers(self.shm, c.check_spec(spec), tokens)
+
+    def put_kv_blocks(self, spec: KVSpec, tokens: Any, fill: BlockFill) -> int:
+        """Store the KV of every full block of ``tokens``, each block written by ``fill(depth, dst)``;
+        returns tokens covered, as ``put_kv``.
+
+        For an engine that keeps KV in a layout of its own: co-located, with pool slots lent
+        (``put_kv``'s one-request path), ``dst`` is the payload of the block's slot in the
+        server's arena and ``fill`` copies the engine's block straight into it (one copy, then
+        hashed in place); blocks the arena's key index shows stored are not asked for.
+        Otherwise a tensor is filled block by block and put as ``put_kv`` puts it. ``dst`` is
+        ``[L, 2, H, block_tokens, D]`` of the dtype's bits as same-size ints
+        (``kvstore.codec.int_view`` gives a tensor's).
+        """
+        spec = c.check_spec(spec)
+        toks = c.tokens_of(tokens)
+        got = self.shm.put_kv_blocks(spec, toks, fill)
+        if got is None:
+            got = self.put_kv(spec, toks, filled_kv(spec, toks, fill))
+        return int(got)
+
+    def reads_arena(self) -> bool:
+        """Whether this client reads the server's shm arena (co-located; decided on first use, with
+        one request then)."""
+        return self.shm.arena() is not None
+
+    def get_kv_blocks(self, spec: KVSpec, tokens: Any, place: Place, *, first: int = 0) -> int:
+        """The longest stored prefix, handed block by block to ``place(depth, src)``; returns its
+        length in tokens (counted from token 0; blocks before ``first`` are not read).
+
+        For an engine that keeps KV in a layout of its own (vLLM's paged caches): co-located,
+        ``src`` views the block's frame in the server's arena, verified (by the server, or
+        here once), and ``place`` copies it straight where the engine keeps it, one copy in
+        all. ``src`` is ``[L, 2, H, block_tokens, D]`` of the dtype's bits as same-size ints
+        (``client_sdk.blockwise``), valid only during the call. A slot that changes under the
+        copy is read again, or ends the prefix: a block past the returned length may have
+        been placed with garbage, and the caller must not use it. Not co-located, the prefix
+        comes over HTTP first (two copies). Reads are counted as ``get_kv``'s are.
+        """
+        spec = c.check_spec(spec)
+        if first < 0:
+            raise InvalidInput(f"get_kv_blocks: first={first} is negative")
+        return self.shm.get_kv_blocks(spec, c.tokens_of(tokens), first, place)
 
     def lookup(self, spec: KVSpec, tokens: Any) -> Any:
         """Tokens of the longest stored prefix (index only, no KV moves). Co-located, when every

@@ -363,13 +363,26 @@ def pool_slot_bytes(spec: KVSpec, namespace: str) -> int:
     return codec_mod.frame_size(spec.kv_shape(spec.block_tokens), spec.dtype, codec_mod.Codec.RAW, meta_len=len(meta))
 
 
-def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
+def filled_kv(spec: KVSpec, toks: Any, kv: "torch.Tensor | c.BlockFill") -> torch.Tensor:
+    """``kv`` as a tensor of the full blocks of ``toks``: a ``fill`` is asked for each block."""
+    if isinstance(kv, torch.Tensor):
+        return kv
+    bt = spec.block_tokens
+    out = spec.empty_kv(spec.full_blocks(len(toks)) * bt)
+    ints = c.int_view(out)
+    for d in range(spec.full_blocks(len(toks))):
+        kv(d, ints[:, :, :, d * bt:(d + 1) * bt])
+    return out
+
+
+def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: "torch.Tensor | c.BlockFill",
                     stats: c.ClientStats, namespace: str) -> Flow[int | None]:
     """A put in one request: the blocks the arena's key index does not show stored are written
     into pool slots this process holds, then ``/v1/kv/put-pooled`` publishes them and lends back
     as many slots (``kvstore.engine.reserved``, "Pooled puts"). A pool too small (the first put,
     a larger one) is topped up first: one request more. None when the server lends none (no
-    room, or it takes no reserved puts): the caller puts another way.
+    room, or it takes no reserved puts): the caller puts another way. ``kv`` may be a
+    ``fill(depth, dst)`` that writes each new block into its slot itself (one copy).
     """
     keys = block_hashes(spec, toks, namespace)
     hits = arena.reader.look_up(keys) if arena.reader.indexed else [None] * len(keys)
@@ -409,7 +422,7 @@ def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv:
         return None
     arena.pool.add(size, answer["slots"], sent, float(answer["ttl_s"]))
     if answer["missing"]:  # evicted between the index read and the put: the whole put the checked way
-        return (yield from reserved_put_flow(colo, arena, spec, toks, kv, stats))
+        return (yield from reserved_put_flow(colo, arena, spec, toks, filled_kv(spec, toks, kv), stats))
     stats.shm_puts += 1
     stats.last_medium = "shm"
     return int(answer["stored_tokens"])

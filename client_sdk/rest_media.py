@@ -24,8 +24,9 @@ import torch
 from client_sdk import _common as c
 from client_sdk.arena import Arena
 from client_sdk import calls
+from client_sdk.blockwise import Place, place_flow, place_from_tensor
 from client_sdk.colocated import (Colocation, blocks_exist_flow, cached_get, drive, frames_flow, get_blocks_into_flow,
-                                  get_flow, put_blocks_flow, put_flow)
+                                  get_flow, pooled_put_flow, put_blocks_flow, put_flow)
 from client_sdk.media import Medium, RestPuts
 from client_sdk.transport import HttpTransport
 from kvstore.errors import KVStoreError, ServiceError
@@ -113,6 +114,16 @@ class ShmPath:
             return got
         return drive(get_flow(self.colocation, arena, spec, toks, out, self.pool, self.stats), self.http.run)
 
+    def get_kv_blocks(self, spec: KVSpec, toks: Any, first: int, place: Place) -> int:
+        """``KVClient.get_kv_blocks``: from the arena when co-located, else over HTTP."""
+        arena = self.arena()
+        got = None if arena is None else drive(place_flow(self.colocation, arena, spec, toks, first, place,
+                                                          self.namespace, self.stats, self.report), self.http.run)
+        if got is None:  # no arena here (or the server restarted): a get, then its blocks placed
+            kv, got = self.get_kv(spec, toks, None)
+            place_from_tensor(kv[:, :, :, first * spec.block_tokens:got], spec, first, place)
+        return got
+
     def lookup(self, spec: KVSpec, toks: Any) -> int | None:
         """Tokens of the stored prefix when every full block of ``toks`` is in the arena (found
         with no request); None when one is not (a lower tier may hold it: ask the server)."""
@@ -126,6 +137,15 @@ class ShmPath:
         if arena is None or not kv.shape[3]:
             return None
         return drive(put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace), self.http.run)
+
+    def put_kv_blocks(self, spec: KVSpec, toks: Any, fill: c.BlockFill) -> int | None:
+        """A pooled put whose new blocks ``fill`` writes into their slots; None when the server
+        lends no pool slots here (the caller fills a tensor and puts that)."""
+        arena = self.arena()
+        if arena is None or not arena.pooled_puts or not spec.full_blocks(len(toks)):
+            return None
+        return drive(pooled_put_flow(self.colocation, arena, spec, toks, fill, self.stats, self.namespace),
+                     self.http.run)
 
     def frames(self, keys: Sequence[BlockHash]) -> list[Any]:
         arena = self.arena()

@@ -191,3 +191,13 @@ def test_bench_planner_quick_sweeps_and_scores_against_the_oracle(tmp_path):
     assert 0 <= result["summary"]["agreement"] <= 1 and result["summary"]["median_abs_error"] is not None
     assert result["flight"]["ratios"] and result["layers"]["ms"]
     assert "agreement with the oracle" in res.stdout
+
+
+def test_bench_paged_quick_loads_and_saves_both_ways(tmp_path):
+    """The one-copy rows and the two-copy rows move the same blocks (the bench checks the bytes)."""
+    res = run("bench", "paged", "--quick", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    (path,) = tmp_path.glob("paged-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert set(row["ms"]) == {"load one copy", "load two copies", "save one copy", "save two copies", "memcpy"}
+    assert row["ratios"]["load two copies / one copy"] > 0

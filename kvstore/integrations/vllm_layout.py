@@ -18,15 +18,19 @@ else (MLA's latent cache, fp8 scales, other backends) is refused by
 ``layout_for``, so a layout we have not checked never turns into wrong KV.
 
 Copies go run by run: vLLM usually hands out consecutive block ids, and one copy
-of a run of ``k`` blocks beats ``k`` copies of one.
+of a run of ``k`` blocks beats ``k`` copies of one. On the CPU, ``placer`` and
+``read_block`` move one kvstore block between a frame's payload in the arena and
+the paged caches directly (one copy, no result tensor between).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
+from kvstore.codec import int_view
 from kvstore.errors import InvalidKV
 from kvstore.spec import KVSpec
 
@@ -72,6 +76,7 @@ class PagedLayout:
                 raise InvalidKV(f"unknown paged layout {kind!r}")
             views.append((k, v))
         self.views = views
+        self._int_views: list[tuple[np.ndarray, np.ndarray]] | None = None
         self.device = caches[0].device if caches else torch.device("cpu")
 
     @property
@@ -97,6 +102,35 @@ class PagedLayout:
                     part = half[:, pos * bs:(pos + n) * bs]
                     part.view(h, n, bs, d).transpose(0, 1).copy_(src[first:first + n])
         return out
+
+
+    def _ints(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's K and V views as same-size ints in numpy (CPU caches only), made once."""
+        if self._int_views is None:
+            if self.device.type != "cpu":
+                raise InvalidKV(f"one-copy loads and saves need a CPU cache, not {self.device}")
+            self._int_views = [(int_view(k), int_view(v)) for k, v in self.views]
+        return self._int_views
+
+    def placer(self, block_ids: Sequence[int], first: int) -> Callable[[int, np.ndarray], None]:
+        """A ``place(depth, src)`` for ``KVClient.get_kv_blocks``: block ``depth`` (``src``:
+        ``[L, 2, H, block_size, D]`` as same-size ints) copied straight into
+        ``block_ids[depth - first]`` of every layer, K transposed where the layout keeps it so."""
+        views = self._ints()
+
+        def place(depth: int, src: np.ndarray) -> None:
+            b = block_ids[depth - first]
+            for (k, v), part in zip(views, src):
+                np.copyto(k[b], part[0])
+                np.copyto(v[b], part[1])
+        return place
+
+    def read_block(self, block_id: int, dst: np.ndarray) -> None:
+        """Copy block ``block_id`` of every layer into ``dst`` (``[L, 2, H, block_size, D]`` as
+        same-size ints: a frame's payload in a slot), the mirror of ``placer``."""
+        for (k, v), part in zip(self._ints(), dst):
+            np.copyto(part[0], k[block_id])
+            np.copyto(part[1], v[block_id])
 
 
 def layout_for(caches: Sequence[torch.Tensor], spec: KVSpec) -> PagedLayout:

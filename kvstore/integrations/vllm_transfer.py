@@ -130,7 +130,10 @@ class Load:
     """One step's loads; ``wait(layer)`` blocks until that layer is in place.
 
     The streams open in the caller's thread (one request each: the store answers how many
-    tokens it holds). Then the layers are copied either on a thread of their own, so the
+    tokens it holds). A client that reads the co-located arena into a CPU cache skips the
+    streams: each job's blocks go from the arena straight into vLLM's blocks before the
+    forward pass (``KVClient.get_kv_blocks``, one copy; the key index usually answers with no
+    request). Otherwise the layers are copied either on a thread of their own, so the
     forward pass computes layer ``l`` while later layers arrive, or right away, before the
     forward pass starts. ``layerwise=None`` (auto) picks the thread when a stream comes over
     HTTP or the cache is on a GPU, and copies right away when every stream reads this host's
@@ -145,10 +148,12 @@ class Load:
         jobs: this step's loads.
         counters: where loaded tokens and errors are counted.
         layerwise: True, False, or None for auto (above).
+        one_copy: False keeps the streams where the one-copy path would serve (a comparison);
+            None: auto (above).
     """
 
     def __init__(self, client: Any, spec: KVSpec, layout: PagedLayout, jobs: Sequence[LoadJob],
-                 counters: Counters, *, layerwise: bool | None = None) -> None:
+                 counters: Counters, *, layerwise: bool | None = None, one_copy: bool | None = None) -> None:
         self.client = client
         self.spec = spec
         self.layout = layout
@@ -159,7 +164,12 @@ class Load:
         self._thread: threading.Thread | None = None
         self._t0 = time.perf_counter()
         live: list[tuple[LoadJob, Any, int]] = []
+        self.one_copy = one_copy = (one_copy is not False and layout.device.type == "cpu" and layerwise is not True
+                                    and _reads_arena(client))
         for job in self.jobs:
+            if one_copy:  # straight from the arena into the paged cache, before the forward pass
+                self._load_now(job)
+                continue
             opened = self._open(job)
             if opened is not None:
                 live.append((job, *opened))
@@ -185,6 +195,30 @@ class Load:
         if self._thread is not None:
             self._thread.join()
         return self.failed
+
+    def _load_now(self, job: LoadJob) -> None:
+        """The job's blocks copied from the co-located arena straight into vLLM's blocks
+        (``KVClient.get_kv_blocks``: one copy, no result tensor between)."""
+        bs, n = self.spec.block_tokens, len(job.block_ids)
+        if len(job.tokens) < job.start + n * bs or job.start % bs:  # nothing (whole) to load them from
+            self.failed.update(job.block_ids)
+            return
+        first = job.start // bs
+        try:
+            got = self.client.get_kv_blocks(self.spec, job.tokens[:job.start + n * bs],
+                                            self.layout.placer(job.block_ids, first), first=first)
+        except Exception as exc:  # the store is down or refused: vLLM recomputes these blocks
+            log.warning("kvstore load of %s failed, vLLM recomputes %d blocks: %s", job.req_id, n, exc)
+            self.counters.add(load_errors=1)
+            self.failed.update(job.block_ids)
+            return
+        have = min(n, max(0, got - job.start) // bs)
+        if have < n:  # evicted or damaged since the lookup: a shorter prefix (what was placed past it is not used)
+            log.warning("kvstore holds %d of %d tokens promised to %s; vLLM recomputes the rest",
+                        got, job.start + n * bs, job.req_id)
+            self.failed.update(job.block_ids[have:])
+        if have:
+            self.counters.add(loads=1, loaded_tokens=have * bs)
 
     def _open(self, job: LoadJob) -> tuple[Any, int] | None:
         """The job's stream and how many of its blocks it delivers, or None when none."""
@@ -246,6 +280,15 @@ class Load:
             self.counters.add(failed_blocks=len(self.failed), load_seconds=time.perf_counter() - self._t0)
 
 
+def _reads_arena(client: Any) -> bool:
+    """Whether ``client`` reads a co-located server's arena (a ``KVClient`` that decided so)."""
+    reads = getattr(client, "reads_arena", None)
+    try:
+        return bool(reads()) if reads is not None else False
+    except Exception:  # undecided and the server is down: the stream path says so, per job
+        return False
+
+
 SAVE_BACKOFF_S = 2.0
 """After a failed save, the saves queued in the next 2 s are dropped (counted as errors) rather
 than each waiting out a timeout while vLLM holds their blocks."""
@@ -259,10 +302,13 @@ class Saver:
     drops them (``SAVE_BACKOFF_S``).
     """
 
-    def __init__(self, client: Any, spec: KVSpec, layout: PagedLayout, counters: Counters) -> None:
+    def __init__(self, client: Any, spec: KVSpec, layout: PagedLayout, counters: Counters, *,
+                 one_copy: bool | None = None) -> None:
         self.client = client
         self.spec = spec
         self.layout = layout
+        self.one_copy = one_copy
+        """False: gather and put even where blocks could go straight into slots (a comparison); None: auto."""
         self.counters = counters
         self._jobs: collections.deque[tuple[SaveJob, Any]] = collections.deque()
         self._pending: collections.Counter[str] = collections.Counter()
@@ -319,13 +365,24 @@ class Saver:
     def _save(self, job: SaveJob) -> int:
         """Put what the store lacks of ``job``; returns the tokens newly stored.
 
-        The blocks are copied out of vLLM's cache first, before any network call, so vLLM's
-        blocks are read for the time of a copy. Then a lookup: a prompt that hit most of its
+        Co-located with a CPU cache, each new block goes from vLLM's cache straight into a slot
+        of the server's arena (``KVClient.put_kv_blocks``: one copy). Otherwise the blocks are
+        copied out of vLLM's cache first, before any network call, so vLLM's blocks are read
+        for the time of a copy. Then a lookup: a prompt that hit most of its
         prefix (or another engine's save of it) needs its tail only, sent as frames by key
         (``put_blocks``); a save from token 0 takes ``put_kv``'s path (shared memory when
         co-located).
         """
         bs, end = self.spec.block_tokens, len(job.tokens)
+        if self.one_copy is not False and self.layout.device.type == "cpu" and _reads_arena(self.client):
+            # co-located: vLLM's blocks copied straight into the server's slots (the lookup and the
+            # skipping of stored blocks read the arena's key index: no request)
+            have = min(self.client.lookup(self.spec, job.tokens), end)
+            if have >= end:
+                return 0
+            ids = job.block_ids
+            self.client.put_kv_blocks(self.spec, job.tokens, lambda d, dst: self.layout.read_block(ids[d], dst))
+            return end - have // bs * bs
         kv = self.layout.gather(job.block_ids, self._out(end))
         have = min(self.client.lookup(self.spec, job.tokens), end)
         if have >= end:

@@ -113,6 +113,35 @@ def test_a_load_fills_the_blocks_layer_by_layer(server, colocated, layerwise, th
     client.close()
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="one-copy loads and saves are the CPU cache's path")
+@pytest.mark.parametrize("kind", ["cpu", "nhd"])
+def test_a_co_located_load_copies_the_arena_straight_into_either_layout(server, kind):
+    """One copy, arena -> paged blocks, exact for the CPU layout (K transposed) and FlashAttention's."""
+    gen = torch.Generator().manual_seed(5)
+    if kind == "cpu":
+        source = cpu_caches(seed=5)
+    else:
+        source = [torch.randn(2, 12, BS, 2, 8, generator=gen) for _ in range(SPEC.num_layers)]
+    tokens = list(range(4 * BS))
+    with KVClient(server.url, plan=False) as client:
+        client.put_kv(SPEC, tokens, layout_for(source, SPEC).gather([0, 1, 2, 3], SPEC.empty_kv(4 * BS)))
+    with KVClient(server.url, plan=False) as client:
+        target = [torch.zeros_like(c) for c in source]
+        layout = layout_for(target, SPEC)
+        assert layout.kind == kind
+        counters = Counters()
+        load = Load(client, SPEC, layout, [LoadJob("r1", tokens, BS, [9, 10, 11])], counters)
+        assert load.one_copy and not load.layerwise
+        assert load.finish() == set()
+        pairs = ((1, 9), (2, 10), (3, 11))
+        for t, s in zip(target, source):
+            if kind == "cpu":
+                assert all(torch.equal(t[d], s[src]) for src, d in pairs) and not t[0].any()
+            else:
+                assert all(torch.equal(t[:, d], s[:, src]) for src, d in pairs) and not t[:, 0].any()
+        assert counters.snapshot()["loaded_tokens"] == 3 * BS and client.stats.http_gets == 0
+
+
 def test_a_short_or_failed_load_names_the_blocks_vllm_must_recompute(server, client):
     tokens = list(range(4 * BS))
     source = cpu_caches(seed=3)
@@ -120,20 +149,28 @@ def test_a_short_or_failed_load_names_the_blocks_vllm_must_recompute(server, cli
     target = [torch.zeros_like(c) for c in source]
     counters = Counters()
     load = Load(client, SPEC, layout_for(target, SPEC), [LoadJob("short", tokens, 0, [4, 5, 6, 7])], counters)
-    assert load.finish() == {6, 7}
+    assert load.finish() == {6, 7} and not load.one_copy
     assert torch.equal(target[0][5], source[0][1])
+    with KVClient(server.url, plan=False) as near:  # co-located: the one-copy path says the same
+        target = [torch.zeros_like(c) for c in source]
+        load = Load(near, SPEC, layout_for(target, SPEC), [LoadJob("short", tokens, 0, [4, 5, 6, 7])], counters)
+        assert load.finish() == {6, 7} and load.one_copy is (DEVICE.type == "cpu")
+        assert torch.equal(target[2][5], source[2][1])
     down = KVClient("http://127.0.0.1:9", retries=0, connect_timeout_s=0.5)
     load = Load(down, SPEC, layout_for(target, SPEC), [LoadJob("down", tokens, 0, [1, 2])], counters)
     for layer in range(SPEC.num_layers):  # never leaves the forward pass waiting
         load.wait(layer)
     assert load.finish() == {1, 2}
-    assert counters.snapshot()["load_errors"] == 1 and counters.snapshot()["failed_blocks"] == 4
+    assert counters.snapshot()["load_errors"] == 1 and counters.snapshot()["failed_blocks"] == 6
     # no tokens to load from (the connector's guard when vLLM asks for more than the lookup found)
     load = Load(client, SPEC, layout_for(target, SPEC), [LoadJob("none", [], 0, [3, 4])], counters)
     assert load.finish() == {3, 4}
 
 
-def test_a_save_puts_the_whole_prefix_then_only_the_missing_tail(server, client):
+@pytest.mark.parametrize("colocated", [False, None])
+def test_a_save_puts_the_whole_prefix_then_only_the_missing_tail(server, colocated):
+    """Over HTTP; and co-located, where vLLM's blocks go straight into the server's slots."""
+    client = KVClient(server.url, colocated=colocated, plan=False)
     tokens = list(range(5 * BS))
     caches = cpu_caches(seed=4)
     counters = Counters()
@@ -151,6 +188,9 @@ def test_a_save_puts_the_whole_prefix_then_only_the_missing_tail(server, client)
     assert torch.equal(kv, layout_for(caches, SPEC).gather([6, 2, 7, 8, 3], SPEC.empty_kv(5 * BS)))
     snap = counters.snapshot()
     assert snap["saves"] == 3 and snap["saved_tokens"] == 5 * BS and snap["save_errors"] == 0
+    if colocated is None and DEVICE.type == "cpu":  # both puts of new blocks went into slots
+        assert client.stats.shm_puts == 2 and client.stats.http_puts == 0
+    client.close()
 
 
 def test_a_failed_save_is_counted_and_releases_its_blocks():
