@@ -15,6 +15,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -253,6 +254,21 @@ class AccessLog:
             return report
 
 
+class _Mappings:
+    """An arena's mappings and descriptors, closed once (``Arena.close``, or its finalizer)."""
+
+    def __init__(self, reader: ShmReader, staging: mmap.mmap) -> None:
+        self.reader, self.staging = reader, staging
+        self.writer: ShmSlotWriter | None = None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader.close()
+        with contextlib.suppress(BufferError):  # a view still held: the GC unmaps later
+            self.staging.close()
+
+
 class Arena:
     """The server's shm arena (read, through ``ShmReader``) and staging segment (write), mapped here.
 
@@ -278,6 +294,10 @@ class Arena:
             self.staging = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        self._maps = _Mappings(self.reader, self.staging)
+        self._unmap = weakref.finalize(self, self._maps.close)
+        """Unmaps when called (``close``) or when the arena is collected: a retired arena goes
+        once the last stream or call holding it is done (it holds nothing that points back)."""
         self.handles = HandleCache()
         self.namespaces: frozenset[str] | None = None
         """The namespaces the client's token may read (``/v1/info``; None: all). Reads with no
@@ -484,7 +504,7 @@ class Arena:
         A block's ``meta`` is hex (as a reservation names it) or bytes (a pooled put's, made here)."""
         with self._lock:
             if self._writer is None:
-                self._writer = ShmSlotWriter(self.segment, self._shm_dir)
+                self._writer = self._maps.writer = ShmSlotWriter(self.segment, self._shm_dir)
             writer = self._writer
         bt, checksums = spec.block_tokens, []
         shape, ints = spec.kv_shape(bt), SAME_SIZE_INTS[spec.torch_dtype.itemsize][1]
@@ -553,12 +573,17 @@ class Arena:
         stats.shm_frames_copied += 1
         return True
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+    def retire(self) -> None:
+        """Forget what this client learned of the arena (a restarted server's old one): its
+        segments are unmapped once nothing uses it, when the last stream or call reading it lets
+        go (``_Mappings``), not at the client's close."""
         self.verified.clear()
         self.handles.clear()  # drops the payload views, so the mapping can close
-        self.reader.close()
-        with contextlib.suppress(BufferError):
-            self.staging.close()
+        self.pool.clear()
+        with self._lock:
+            self._idle.clear()
+            self.leases = []
+
+    def close(self) -> None:
+        self.retire()
+        self._unmap()

@@ -13,8 +13,8 @@ step through a flow with ``Steps``, which the planner's transfers (``client_sdk.
 and the layer streams (``client_sdk.layers``) are run with too.
 
 ``Colocation`` is the state both clients keep: whether the server's arena can be
-mapped here, the mapping, and arenas retired after a server restart (another
-thread may still be reading one; they close with the client).
+mapped here, and the mapping. An arena retired after a server restart is unmapped once the
+last call or stream reading it (another thread's, a layer stream) lets go of it.
 """
 
 from __future__ import annotations
@@ -132,7 +132,6 @@ class Colocation:
         self.arena: Arena | None = None
         self.decided: str | None = None
         """"shm" or "http" once picked; None again after a restart retired the arena."""
-        self.retired: list[Arena] = []
         self.on_pending: Callable[[], None] | None = None
         """Handed to each arena's access log (``AccessLog.on_pending``): the client's report timer."""
 
@@ -182,7 +181,7 @@ class Colocation:
             return False
         log.info("kvstore at %s serves from other shm segments (a restart?): mapping them again", self.url)
         if self.arena is arena:
-            self.retired.append(arena)
+            arena.retire()  # unmapped once the last call or stream reading it is done
             self.arena, self.decided = None, None
         return True
 
@@ -198,9 +197,6 @@ class Colocation:
                 self.arena.pool.clear()
             self.arena.close()
             self.arena = None
-        for arena in self.retired:
-            arena.close()
-        self.retired.clear()
 
 
 # -- gets ------------------------------------------------------------------------------------

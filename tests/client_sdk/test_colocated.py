@@ -488,3 +488,50 @@ def test_a_killed_servers_arena_answers_nothing(tmp_path, spec):
                     call()
     finally:
         srv.stop()
+
+
+def _mapped(segment: str) -> bool:
+    """Whether this process maps the shm segment ``segment`` (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        return any(f"/{segment}" in line for line in maps)
+
+
+def test_a_long_lived_client_unmaps_a_restarted_servers_old_arena(tmp_path, spec):
+    """An engine's client outlives a server restart: the old arena (the old server's memory, its
+    segments unlinked) is unmapped once nothing reads it, not at the client's close; a layer
+    stream that was reading it keeps it mapped, and reads true bytes, until it is done."""
+    import gc
+
+    from bench.reliability_kit.serve_process import ServeProcess, small_env
+    from bench.serving import free_port
+
+    env, port = small_env(tmp_path / "data"), free_port()
+    first = ServeProcess(env, port=port).start()
+    second = None
+    c = KVClient(first.url, plan=False)
+    try:
+        kv = make_kv(spec, 64, seed=4)
+        assert c.put_kv(spec, list(range(64)), kv) == 64
+        old = c.colocation.arena
+        segments = (old.segment, old.staging_segment)
+        stream = c.get_kv_layers(spec, list(range(64)))  # layer 0 placed; the rest read the old arena
+        del old
+        assert all(_mapped(s) for s in segments)
+        first.kill()
+        second = ServeProcess(env, port=port).start()
+        assert c.put_kv(spec, list(range(100, 164)), kv) == 64  # sees the new segments: the old arena retires
+        got, n = c.get_kv(spec, list(range(100, 164)))
+        assert n == 64 and torch.equal(got, kv) and c.colocation.arena.segment not in segments
+        gc.collect()
+        assert _mapped(segments[0])  # the stream still reads it
+        for layer, kv_layer in stream:
+            assert torch.equal(kv_layer, kv[layer])
+        del stream, kv_layer
+        assert not any(_mapped(s) for s in segments)  # unmapped with the stream's end, the client still open
+        got, n = c.get_kv(spec, list(range(100, 164)))
+        assert n == 64
+    finally:
+        c.close()
+        first.kill()
+        if second is not None:
+            second.stop()
