@@ -12,7 +12,9 @@ colocated get         ``KVClient.get_kv`` over shared memory (a fresh   memcpy
                       tensor; ``out=``: into a reused one). A client
                       serves a repeated get from the slot handles it
                       remembers; ``asking``: a client that remembers
-                      none, so each get asks the server and verifies
+                      none, so each get is a first get: it finds the
+                      slots in the arena's key index (no request) and
+                      reads each frame the way a first read does
 handoff               a co-located put (agent A, this process), then    memcpy
                       a first get of that sequence by agent B, another
                       process with its own client (``bench.handoff``):
