@@ -33,6 +33,7 @@ REASONS = {
     "small": "took",          # a payload of at most small_bytes: the policy's first medium, no deliberation
     "infeasible": "took",     # no option fits the receiver's buffer: the first, to fail with the typed error
     "unmeasured": "took",     # no estimate yet: the first available medium in the policy's order
+    "arena": "took",          # every block in the co-located arena: read there, no request (no medium is faster)
     "explore": "explored",    # a burst of real transfers to measure an option, not because it is best
     "best": "chose",          # the lowest predicted time (and the current choice, or the first one)
     "replaced": "chose",      # the current choice became unavailable: the lowest predicted time

@@ -68,6 +68,11 @@ class _Sticky:
     is acted on without waiting out the window."""
 
 
+ARENA_PATHS = ("cached", "indexed")
+"""A get's paths that read every block from the co-located arena with no request: no other
+medium can be faster (each has the server read that arena first), so the planner takes it."""
+
+
 class Planner:
     """Decides per transfer from a ``CostModel``, with hysteresis per (op, size class).
 
@@ -132,6 +137,14 @@ class Planner:
         if not any(c.feasible for c in cands):  # the transfer fails where it lands, with the typed error
             return self._record(op, nbytes, tokens, locality, everything, cands[0].option, "infeasible",
                                 f"no option fits: {cands[0].why}", policy, slo, free_bytes)
+        near = next((c for o, c in zip(opts, cands) if op == "get" and c.feasible and c.path in ARENA_PATHS
+                     and o.codec == "raw"), None)
+        if near is not None and not (recompute is not None and near.predicted_s is not None
+                                     and recompute.predicted_s < near.predicted_s):  # type: ignore[operator]
+            return self._record(op, nbytes, tokens, locality, everything, near.option, "arena",
+                                f"every block is in the co-located arena ({near.path}): {near.option} reads it "
+                                f"with no request, one copy; another medium has the server read the same "
+                                f"arena, then moves it", policy, slo, free_bytes)
         if not known:  # nothing measured yet: the policy's order decides
             first = next(c for c in cands if c.feasible)
             return self._record(op, nbytes, tokens, locality, everything, first.option, "unmeasured",

@@ -118,6 +118,10 @@ def test_each_reason_code_in_turn():
     assert d.choice == "http" and "this transfer only" in d.reason
     planner.model.set_prefill_rate("fp", 1000.0)  # 1 token a ms
     take(planner.decide("get", opts, nbytes=4 * MB, tokens=1, policy=policy, fingerprint="fp"), "recompute")
+    # every block in the co-located arena: shm, whatever the estimates say of http
+    d = take(planner.decide("get", opts, nbytes=4 * MB, tokens=1000, policy=policy, paths={"shm": "indexed"}),
+             "arena")
+    assert d.choice == "shm" and {c.option for c in d.candidates} == {"shm", "http"}
 
     # Recompute beats the held option, and the best fetch beats recompute.
     clock2 = Clock()
