@@ -170,6 +170,9 @@ def _sweep(url: str, payloads, bandwidths, prompts, repeats: int, warmup: int, d
                 return Throttled(m, latency_s=LINK_LATENCY_S, bandwidth_Bps=gbps * 1e9)
 
             with KVClient(url, namespace="bench-planner", colocated=False, wrap_media=wrap) as client:
+                if not {o.medium for o in _options()} <= set(client.media()):  # its warning said why
+                    raise RuntimeError(f"the planner's client has media {sorted(client.media())}, the server "
+                                       f"offers {sorted((client.info().get('media') or {}))}")
                 for payload in payloads:
                     for tokens in prompts:
                         t0 = time.perf_counter()

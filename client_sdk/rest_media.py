@@ -282,7 +282,7 @@ def side_media(http: HttpTransport, info: dict, redis_url: str | None) -> dict[s
             out["flight"] = FlightMedium.from_info(http.url, {"media": {"flight": offers["flight"]}}, http.token,
                                                    http.namespace, timeout_s=http.timeout_s)
         except (ImportError, KVStoreError) as exc:
-            log.info("flight offered but not usable here: %s", exc)
+            log.warning("flight offered but not usable here: %s", exc)
     if offers.get("redis") and redis_url:
         try:
             from client_sdk.redis_direct import RedisDirectMedium
@@ -290,5 +290,5 @@ def side_media(http: HttpTransport, info: dict, redis_url: str | None) -> dict[s
             offer = offers["redis"]
             out["redis"] = RedisDirectMedium(http, redis_url, offer["keyspace"], offer.get("tier", "redis"))
         except (ImportError, KVStoreError, KeyError) as exc:
-            log.info("redis offered but not usable here: %s", exc)
+            log.warning("redis offered but not usable here: %s", exc)
     return out

@@ -133,7 +133,9 @@ def test_sigint_stops_the_server_too(tmp_path):
     mine = shm_segments(proc.proc.pid)
     proc.signal(signal.SIGINT)
     code = proc.wait(30)
-    assert code == 130, proc.log()
+    # 130, as after Ctrl-C; a shell's background job inherits SIGINT ignored (this process then
+    # too), and uvicorn re-raises the signal under the disposition it found: the server exits 0
+    assert code == (0 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 130), proc.log()
     assert "Application shutdown complete" in proc.log() and "Traceback" not in proc.log()
     assert mine and not shm_segments(proc.proc.pid)
 
