@@ -43,12 +43,15 @@ MODEL = dict(layers=8, hidden=512, heads=8, kv_heads=2, vocab=4096, init_range=0
 SIZES = (1024, 2048, 4096)
 DECODE_TOKENS = 64
 TARGETS = {
-    "shm_vs_recompute_2k": 10.0,  # recompute TTFT / kvstore shm hit TTFT, at least
-    "http_vs_recompute_2k": 5.0,
-    "shm_vs_prefix_hit_2k": 2.0,  # kvstore shm hit / vLLM prefix hit, at most
-    "miss_vs_recompute": 1.1,  # kvstore miss / recompute, at most (every size)
+    "shm_vs_prefix_hit": 1.1,  # kvstore shm hit / vLLM's own prefix hit, at most (worst size)
+    "http_vs_prefix_hit": 1.4,  # kvstore http hit / vLLM's own prefix hit, at most (worst size)
+    "miss_vs_recompute": 1.05,  # kvstore miss / recompute, at most (worst size)
     "decode_saving_vs_none": 0.9,  # decode tok/s with the connector saving / without, at least
 }
+"""Issue 33's targets, against the limit (vLLM's own prefix hit moves nothing): the recompute /
+hit ratios of before sat at that limit itself. Besides these, a co-located hit beats
+``ExampleConnector``'s at every size."""
+AT_LEAST = ("decode_saving_vs_none",)
 HIT_ROWS = ("vllm prefix hit", "kvstore shm hit", "kvstore http hit", "example hit")
 ROWS = ("recompute", *HIT_ROWS, "kvstore miss")
 _OPTS = dict(max_model_len=max(SIZES) + 512, max_num_batched_tokens=8192)
@@ -144,15 +147,13 @@ def _result(samples: dict[str, list[float]], quick: bool, repeats: int, elapsed:
     figures = {name: _median(xs) for name, xs in samples.items()}
     med = {name: f["median"] for name, f in figures.items()}
     ratios = {
-        "shm_vs_recompute_2k": med["recompute 2048"] / med["kvstore shm hit 2048"],
-        "http_vs_recompute_2k": med["recompute 2048"] / med["kvstore http hit 2048"],
-        "shm_vs_prefix_hit_2k": med["kvstore shm hit 2048"] / med["vllm prefix hit 2048"],
+        "shm_vs_prefix_hit": max(med[f"kvstore shm hit {n}"] / med[f"vllm prefix hit {n}"] for n in SIZES),
+        "http_vs_prefix_hit": max(med[f"kvstore http hit {n}"] / med[f"vllm prefix hit {n}"] for n in SIZES),
         "miss_vs_recompute": max(med[f"kvstore miss {n}"] / med[f"recompute {n}"] for n in SIZES),
         "decode_saving_vs_none": med["decode kvstore saving"] / med["decode none"],
     }
     faster_than_example = {n: med[f"kvstore shm hit {n}"] < med[f"example hit {n}"] for n in SIZES}
-    met = {k: (v >= TARGETS[k] if k in ("shm_vs_recompute_2k", "http_vs_recompute_2k", "decode_saving_vs_none")
-               else v <= TARGETS[k]) for k, v in ratios.items()}
+    met = {k: (v >= TARGETS[k] if k in AT_LEAST else v <= TARGETS[k]) for k, v in ratios.items()}
     met["faster_than_example"] = all(faster_than_example.values())
     result = header("vllm", quick=quick, repeats=repeats, model=MODEL, sizes=list(SIZES), rows=figures,
                     ratios=ratios, targets=TARGETS, met=met, faster_than_example=faster_than_example,
@@ -169,12 +170,10 @@ def _ms(result: dict, row: str) -> str:
 def _ratio_lines(result: dict) -> list[tuple[str, str, str, bool]]:
     r, t, met = result["ratios"], TARGETS, result["met"]
     return [
-        ("recompute / kvstore shm hit, 2k", f"{r['shm_vs_recompute_2k']:.1f}x", f">= {t['shm_vs_recompute_2k']:.0f}x",
-         met["shm_vs_recompute_2k"]),
-        ("recompute / kvstore http hit, 2k", f"{r['http_vs_recompute_2k']:.1f}x",
-         f">= {t['http_vs_recompute_2k']:.0f}x", met["http_vs_recompute_2k"]),
-        ("kvstore shm hit / vLLM prefix hit, 2k", f"{r['shm_vs_prefix_hit_2k']:.2f}x",
-         f"<= {t['shm_vs_prefix_hit_2k']:.0f}x", met["shm_vs_prefix_hit_2k"]),
+        ("kvstore shm hit / vLLM prefix hit, worst size", f"{r['shm_vs_prefix_hit']:.2f}x",
+         f"<= {t['shm_vs_prefix_hit']}x", met["shm_vs_prefix_hit"]),
+        ("kvstore http hit / vLLM prefix hit, worst size", f"{r['http_vs_prefix_hit']:.2f}x",
+         f"<= {t['http_vs_prefix_hit']}x", met["http_vs_prefix_hit"]),
         ("kvstore miss / recompute, worst size", f"{r['miss_vs_recompute']:.2f}x", f"<= {t['miss_vs_recompute']}x",
          met["miss_vs_recompute"]),
         ("decode tok/s, saving / no connector", f"{r['decode_saving_vs_none']:.2f}x",
