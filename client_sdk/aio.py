@@ -31,7 +31,7 @@ from client_sdk.blockwise import Place
 from client_sdk.aio_media import AsyncHttpMedium, AsyncMedium, AsyncShmMedium, AsyncShmPath
 from client_sdk.aio_planning import AsyncClientPlanner
 from client_sdk.calls import put_layout
-from client_sdk.colocated import filled_kv
+from client_sdk.colocated_puts import filled_kv
 from client_sdk.layers import AsyncLayerStream, aget_kv_layers
 from client_sdk.pending import MAX_PENDING_BYTES, AsyncPutHandle, AsyncPutQueue
 from client_sdk.shell import ClientShell

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
 import threading
 import time
 import weakref
@@ -22,16 +21,18 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from client_sdk._common import VERIFIED_VIEW, BlockFill, BlockSink, ClientStats, give_frame, kv_bytes, verified_header
+from client_sdk._common import (VERIFIED_VIEW, BlockFill, BlockSink, BlockWriter, ClientStats, give_frame, kv_bytes,
+                                verified_header)
+from client_sdk.slot_pool import SlotPool
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
-from kvstore.errors import FrameError, InvalidInput, InvalidKV, KVStoreError, ServiceError
+from kvstore.errors import FrameError, InvalidKV, KVStoreError, ServiceError
 from kvstore.keys import block_hashes, meta_prefix
 from kvstore.memory.shm import SHM_DIR, IndexHit, ShmReader, ShmSlotWriter, SlotHandle
 from kvstore.spec import KVSpec
 from kvstore.wire.rest import MAX_TOUCH_KEYS
 
-__all__ = ["Arena", "HandleCache", "AccessLog", "VerifiedSlots", "SlotPool"]
+__all__ = ["Arena", "HandleCache", "AccessLog", "VerifiedSlots"]
 
 
 def _indexed(key_hex: str, hit: IndexHit) -> dict:
@@ -71,55 +72,6 @@ class VerifiedSlots:
     def clear(self) -> None:
         with self._lock:
             self._slots.clear()
-
-
-class SlotPool:
-    """Top-tier slots the server lent this process for pooled puts (``kvstore.engine.reserved``),
-    by slot size: a put takes what it writes into, the answer gives back what it did not use and
-    the server's new grant.
-
-    The server reclaims a pool that sees no put for ``ttl_s``, and may reuse its slots for other
-    blocks then: a write after that would damage them. So a pool is used only within half its
-    ``ttl_s`` of the last request that refreshed it (timed from when that request was *sent*,
-    before the server refreshed it); after that, its slots are forgotten here and new ones asked for.
-    """
-
-    def __init__(self) -> None:
-        self.name = secrets.token_hex(8)
-        """The server keys a pool by tenant, process and this: each client of a process has its own."""
-        self.used = False
-        """Whether the server was ever asked for slots (then closing gives them back)."""
-        self._free: dict[int, list[dict]] = {}
-        self._fresh_until = 0.0
-        self._lock = threading.Lock()
-
-    def take(self, size: int, n: int) -> list[dict] | None:
-        """``n`` slots of ``size`` bytes, now this caller's alone; None when fewer are free or the
-        pool is too old to write into."""
-        with self._lock:
-            if time.monotonic() >= self._fresh_until:
-                self._free.clear()
-                return None
-            free = self._free.get(size, [])
-            if len(free) < n:
-                return None
-            got, self._free[size] = free[:n], free[n:]
-            return got
-
-    def add(self, size: int, slots: Sequence[dict], sent_s: float, ttl_s: float) -> None:
-        """Slots the server says this process holds (again), refreshed by a request sent at ``sent_s``."""
-        with self._lock:
-            self.used = True
-            self._fresh_until = sent_s + ttl_s / 2
-            self._free.setdefault(size, []).extend(s for s in slots if s["length"] == size)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(v) for v in self._free.values())
 
 
 class HandleCache:
@@ -521,6 +473,20 @@ class Arena:
                     kv(depth, dst)
                     del dst  # drop the export before the slot closes
                     n = codec_mod.seal_raw(view, spec.dtype, shape, meta)
+                checksums.append(codec_mod.read_header(view[:n]).body_checksum)
+        return checksums
+
+    def write_frames(self, slots: Sequence[dict], sizes: Sequence[int], writer: BlockWriter) -> list[int]:
+        """``writer(i, view)`` writes frame ``i`` (at most ``sizes[i]`` bytes) straight into pool slot
+        ``slots[i]``; the frames' body checksums, in order (a by-key pooled put names them)."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = self._maps.writer = ShmSlotWriter(self.segment, self._shm_dir)
+            slot_writer = self._writer
+        checksums = []
+        for i, (slot, size) in enumerate(zip(slots, sizes)):
+            with slot_writer.slot(slot["offset"], slot["length"]) as view:
+                n = writer(i, view[:size])
                 checksums.append(codec_mod.read_header(view[:n]).body_checksum)
         return checksums
 

@@ -284,6 +284,14 @@ def put_pooled(spec: KVSpec, toks: Any, pid: int, pool: str, writes: Sequence[tu
                 c.kv_parts(spec, toks, None, extra=extra), KV_MEDIA)
 
 
+def put_pooled_blocks(pid: int, pool: str, writes: Sequence[tuple[str, int, int]], count: int,
+                      slot_bytes: int) -> Call[dict]:
+    """Frames written into pool slots, stored by key (``/v1/blocks/put-pooled``): one request.
+    ``writes``: (key hex, slot offset, body checksum) per frame (none: a grant only)."""
+    return json_call("POST", f"/v1/blocks/put-pooled?pid={pid}&pool={pool}&count={count}&slot_bytes={slot_bytes}",
+                     {"blocks": [{"key": k, "offset": o, "checksum": c} for k, o, c in writes]})
+
+
 def release_pool(pid: int, pool: str) -> Call[Any]:
     return json_call("DELETE", f"/v1/kv/pool?pid={pid}&pool={pool}")
 

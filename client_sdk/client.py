@@ -36,7 +36,8 @@ from client_sdk import _common as c
 from client_sdk import calls
 from client_sdk._common import BlockFill, BlockSink, BlockWriter
 from client_sdk.blockwise import Place
-from client_sdk.colocated import drive, filled_kv
+from client_sdk.colocated import drive
+from client_sdk.colocated_puts import filled_kv
 from client_sdk.layers import LayerStream, get_kv_layers
 from client_sdk.media import Medium
 from client_sdk.pending import MAX_PENDING_BYTES, PutHandle, PutQueue

@@ -26,7 +26,8 @@ from client_sdk.arena import Arena
 from client_sdk import calls
 from client_sdk.blockwise import Place, place_flow, place_from_tensor
 from client_sdk.colocated import (Colocation, blocks_exist_flow, cached_get, drive, frames_flow, get_blocks_into_flow,
-                                  get_flow, pooled_put_flow, put_blocks_flow, put_flow)
+                                  get_flow)
+from client_sdk.colocated_puts import pooled_put_flow, put_blocks_flow, put_flow
 from client_sdk.media import Medium, RestPuts
 from client_sdk.transport import HttpTransport
 from kvstore.errors import KVStoreError, ServiceError

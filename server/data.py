@@ -24,8 +24,8 @@ from server.auth import Principal
 from server.block_puts import put_blocks
 from server.colocated import handle_json
 from server.errors import field_error
-from server.requests import (agent_of, authenticate, caller, charge_blocks, head_tokens, media_of, parse_keys,
-                             spec_and_tokens)
+from server.requests import (agent_of, authenticate, caller, charge_blocks, head_tokens, media_of, parse_key,
+                             parse_keys, spec_and_tokens)
 from server.service import Service, json_body, kv_view, parse_spec, parse_tokens, released, require
 
 __all__ = ["router", "eviction_query", "eviction_answer"]
@@ -513,6 +513,69 @@ def _put_pooled(svc: Service, p: Principal, ns: str, spec, tokens, pid: int, nam
     if agent is not None:
         svc.store.locality.wrote(done.keys, ns, spec, agent)
     return done
+
+
+MAX_FRAME_SLOT_BYTES = 64 << 20
+"""The largest pool slot a by-key pooled put may ask for (the most a pool holds)."""
+
+
+@router.post("/v1/blocks/put-pooled")
+async def blocks_put_pooled(request: Request) -> JSONResponse:
+    """Frames the caller wrote into its pool slots, stored by key: a cache backend's pages in one
+    request, no staging copy (co-located only).
+
+    Body: ``{"blocks": [{"key", "offset", "checksum"}]}`` (may be empty: a first grant). Query:
+    ``pid``, ``pool``, ``count`` (slots to grant back), ``slot_bytes`` (their size, 4 KiB to 64
+    MiB). Each frame must name the request's namespace in its metadata, as ``/v1/blocks/put``'s
+    do, and carry the claimed body checksum. Answer: ``{"stored", "slots", "segment", "ttl_s"}``,
+    or ``reason`` (``reservation_off``/``no_room``) with no slots.
+    """
+    svc, p, ns = caller(request, colocated=True)
+    data = await json_body(request)
+    blocks = require(data, "blocks", list)
+    if len(blocks) > MAX_POOL_SLOTS:
+        raise MalformedRequest(f"blocks: at most {MAX_POOL_SLOTS} per request, got {len(blocks)}", field="blocks")
+    writes = []
+    for i, b in enumerate(blocks):
+        off, checksum = (b.get("offset"), b.get("checksum")) if isinstance(b, dict) else (None, None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in (off, checksum)):
+            raise MalformedRequest(f"blocks[{i}]: offset and checksum must be non-negative ints",
+                                   field=f"blocks[{i}]")
+        writes.append((parse_key(b.get("key"), f"blocks[{i}].key"), off, checksum))
+    why = _reservations_off(svc)
+    if why is not None:
+        if writes:
+            raise field_error(InvalidInput(f"pooled puts are off here: {why}"), "blocks")
+        return JSONResponse({"stored": 0, "slots": [], "reason": RESERVE_OFF, "why": why})
+    got = {}
+    for name in ("pid", "count", "slot_bytes"):
+        raw = request.query_params.get(name, "0" if name == "count" else None)
+        if raw is None or not raw.isdigit() or len(raw) > 12:
+            raise field_error(InvalidInput(f"must be a non-negative integer, got {raw!r}"), name)
+        got[name] = int(raw)
+    if got["count"] > MAX_POOL_SLOTS:
+        raise field_error(InvalidInput(f"at most {MAX_POOL_SLOTS} slots a request, got {got['count']}"), "count")
+    if not 4096 <= got["slot_bytes"] <= MAX_FRAME_SLOT_BYTES:
+        raise field_error(InvalidInput(f"must be 4096 to {MAX_FRAME_SLOT_BYTES} bytes, got {got['slot_bytes']}"),
+                          "slot_bytes")
+    pools, name = svc.store.reservations.pools, _pool_name(request)
+
+    def put() -> Any:
+        if not writes:
+            return None, pools.grant(p.name, got["pid"], name, got["slot_bytes"], got["count"])
+        done = pools.put_frames(ns, p.name, got["pid"], name, writes, got["count"], got["slot_bytes"],
+                                lambda nbytes: svc.quotas.check(p, ns, nbytes))
+        return done, done.slots
+    try:
+        done, slots = await svc.run(put)
+    except InvalidInput as exc:
+        _raise_named(exc, "pid")
+        raise field_error(exc, "blocks") from None
+    if done is not None:
+        svc.metrics.colocated.labels("put").inc()
+        svc.metrics.transfer.labels("in", "shm").inc(done.nbytes)
+    return JSONResponse({"stored": 0 if done is None else done.stored, "slots": slots, "segment": svc.shm.segment,
+                         "ttl_s": pools.ttl_s, **({} if slots or done is not None else {"reason": RESERVE_NO_ROOM})})
 
 
 @router.delete("/v1/kv/pool")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from kvstore import codec as codec_mod
@@ -25,12 +25,13 @@ from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.placement import RoomHold
 from kvstore.engine.slots import ReservedBlock, block_tokens, check_written, give_back
-from kvstore.errors import Forbidden, InvalidInput, TierFull
+from kvstore.engine.recovery import entry_from_head
+from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput, TierFull
 from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.memory.shm import start_ticks
 from kvstore.spec import KVSpec
 
-__all__ = ["PooledPuts", "PooledPut", "POOL_KEY", "MAX_POOL_BYTES", "SLOT_SLACK"]
+__all__ = ["PooledPuts", "PooledPut", "PooledFrames", "POOL_KEY", "MAX_POOL_BYTES", "SLOT_SLACK"]
 
 log = logging.getLogger("kvstore.engine.pools")
 
@@ -83,6 +84,41 @@ class PooledPut:
     missing: list[int]
     slots: list[dict[str, int]]
     keys: list[BlockHash]
+
+
+@dataclass(slots=True)
+class PooledFrames:
+    """What ``put_frames`` did: frames accepted (published, or held already), KV bytes published,
+    and the slots now the writer's again."""
+
+    stored: int
+    nbytes: int
+    slots: list[dict[str, int]]
+
+
+def _written_entry(top: Any, ps: PoolSlot, key: BlockHash, checksum: int, namespace: str, now: float) -> IndexEntry:
+    """The index entry of the frame a writer wrote into pool slot ``ps`` under ``key``, from its
+    header and metadata (the body is verified after publish), once it names ``namespace``,
+    fits the slot and carries the claimed checksum."""
+    view = top.reserved_view(ps.slot)
+    try:
+        header = codec_mod.read_header(view[:min(len(view), 128)], prefix=True)
+        if header.frame_len > ps.size:
+            raise FrameError(f"its header says {header.frame_len} bytes, the slot holds {ps.size}")
+        entry = entry_from_head(key, top.name, view[:min(header.frame_len, _HEAD)], header.frame_len, now)
+    except FrameError as exc:
+        raise CorruptFrame(f"block {key.hex()}: the frame written into its slot is damaged: {exc}") from None
+    if entry.namespace != namespace:
+        raise InvalidInput(f"block {key.hex()}: frame metadata namespace {entry.namespace!r} is not the "
+                           f"request's {namespace!r}")
+    if entry.checksum != checksum:
+        raise CorruptFrame(f"block {key.hex()}: the frame says body checksum {entry.checksum:#x}, "
+                           f"the put {checksum:#x}")
+    return entry
+
+
+_HEAD = 4096
+"""A frame's header and metadata fit in its first 4 KiB (``entry_from_head`` reads them there)."""
 
 
 class PooledPuts:
@@ -192,17 +228,7 @@ class PooledPuts:
         depths = [d for d, _, _ in writes]
         if any(not 0 <= d < len(keys) for d in depths) or len(set(depths)) != len(depths):
             raise InvalidInput(f"writes: each depth once, within the sequence's {len(keys)} blocks")
-        with self._lock:
-            pool = self._pools.get((owner, pid, name))
-            taken = [] if pool is None else [pool.slots.pop(off, None) for _, off, _ in writes]
-            if pool is None or None in taken:
-                if pool is not None:
-                    for ps in taken:
-                        if ps is not None:
-                            pool.slots[ps.slot.offset] = ps
-                raise Forbidden(f"slot(s) not in this writer's pool (never granted, already used, or "
-                                f"reclaimed after {self.ttl_s:g} s without a put or its process's exit)")
-            pool.expires_s = self._core.clock() + self.ttl_s
+        taken = self._take(owner, pid, name, [off for _, off, _ in writes])
         top = self._core.tiers[0]
         keep = self._core.events.keep_tokens
         blocks = [ReservedBlock(d, keys[d], ps.slot, ps.size, block_meta(namespace, spec_fp, d),
@@ -248,6 +274,78 @@ class PooledPuts:
         granted = self.grant(owner, pid, name, size, refill) if refill else []
         return PooledPut((missing[0] if missing else len(keys)) * bt, nbytes, missing,
                          [ps.to_dict() for ps in returned] + granted, keys)
+
+    def put_frames(self, namespace: str, owner: str, pid: int, name: str, writes: list[tuple[BlockHash, int, int]],
+                   refill: int, size: int, charge: Callable[[int], None]) -> PooledFrames:
+        """Publish frames a writer wrote into its pool slots by key, one ``(key, offset, checksum)``
+        each (a cache backend's pages: ``/v1/blocks/put-pooled``), then grant ``refill`` more
+        slots of ``size`` bytes. Each frame is checked as ``put_pooled`` checks a block's, but by
+        its own metadata: it must name ``namespace``; its body is hashed in the background after
+        publish (``kvstore.engine.scrub``). A key another namespace holds, or that holds the
+        same frame already, is left as it is (as ``FrameStore.put`` does) and its slot stays lent.
+        ``charge(nbytes)`` is called with the frames' bytes before anything is published (quota).
+
+        Raises:
+            Forbidden: a named slot is not one of this writer's pool; nothing is stored.
+            InvalidInput: a key named twice, or a frame naming another namespace.
+            CorruptFrame: a damaged header, or not the claimed checksum: nothing is stored.
+        """
+        if len({k for k, _, _ in writes}) != len(writes):
+            raise InvalidInput("blocks: each key once")
+        taken = self._take(owner, pid, name, [off for _, off, _ in writes])
+        top = self._core.tiers[0]
+        now, heat_now = self._core.clock(), self._core.placement.clock()
+        try:
+            entries = [_written_entry(top, ps, key, checksum, namespace, now) for (key, _, checksum), ps
+                       in zip(writes, taken)]
+            charge(sum(e.size for e in entries))
+        except BaseException:
+            self._back_to_pool(owner, pid, name, taken)
+            raise
+        returned: list[PoolSlot] = []
+        nbytes = 0
+        for i, (entry, ps) in enumerate(zip(entries, taken)):
+            kept = False
+            try:
+                with self._core.claim(entry.key):
+                    old = self._core.entry(entry.key)
+                    if old is not None and (old.namespace != namespace or old.checksum == entry.checksum):
+                        returned.append(ps)  # stored already (or another's key): the slot stays lent
+                        kept = True
+                        self._core.count(blocks_deduped=1)
+                        continue
+                    top.commit_reserved(entry.key, ps.slot, ps.size, entry.size)
+                    self._core.publish(replace(entry, tier=top.name), now=heat_now, reason="reserved")
+                    self._core.count(blocks_written=1)
+                    nbytes += entry.raw_bytes
+            except BaseException:
+                self._back_to_pool(owner, pid, name, taken[i + 1:] + returned)
+                raise
+            finally:
+                if ps.room is not None and not kept:
+                    ps.room.release()
+        self._back_to_pool(owner, pid, name, returned)
+        granted = self.grant(owner, pid, name, size, refill) if refill else []
+        return PooledFrames(len(writes), nbytes, [ps.to_dict() for ps in returned] + granted)
+
+    def _take(self, owner: str, pid: int, name: str, offsets: list[int]) -> list[PoolSlot]:
+        """The writer's pool slots at ``offsets``, out of its pool (a put uses them), its pool refreshed.
+
+        Raises:
+            Forbidden: one is not in the pool; none is taken then.
+        """
+        with self._lock:
+            pool = self._pools.get((owner, pid, name))
+            taken = [] if pool is None else [pool.slots.pop(off, None) for off in offsets]
+            if pool is None or None in taken:
+                if pool is not None:
+                    for ps in taken:
+                        if ps is not None:
+                            pool.slots[ps.slot.offset] = ps
+                raise Forbidden(f"slot(s) not in this writer's pool (never granted, already used, or "
+                                f"reclaimed after {self.ttl_s:g} s without a put or its process's exit)")
+            pool.expires_s = self._core.clock() + self.ttl_s
+            return taken  # type: ignore[return-value]
 
     def _back_to_pool(self, owner: str, pid: int, name: str, slots: list[PoolSlot | None]) -> None:
         """Slots the writer keeps (unused by this put); to the tier when its pool is gone."""

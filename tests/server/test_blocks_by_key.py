@@ -184,3 +184,62 @@ def test_a_damaged_block_read_over_http_is_dropped(serve_app):
         assert c.blocks_exist(ks) == [True, False]
         put(c, ks, data)
         assert get(c, ks)[1] == dict(enumerate(data))
+
+
+def test_a_colocated_backend_put_makes_one_request_into_its_pool(tenant_server):
+    """Pages go straight into pool slots and ``/v1/blocks/put-pooled`` publishes them by key: one
+    request a put once the pool is lent (no staging copy); refused frames store nothing and leave
+    the pool usable."""
+    from tests.client_sdk.test_reserved_put import _requests_by_route
+
+    ks, data = keys(12), payloads(12)
+    with KVClient(tenant_server.url, token=ACME, namespace=NS) as c:
+        assert put(c, ks[:4], data[:4]) == 4  # the first asks for slots too
+        for i in (4, 8):
+            before = _requests_by_route(tenant_server.url)
+            assert put(c, ks[i:i + 4], data[i:i + 4]) == 4
+            after = _requests_by_route(tenant_server.url)
+            made = {r: after[r] - before.get(r, 0) for r in after if after[r] != before.get(r, 0)}
+            assert made == {"/v1/blocks/put-pooled": 1}, made
+        found, got = get(c, ks)
+        assert found == [True] * 12 and [got[i] for i in range(12)] == data
+        assert c.stats.shm_puts == 3 and c.stats.http_puts == 0
+        other = keys(2, "beta")
+        with pytest.raises(InvalidInput, match="namespace"):  # a frame naming another tenant's namespace
+            put(c, other, payloads(2), ns="beta")
+        assert c.blocks_exist(other) == [False, False]
+        more = keys(14)[12:]
+        before = _requests_by_route(tenant_server.url)
+        assert put(c, more, payloads(2)) == 2  # the refused put's slots went back to the pool
+        assert sum(_requests_by_route(tenant_server.url).values()) - sum(before.values()) == 1
+    assert tenant_server.store.reservations.pools.lent_bytes() == 0  # closing gave the pool back
+
+
+def test_bad_pooled_block_puts_are_4xx_naming_the_field(tenant_server):
+    import os
+
+    q = f"pid={os.getpid()}&pool=b1&count=1&slot_bytes=8192"
+    h = {"authorization": f"Bearer {ACME}", "x-kv-namespace": NS}
+    with httpx.Client(base_url=tenant_server.url, timeout=10, headers=h) as http:
+        r = http.post(f"/v1/blocks/put-pooled?{q}", json={"blocks": []})
+        assert r.status_code == 200 and len(r.json()["slots"]) == 1, r.text
+        slot = r.json()["slots"][0]
+        k = keys(1)[0].hex()
+        cases = [
+            (q.replace("slot_bytes=8192", "slot_bytes=12"), {"blocks": []}, "slot_bytes"),
+            (q.replace("count=1", "count=99999"), {"blocks": []}, "count"),
+            (q.replace("pool=b1", "pool=a/b"), {"blocks": []}, "pool"),
+            (q, {"blocks": "x"}, "blocks"),
+            (q, {"blocks": [{"key": k, "offset": -1, "checksum": 0}]}, "blocks[0]"),
+            (q, {"blocks": [{"key": "zz", "offset": slot["offset"], "checksum": 0}]}, "blocks[0].key"),
+        ]
+        for query, body, field in cases:
+            r = http.post(f"/v1/blocks/put-pooled?{query}", json=body)
+            assert r.status_code in (400, 422) and r.json()["error"].get("field") == field, (field, r.text)
+        r = http.post(f"/v1/blocks/put-pooled?{q}", json={"blocks": [{"key": k, "offset": slot["offset"],
+                                                                           "checksum": 1}]})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "CorruptFrame"  # the slot holds no frame
+        r = http.post(f"/v1/blocks/put-pooled?{q}", json={"blocks": [{"key": k, "offset": 64, "checksum": 1}]})
+        assert r.status_code == 403  # not a slot of this pool
+        assert http.delete(f"/v1/kv/pool?pid={os.getpid()}&pool=b1").json() == {"released": 1}
+    assert tenant_server.store.frames.current_entry(keys(1)[0], NS) is None
