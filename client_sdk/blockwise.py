@@ -128,8 +128,8 @@ def place_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, first: i
     if blocks is not None:
         missing = yield Copy(spec.bytes_per_token * max(0, len(blocks) - first) * bt, place_from_handles, arena,
                              blocks[first:], spec, first, place, stats)
-        if not missing:
-            arena.served_from_cache(blocks, bt, stats)
+        if not missing:  # reported as a get of the blocks read (the caller held those before ``first``)
+            arena.served_from_cache(blocks[first:], bt, stats)
             if arena.accesses.due():
                 report()
             return len(blocks) * bt

@@ -59,8 +59,9 @@ def test_a_first_co_located_read_makes_no_request_and_is_counted(server, spec):
         before = _requests_served(server.url)
         assert c.get_kv_blocks(spec, tokens, Blocks(spec)) == 64
         assert _requests_served(server.url) == before
-    counters = server.store.stats().counters  # closing reported it, as a get of 64 tokens
-    assert counters.get_calls == 1 and counters.tokens_hit == 64
+        assert c.get_kv_blocks(spec, tokens, Blocks(spec), first=3) == 64  # reads the last block only
+    counters = server.store.stats().counters  # closing reported them, as gets of 64 and 16 tokens
+    assert counters.get_calls == 2 and counters.tokens_hit == 64 + 16
 
 
 def test_the_prefix_ends_at_the_first_block_not_stored(server, spec):

@@ -264,6 +264,8 @@ def test_the_four_figures_agree_with_what_vllm_counts(python, model, work, serve
     looked_up = 512 + 128 + len(short) + 512
     # INFO: vLLM's stats lines; every step: each stretch of the log holds its own steps' lines
     env = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_LOG_STATS_INTERVAL": "0.001"}
+    with KVClient(server_a.url) as admin:
+        hit_before = admin.admin.stats()["counters"]["tokens_hit"]
     with VLLMEngine(python, model, work / "counted.log", connector="kvstore", env=env, prefix_caching=True,
                     kv_config={"url": server_a.url, "namespace": PC_NS}, max_model_len=MAX_LEN) as engine:
         def run(tokens: list[int]) -> tuple[list[int], int, dict]:
@@ -300,6 +302,14 @@ def test_the_four_figures_agree_with_what_vllm_counts(python, model, work, serve
     assert all(row[k] == sum(got[k] for _, _, got in stretches) for k in FIGURES[:3])
     assert row["hit_ratio"] == 384 / looked_up and row["load_errors"] == row["failed_blocks"] == 0
     exported(text, PC_NS, row)
+    # the store's own account (kvstore stats): the tokens vLLM loaded, read from the arena with no
+    # request and reported within a second or so, neither fewer nor more
+    deadline = time.monotonic() + 10
+    with KVClient(server_a.url) as admin:
+        while (hit := admin.admin.stats()["counters"]["tokens_hit"] - hit_before) < 384 \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert hit == row["loaded_tokens"] == 384
 
 
 # -- integrity and faults: one engine against a server on nvme alone, restarted in between ----------
