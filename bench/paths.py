@@ -3,6 +3,8 @@
 ====================  ===============================================  ==========
 row                   one operation                                    its limit
 ====================  ===============================================  ==========
+limit memcpy+request  one-thread copy of the bytes, then ``/healthz``    -
+                      (a 1 MiB put's floor: a copy and one request)
 colocated put         ``KVClient.put_kv`` over shared memory            memcpy
 colocated put,        the same with ``wait=False``: until it returns    memcpy
 nowait                its handle (the KV copied aside); the put lands
@@ -179,7 +181,13 @@ class Paths:
 
     def rows(self) -> dict[str, Row]:
         n, key = self.nbytes, bytes([7]) * 32
+        src, dst = self.kv.reshape(-1).view(torch.uint8).numpy(), self.out.numpy()[:n]
+
+        def copy_and_ask() -> None:  # a put's floor: its bytes copied once, one minimal request
+            np.copyto(dst, src)
+            self.shm.health()
         rows = {
+            "limit memcpy+request": Row(n, timed(copy_and_ask)),
             "colocated put": Row(n, self._put(self.shm.put_kv)),
             "colocated put, nowait": Row(n, self._put(self._nowait, self._settle)),
             "handoff": Row(n, self._handoff()),

@@ -17,7 +17,7 @@ from bench.page import END, START, render
 
 SIZES = ("64KiB", "256KiB")
 ROWS = {  # written out here, so a row the bench stops measuring fails this test
-    "limit memcpy", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
+    "limit memcpy", "limit memcpy+request", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
     "colocated put", "colocated put, nowait", "handoff", "colocated get", "colocated get out=", "colocated get, asking",
     "http put", "http get", "http get out=", "flight put", "flight get", "flight get out=",
     "redis tier put", "redis tier get", "nvme tier put", "nvme tier get",
@@ -62,7 +62,7 @@ def test_every_size_has_every_row_and_ratio(run) -> None:
     targets = {(t["name"], t["size"]): t for t in result["targets"]}
     # every target is at 1 or 32 MiB, and LMCache did not run: they say so rather than vanish
     for name, size in (("hand-off, A's put then B's first get, p50 / memcpy", "32MiB"),
-                       ("HTTP get / loopback TCP", "1MiB"), ("Redis tier put / LMCache redis put", "32MiB")):
+                       ("HTTP get / loopback TCP", "32MiB"), ("Redis tier put / LMCache redis put", "32MiB")):
         assert targets[name, size]["value"] is None and targets[name, size]["met"] is None
 
 
