@@ -40,7 +40,9 @@ def test_the_page_names_each_row_verdict_and_a_missing_peer():
          "retrieve_s": 0.2, "hit_tokens": 4096, "identical": True} for a in ("kvstore", "mock", "fs")]}
     page = markdown(result(rows, lm))
     assert "| page_first | kvstore |" in page and "| fs |" in page and "4096, yes" in page
-    assert "**4.00x** (target >= 2x, met)" in page and "**0.60x** (target >= 0.5x, met)" in page
+    assert "**4.00x** (target >= 1.5x, met)" in page and "**0.60x** (target >= 0.5x, met)" in page
+    assert "set / file **1.00x** (target >= 1.0x, met)" in page
+    assert "lookup **1.00x** (target >= 0.8x, met); store **1.00x** (target >= 0.9x, met)" in page
     skipped = markdown(result(rows, {"skipped": "no .venv-lmcache"}))
     assert "not run: no .venv-lmcache" in skipped
     json.dumps(result(rows, lm))
