@@ -37,6 +37,7 @@ which the owner tests before it frees or moves the range.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import math
 import mmap
@@ -133,6 +134,40 @@ def _open_arena(segment: str, shm_dir: str, *, writable: bool) -> tuple[int, mma
         os.close(fd)
         raise TierUnavailable(f"shm segment {segment!r} cannot be mapped: {exc}", tier="shm") from exc
     return fd, mapping, rows, data_at, data_bytes, index_at, buckets
+
+
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; older kernels answer EINVAL
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def populate_behind(mapping: mmap.mmap, start: int, length: int, *, write: bool) -> threading.Thread:
+    """Fault in this process's page tables for ``mapping[start:start + length]`` on a thread.
+
+    The server maps its arena populated; a client's own mapping of it starts empty, and each
+    4 KiB page it first touches is a minor fault: 32 MiB of puts into pool slots paid 8,192
+    of them (29 ms against 22 ms once populated, 128 frames of 256 KiB by key). One
+    ``madvise(MADV_POPULATE_*)`` over the range does them in the kernel in one pass, off the
+    caller's path (the call drops the GIL); a page touched before it gets there faults as
+    before. Nothing is allocated: the pages are the server's. Where the kernel lacks the
+    advice, nothing happens. Used for a writer's mapping only: a reader's populate of a
+    whole arena (1 GiB: tens of ms of kernel work) slowed a fresh client's first get that
+    ran beside it (13.6 to 46.9 ms), and a reader touches far fewer pages than it maps.
+    """
+    def run() -> None:
+        try:
+            base = np.frombuffer(mapping, np.uint8, length, start)  # an export: the mapping stays while it runs
+        except (ValueError, BufferError):  # closed already
+            return
+        try:
+            _LIBC.madvise(base.ctypes.data & ~(mmap.PAGESIZE - 1),
+                          length + (base.ctypes.data & (mmap.PAGESIZE - 1)),
+                          _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
+        finally:
+            del base
+    thread = threading.Thread(target=run, name="kvstore-shm-populate", daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,6 +502,7 @@ class ShmSlotWriter:
         fd, self._map, _, data_at, data_bytes, _, _ = _open_arena(segment, shm_dir, writable=True)
         os.close(fd)  # the mapping stays; no locks are taken through it
         self._view = memoryview(self._map)[data_at:data_at + data_bytes]
+        populate_behind(self._map, data_at, data_bytes, write=True)
 
     def slot(self, offset: int, length: int) -> memoryview:
         """The reserved range's bytes (a view: keep it no longer than the write)."""
