@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvstore import codec as codec_mod
@@ -240,31 +240,12 @@ class PooledPuts:
             self._back_to_pool(owner, pid, name, taken)
             raise
         now, heat_now = self._core.clock(), self._core.placement.clock()
-        returned: list[PoolSlot] = []
-        nbytes = 0
-        for i, (b, header, ps) in enumerate(zip(blocks, headers, taken)):
-            kept = False
-            try:
-                with self._core.claim(b.key):
-                    if is_current(self._core.entry(b.key), namespace, spec_fp):
-                        returned.append(ps)  # stored meanwhile by another writer: the slot stays lent
-                        kept = True
-                        self._core.count(blocks_deduped=1)
-                        continue
-                    top.commit_reserved(b.key, b.slot, b.size, header.frame_len)
-                    self._core.publish(IndexEntry(
-                        key=b.key, tier=top.name, size=header.frame_len, codec=header.codec,
-                        checksum=header.body_checksum, raw_bytes=header.raw_nbytes, namespace=namespace,
-                        spec_fp=spec_fp, depth=b.depth, created_s=now, last_access_s=now), now=heat_now,
-                        reason="reserved", parent=b.parent, tokens=b.tokens or None)
-                    self._core.count(blocks_written=1)
-                    nbytes += header.raw_nbytes
-            except BaseException:
-                self._back_to_pool(owner, pid, name, taken[i + 1:] + returned)
-                raise
-            finally:
-                if ps.room is not None and not kept:
-                    ps.room.release()  # published (placement counts the block now), or failed
+        entries = [IndexEntry(key=b.key, tier=top.name, size=h.frame_len, codec=h.codec, checksum=h.body_checksum,
+                              raw_bytes=h.raw_nbytes, namespace=namespace, spec_fp=spec_fp, depth=b.depth,
+                              created_s=now, last_access_s=now) for b, h in zip(blocks, headers)]
+        returned, nbytes = self._publish(owner, pid, name, taken, entries, heat_now,
+                                         lambda old, e: is_current(old, namespace, spec_fp),
+                                         [(b.parent, b.tokens or None) for b in blocks])
         written = set(depths)
         missing = [d for d in range(len(keys))
                    if d not in written and not is_current(self._core.entry(keys[d]), namespace, spec_fp)]
@@ -302,20 +283,36 @@ class PooledPuts:
         except BaseException:
             self._back_to_pool(owner, pid, name, taken)
             raise
+        returned, nbytes = self._publish(
+            owner, pid, name, taken, entries, heat_now,
+            lambda old, e: old is not None and (old.namespace != namespace or old.checksum == e.checksum))
+        self._back_to_pool(owner, pid, name, returned)
+        granted = self.grant(owner, pid, name, size, refill) if refill else []
+        return PooledFrames(len(writes), nbytes, [ps.to_dict() for ps in returned] + granted)
+
+    def _publish(self, owner: str, pid: int, name: str, taken: list[PoolSlot], entries: list[IndexEntry],
+                 heat_now: float, held: Callable[[IndexEntry | None, IndexEntry], bool],
+                 chain: list[tuple[BlockHash | None, bytes | None]] | None = None) -> tuple[list[PoolSlot], int]:
+        """Commit each slot's frame and publish its entry, in order, each under its key's claim; a key
+        ``held(old, entry)`` already keeps its slot lent (stored meanwhile by another writer, or
+        another's). ``chain``: each block's parent and token ids, for its event. Returns the slots
+        kept and the raw bytes published; on a failure the slots not yet published go back to the pool.
+        """
+        top = self._core.tiers[0]
         returned: list[PoolSlot] = []
         nbytes = 0
         for i, (entry, ps) in enumerate(zip(entries, taken)):
             kept = False
             try:
                 with self._core.claim(entry.key):
-                    old = self._core.entry(entry.key)
-                    if old is not None and (old.namespace != namespace or old.checksum == entry.checksum):
-                        returned.append(ps)  # stored already (or another's key): the slot stays lent
+                    if held(self._core.entry(entry.key), entry):
+                        returned.append(ps)  # the slot stays lent
                         kept = True
                         self._core.count(blocks_deduped=1)
                         continue
                     top.commit_reserved(entry.key, ps.slot, ps.size, entry.size)
-                    self._core.publish(replace(entry, tier=top.name), now=heat_now, reason="reserved")
+                    parent, tokens = chain[i] if chain is not None else (None, None)
+                    self._core.publish(entry, now=heat_now, reason="reserved", parent=parent, tokens=tokens)
                     self._core.count(blocks_written=1)
                     nbytes += entry.raw_bytes
             except BaseException:
@@ -323,10 +320,8 @@ class PooledPuts:
                 raise
             finally:
                 if ps.room is not None and not kept:
-                    ps.room.release()
-        self._back_to_pool(owner, pid, name, returned)
-        granted = self.grant(owner, pid, name, size, refill) if refill else []
-        return PooledFrames(len(writes), nbytes, [ps.to_dict() for ps in returned] + granted)
+                    ps.room.release()  # published (placement counts the block now), or failed
+        return returned, nbytes
 
     def _take(self, owner: str, pid: int, name: str, offsets: list[int]) -> list[PoolSlot]:
         """The writer's pool slots at ``offsets``, out of its pool (a put uses them), its pool refreshed.
