@@ -16,7 +16,7 @@ from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import urlencode
 
 from client_sdk import _common as c
-from kvstore.keys import BlockHash, check_key
+from kvstore.keys import BlockHash, block_hashes, check_key
 from kvstore.spec import KVSpec
 from kvstore.errors import InvalidInput
 from kvstore.wire.rest import BATCH_MEDIA, FRAME_MEDIA, JSON_MEDIA, KV_MEDIA, pad64
@@ -208,6 +208,32 @@ def block_handles(hex_keys: Sequence[str], count: bool = True) -> Call[dict]:
 def pin_blocks(keys: Sequence[BlockHash], ttl_s: float) -> Call[int]:
     return json_call("POST", "/v1/blocks/pin", {"keys": hexes(keys), "ttl_s": ttl_s},
                      parse=lambda a: int(a["pinned"]))
+
+
+def engine_name(h: Any) -> str | int:
+    """An engine's block name as the wire takes it: bytes in hex, an int (vLLM's 64-bit form) as it is."""
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h).hex()
+    if isinstance(h, int) and not isinstance(h, bool):
+        return h
+    raise InvalidInput(f"an engine's block hash is bytes or an int, got {type(h).__name__}")
+
+
+def name_blocks(spec: KVSpec, tokens: Any, namespace: str, engine_hashes: Sequence[Any], first: int,
+                parent: Any, with_tokens: bool) -> Call[int]:
+    """``POST /v1/blocks/names`` for blocks ``first``.. of ``tokens`` (see ``DataCalls.name_blocks``)."""
+    spec, toks = c.check_spec(spec), c.tokens_of(tokens)
+    bt, n = spec.block_tokens, len(engine_hashes)
+    if first < 0 or not n or (first + n) * bt > len(toks):
+        raise InvalidInput(f"{n} engine hashes from block {first} do not fit {len(toks)} tokens "
+                           f"of {bt}-token blocks")
+    keys = block_hashes(spec, toks[:(first + n) * bt], namespace)[first:]
+    body: dict[str, Any] = {"blocks": [{"key": k.hex(), "engine_hash": engine_name(h)}
+                                       for k, h in zip(keys, engine_hashes)],
+                            "parent": None if parent is None else engine_name(parent)}
+    if with_tokens:
+        body["tokens"] = toks[first * bt:(first + n) * bt].tolist()
+    return json_call("POST", "/v1/blocks/names", body, parse=lambda a: int(a["named"]))
 
 
 def unpin_blocks(keys: Sequence[BlockHash]) -> Call[int]:

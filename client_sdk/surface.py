@@ -126,6 +126,16 @@ class DataCalls:
     def unpin_blocks(self, keys: Sequence[BlockHash]) -> Any:
         return self._run(calls.unpin_blocks(keys))
 
+    def name_blocks(self, spec: KVSpec, tokens: Any, engine_hashes: Sequence[Any], *, first: int = 0,
+                    parent: Any = None, with_tokens: bool = True) -> Any:
+        """Tell the server an engine's own names for stored blocks of ``tokens`` (vLLM's block
+        hashes: bytes, or ints): ``engine_hashes[i]`` names block ``first + i`` and ``parent`` the
+        engine's name for block ``first - 1``. The server's KV events (vLLM's ZMQ format, SSE)
+        then announce those blocks under the engine's names too, with their token ids unless
+        ``with_tokens`` is False, so a router indexing the engine's own events counts kvstore's
+        copies. Blocks not stored are skipped; returns how many were named."""
+        return self._run(calls.name_blocks(spec, tokens, self.namespace, engine_hashes, first, parent, with_tokens))
+
     def evict_mine(self, **selectors: Any) -> Any:
         """Evict blocks of this namespace (``POST /v1/evict``): the admin selectors, tenant-scoped."""
         return self._run(calls.evict_mine(selectors))

@@ -21,7 +21,7 @@ from server.auth import Principal
 from server.colocated import handle_json
 from server.errors import field_error
 from server.requests import authenticate, caller, namespace_of, parse_key, parse_keys, put_frames
-from server.service import Service, json_body, released, require
+from server.service import Service, json_body, parse_tokens, released, require
 
 __all__ = ["router"]
 
@@ -289,3 +289,51 @@ async def blocks_exists(request: Request) -> dict:
     keys = _keys(await json_body(request))
     present = await svc.run(lambda: [svc.store.frames.block_entry(k, scope) is not None for k in keys])
     return {"present": present}
+
+
+def _engine_name(value: Any, field: str) -> bytes | int:
+    """An engine's block name from JSON: hex of 1-64 bytes, or an int in [0, 2**64) (vLLM's
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` form), kept as it came so events repeat it."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64:
+        return value
+    if isinstance(value, str) and 2 <= len(value) <= 128:
+        try:
+            return bytes.fromhex(value)
+        except ValueError:
+            pass
+    raise InvalidInput(f"{field}: an engine's block hash is hex of 1-64 bytes or an int in [0, 2**64), "
+                       f"got {value!r:.80}", field=field)
+
+
+@router.post("/v1/blocks/names")
+async def blocks_names(request: Request) -> dict:
+    """An engine's own names for stored blocks of this namespace, for KV events: ``{"blocks":
+    [{"key": hex, "engine_hash": hex or int}, ...], "parent": the engine's name for the first
+    block's parent or null, "tokens": the blocks' token ids, concatenated (optional)}``. The blocks
+    are consecutive in one chain. Blocks not stored here are skipped; ``named`` counts the rest."""
+    svc, p = authenticate(request)
+    ns = namespace_of(request, p)
+    data = await json_body(request)
+    blocks = require(data, "blocks", list)
+    if not 0 < len(blocks) <= _MAX_BATCH_KEYS:
+        raise field_error(InvalidInput(f"1 to {_MAX_BATCH_KEYS} blocks a request, got {len(blocks)}"), "blocks")
+    keys, names = [], []
+    for i, b in enumerate(blocks):
+        if not isinstance(b, dict):
+            raise InvalidInput(f"blocks[{i}]: an object with key and engine_hash, got {type(b).__name__}",
+                               field=f"blocks[{i}]")
+        keys.append(parse_key(b.get("key"), f"blocks[{i}].key"))
+        names.append(_engine_name(b.get("engine_hash"), f"blocks[{i}].engine_hash"))
+    parent = data.get("parent")
+    parents: list[bytes | int | None] = [None if parent is None else _engine_name(parent, "parent"), *names[:-1]]
+    per_block: list[bytes | None] = [None] * len(keys)
+    if data.get("tokens") is not None:
+        toks = parse_tokens(data["tokens"], limit=svc.settings.max_tokens_per_request)
+        if len(toks) % len(keys):
+            raise InvalidInput(f"tokens: {len(toks)} token ids do not split into {len(keys)} blocks",
+                               field="tokens")
+        raw = toks.astype("<u4").tobytes()
+        step = len(raw) // len(keys)
+        per_block = [raw[i * step:(i + 1) * step] for i in range(len(keys))]
+    named = await svc.run(svc.store.core.name_blocks, list(zip(keys, names, parents, per_block)), ns)
+    return {"named": named, "requested": len(keys)}

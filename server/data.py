@@ -46,7 +46,7 @@ async def info(request: Request) -> dict:
             "tiers": [t.name for t in svc.store.tiers], "auth": svc.auth.enabled, "tenant": p.name,
             "namespaces": None if p.namespaces is None else sorted(p.namespaces),
             "max_body_bytes": svc.settings.max_body_bytes, "media": dict(svc.offers),
-            "put_media": list(PUT_MEDIA)}
+            "put_media": list(PUT_MEDIA), "kv_events": bool(svc.settings.kv_events_endpoint)}
 
 
 @router.post("/v1/kv/put")

@@ -290,6 +290,9 @@ def _snapshot_body(store: Any, namespaces: frozenset[str] | None) -> bytes:
     epoch = store.events.epoch
     blocks = [{"key": e.key.hex(), "namespace": e.namespace, "tier": e.tier, "size": e.size, "depth": e.depth}
               for e in entries]
+    for block, e in zip(blocks, entries):
+        if e.engine_hash is not None:  # the engine's name, as the stream's named events carry it
+            block["engine_hash"] = e.engine_hash.hex() if isinstance(e.engine_hash, bytes) else e.engine_hash
     return json.dumps({"epoch": epoch, "seq": seq, "id": f"{epoch}:{seq}", "blocks": blocks},
                       separators=(",", ":")).encode()
 

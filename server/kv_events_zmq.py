@@ -12,6 +12,13 @@ from 0 (8 bytes, big-endian) and ``payload`` is a ``KVEventBatch`` in msgpack, a
   the tokens, else as last seen for the block's spec; 0 when never seen, e.g. a block recovered at
   start), ``lora_id``/``lora_name`` None, ``medium``.
 - ``BlockRemoved``: ``block_hashes``, ``medium``.
+- Blocks an engine named (``POST /v1/blocks/names``: the vLLM connector sends vLLM's own block
+  hashes for the blocks it saved) are announced again under the engine's name once named: a
+  ``BlockStored`` whose ``block_hashes`` and ``parent_block_hash`` are the engine's, with
+  ``token_ids`` when kept and kvstore's keys beside them in ``kvstore_keys`` (a field vLLM's
+  decoder skips). So a router that indexes the engine's own events (vLLM's, llm-d's indexer,
+  Dynamo's) finds kvstore's copy under the hashes it already knows. Such a block's moves and
+  removals name it both ways: its ``BlockRemoved`` lists the key and the engine's hash.
 - ``AllBlocksCleared``: sent when the publisher closes (the store's index goes with the process;
   blocks a restart recovers are published again as stored).
 
@@ -75,21 +82,29 @@ def vllm_events(events: Sequence[Event], media: dict[str, str | None], block_siz
     out: list[dict] = []
     for ev in events:
         if ev.kind == STORED:
-            _stored(out, ev.key, ev.parent, ev.tokens, ev.spec_fp, media.get(ev.tier or ""), block_sizes)
+            if ev.reason == "named":  # the engine's name for a stored block: announced under that name
+                _stored(out, ev.engine_hash, ev.engine_parent, ev.tokens, ev.spec_fp, media.get(ev.tier or ""),
+                        block_sizes, ev.key)
+            else:
+                _stored(out, ev.key, ev.parent, ev.tokens, ev.spec_fp, media.get(ev.tier or ""), block_sizes)
         elif ev.kind == REMOVED:
-            _removed(out, ev.key, media.get(ev.tier or ""))
+            _removed(out, ev.key, media.get(ev.tier or ""), ev.engine_hash)
         elif ev.kind == MOVED:
             src, dst = media.get(ev.src or ""), media.get(ev.tier or "")
             if src != dst:
-                _removed(out, ev.key, src)
+                _removed(out, ev.key, src, ev.engine_hash)
                 _stored(out, ev.key, None, None, ev.spec_fp, dst, block_sizes)
+                if ev.engine_hash is not None:
+                    _stored(out, ev.engine_hash, None, None, ev.spec_fp, dst, block_sizes, ev.key)
         elif ev.kind == CLEARED:
             out.append({"type": "AllBlocksCleared"})
     return out
 
 
 def _stored(out: list[dict], key: Any, parent: Any, tokens: bytes | None, spec_fp: str | None,
-            medium: str | None, block_sizes: dict[str, int]) -> None:
+            medium: str | None, block_sizes: dict[str, int], ours: bytes | None = None) -> None:
+    """Append a BlockStored for ``key`` (or extend the last one, the chain's previous block's).
+    ``ours``: kvstore's key, where ``key`` is the engine's name for the block (``kvstore_keys``)."""
     token_ids = np.frombuffer(tokens, "<u4").tolist() if tokens else []
     if token_ids:
         size = len(token_ids)
@@ -99,20 +114,28 @@ def _stored(out: list[dict], key: Any, parent: Any, tokens: bytes | None, spec_f
         size = block_sizes.get(spec_fp or "", 0)
     last = out[-1] if out else None
     if (last is not None and last["type"] == "BlockStored" and parent is not None and last["block_hashes"][-1] == parent
-            and last["medium"] == medium and last["block_size"] == size and bool(last["token_ids"]) == bool(token_ids)):
+            and last["medium"] == medium and last["block_size"] == size and bool(last["token_ids"]) == bool(token_ids)
+            and ("kvstore_keys" in last) == (ours is not None)):
         last["block_hashes"].append(key)  # the next block of the same chain: one event, as vLLM sends
         last["token_ids"].extend(token_ids)
+        if ours is not None:
+            last["kvstore_keys"].append(ours)
         return
-    out.append({"type": "BlockStored", "block_hashes": [key], "parent_block_hash": parent, "token_ids": token_ids,
-                "block_size": size, "lora_id": None, "medium": medium, "lora_name": None})
+    ev = {"type": "BlockStored", "block_hashes": [key], "parent_block_hash": parent, "token_ids": token_ids,
+          "block_size": size, "lora_id": None, "medium": medium, "lora_name": None}
+    if ours is not None:
+        ev["kvstore_keys"] = [ours]  # not vLLM's field: its decoder skips it; our own subscribers read it
+    out.append(ev)
 
 
-def _removed(out: list[dict], key: Any, medium: str | None) -> None:
+def _removed(out: list[dict], key: Any, medium: str | None, engine_hash: Any = None) -> None:
+    """Append ``key`` (and the engine's name for it, when named) to a BlockRemoved of ``medium``."""
+    names = [key] if engine_hash is None else [key, engine_hash]
     last = out[-1] if out else None
     if last is not None and last["type"] == "BlockRemoved" and last["medium"] == medium:
-        last["block_hashes"].append(key)
+        last["block_hashes"].extend(names)
         return
-    out.append({"type": "BlockRemoved", "block_hashes": [key], "medium": medium})
+    out.append({"type": "BlockRemoved", "block_hashes": names, "medium": medium})
 
 
 class KVEventsPublisher:

@@ -238,7 +238,8 @@ class EngineCore:
         hears of the move from the mover."""
         self._index.add(entry)
         self.events.emit(MOVED, key=entry.key, namespace=entry.namespace, tier=entry.tier, src=src,
-                         size=entry.size, depth=entry.depth, spec_fp=entry.spec_fp, reason=reason)
+                         size=entry.size, depth=entry.depth, spec_fp=entry.spec_fp, reason=reason,
+                         engine_hash=entry.engine_hash)
 
     def unpublish(self, key: BlockHash, expected: IndexEntry | None = None, *,
                   reason: str = "replaced") -> IndexEntry | None:
@@ -251,7 +252,33 @@ class EngineCore:
 
     def _removed(self, entry: IndexEntry, reason: str) -> None:
         self.events.emit(REMOVED, key=entry.key, namespace=entry.namespace, tier=entry.tier, size=entry.size,
-                         depth=entry.depth, spec_fp=entry.spec_fp, reason=reason)
+                         depth=entry.depth, spec_fp=entry.spec_fp, reason=reason, engine_hash=entry.engine_hash)
+
+    def name_blocks(self, names: Sequence[tuple[BlockHash, bytes | int, bytes | int | None, bytes | None]],
+                    namespace: str) -> int:
+        """Record an engine's own names for stored blocks of ``namespace``; returns how many are named.
+
+        ``names``: (key, engine hash, the engine's name for the chain's previous block or None,
+        the block's token ids as <u4 bytes or None). A block named anew, or renamed, emits
+        ``stored`` with reason ``named`` and both names, so a router that indexes the engine's
+        own KV events (vLLM's block hashes) can count kvstore's copy; later moves and removals
+        carry the engine's name too. Keys that are not stored in ``namespace`` are skipped.
+        """
+        named = 0
+        for key, engine_hash, parent, tokens in names:
+            with self._index.claim(key):
+                before = self._index.get(key)
+                old = None if before is None else before.engine_hash
+                entry = self._index.name(key, engine_hash, namespace)
+                if entry is None:
+                    continue
+                named += 1
+                if old != engine_hash:
+                    self.events.emit(STORED, key=key, namespace=namespace, tier=entry.tier, size=entry.size,
+                                     depth=entry.depth, spec_fp=entry.spec_fp, reason="named",
+                                     tokens=tokens if self.events.keep_tokens else None,
+                                     engine_hash=engine_hash, engine_parent=parent)
+        return named
 
     def drop(self, entry: IndexEntry, *, corrupt: bool) -> None:
         """Unpublish a block found gone (``stale_blocks``) or damaged (``corrupt_blocks``: its frame

@@ -47,7 +47,7 @@ class Event:
 
     ``tier`` is where the block is after the change (stored, moved) or was (removed);
     ``src`` is where a moved block came from. ``reason`` says why: ``put``, ``frame``,
-    ``reserved``, ``adopted``, ``recovered`` (stored); a placement move's reason (moved);
+    ``reserved``, ``adopted``, ``recovered``, ``named`` (stored: an engine named a stored block); a placement move's reason (moved);
     ``deleted``, ``evicted``, ``corrupt``, ``stale``, ``replaced`` (removed); ``closed`` (cleared).
     """
 
@@ -66,6 +66,11 @@ class Event:
     tokens: bytes | None = None
     """The block's token ids, little-endian uint32 (stored events of puts, when the log keeps them)."""
     reason: str = ""
+    engine_hash: bytes | int | None = None
+    """The engine's own name for the block (vLLM's block hash), once an engine named it: on the
+    ``named`` stored event and on every later move and removal of the block."""
+    engine_parent: bytes | int | None = None
+    """The engine's name for the chain's previous block (``named`` events, when known)."""
 
     def to_dict(self) -> dict:
         """The event as JSON-ready fields (keys and parents in hex; no token ids)."""
@@ -74,11 +79,20 @@ class Event:
             out.update(key=self.key.hex(), namespace=self.namespace, tier=self.tier, size=self.size,
                        depth=self.depth, spec_fingerprint=self.spec_fp,
                        parent=None if self.parent is None else self.parent.hex())
+        if self.engine_hash is not None:
+            out["engine_hash"] = _name(self.engine_hash)
+            if self.kind == STORED:
+                out["engine_parent"] = None if self.engine_parent is None else _name(self.engine_parent)
         if self.src is not None:
             out["from"] = self.src
         if self.reason:
             out["reason"] = self.reason
         return out
+
+
+def _name(h: bytes | int) -> str | int:
+    """An engine's block name as JSON: bytes in hex, an int (vLLM's 64-bit form) as it is."""
+    return h.hex() if isinstance(h, bytes) else h
 
 
 class EventLog:

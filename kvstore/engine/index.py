@@ -46,6 +46,9 @@ class IndexEntry:
     last_access_s: float
     """Time of the last read (the write until then), by the same clock."""
     hits: int = 0
+    engine_hash: bytes | int | None = None
+    """An engine's own name for the block (vLLM's block hash), once the engine named it
+    (``EngineCore.name_blocks``): KV events carry it beside the key, for the engine's routers."""
 
 
 class Index:
@@ -97,6 +100,8 @@ class Index:
             if old is not None:
                 self._frame_bytes -= old.size
                 self._raw_bytes -= old.raw_bytes
+                if entry.engine_hash is None:  # a key names its tokens: the engine's name still holds
+                    entry.engine_hash = old.engine_hash
             self._entries[entry.key] = entry
             self._frame_bytes += entry.size
             self._raw_bytes += entry.raw_bytes
@@ -112,6 +117,17 @@ class Index:
             del self._entries[key]
             self._frame_bytes -= entry.size
             self._raw_bytes -= entry.raw_bytes
+            return entry
+
+    def name(self, key: BlockHash, engine_hash: bytes | int, namespace: str) -> IndexEntry | None:
+        """Set ``key``'s ``engine_hash`` (under its claim) when it is stored in ``namespace``; the
+        entry, or None when it is not. The entry is returned whether or not the name changed."""
+        with self._cond:
+            self._check_claim(key)
+            entry = self._entries.get(key)
+            if entry is None or entry.namespace != namespace:
+                return None
+            entry.engine_hash = engine_hash
             return entry
 
     def touch(self, keys: Iterable[BlockHash], now_s: float, counts: Iterable[int] | None = None, *,

@@ -12,7 +12,7 @@ import torch
 from client_sdk import KVClient
 from kvstore import codec
 from kvstore.errors import InvalidInput
-from kvstore.keys import block_meta, name_fingerprint, named_key
+from kvstore.keys import block_hashes, block_meta, name_fingerprint, named_key
 from tests.server.conftest import ACME, BETA, TOKENS
 
 NS = "acme"
@@ -243,3 +243,45 @@ def test_bad_pooled_block_puts_are_4xx_naming_the_field(tenant_server):
         assert r.status_code == 403  # not a slot of this pool
         assert http.delete(f"/v1/kv/pool?pid={os.getpid()}&pool=b1").json() == {"released": 1}
     assert tenant_server.store.frames.current_entry(keys(1)[0], NS) is None
+
+
+def test_engine_names_are_checked_scoped_to_the_namespace_and_kept_on_the_entry(tenant_server):
+    """``POST /v1/blocks/names``: bad bodies are 4xx naming the field; another tenant's blocks are
+    skipped; a named block keeps its engine name across a rewrite of the same key."""
+    from tests.conftest import make_kv, make_spec
+
+    spec = make_spec()
+    toks = list(range(2 * spec.block_tokens))
+    ks = [k.hex() for k in block_hashes(spec, toks, NS)]
+    with KVClient(tenant_server.url, token=ACME, namespace=NS, colocated=False) as c:
+        assert c.put_kv(spec, toks, make_kv(spec, len(toks))) == len(toks)
+    h = {"authorization": f"Bearer {ACME}", "x-kv-namespace": NS}
+    with httpx.Client(base_url=tenant_server.url, timeout=10, headers=h) as http:
+        ok = {"key": ks[0], "engine_hash": "ab" * 32}
+        cases = [
+            ({"blocks": []}, "blocks"),
+            ({"blocks": ["x"]}, "blocks[0]"),
+            ({"blocks": [{"key": "zz", "engine_hash": "ab"}]}, "blocks[0].key"),
+            ({"blocks": [{"key": ks[0], "engine_hash": "xyz"}]}, "blocks[0].engine_hash"),
+            ({"blocks": [{"key": ks[0], "engine_hash": -1}]}, "blocks[0].engine_hash"),
+            ({"blocks": [{"key": ks[0], "engine_hash": 1 << 64}]}, "blocks[0].engine_hash"),
+            ({"blocks": [ok], "parent": True}, "parent"),
+            ({"blocks": [ok, {"key": ks[1], "engine_hash": 7}], "tokens": [1, 2, 3]}, "tokens"),
+            ({"blocks": [ok], "tokens": "abc"}, "tokens"),
+        ]
+        for body, field in cases:
+            r = http.post("/v1/blocks/names", json=body)
+            assert r.status_code in (400, 413, 422) and r.json()["error"].get("field") == field, (field, r.text)
+        r = http.post("/v1/blocks/names", json={"blocks": [ok, {"key": ks[1], "engine_hash": 7}]})
+        assert r.json() == {"named": 2, "requested": 2}
+        r = http.post("/v1/blocks/names", headers={"authorization": f"Bearer {BETA}", "x-kv-namespace": "beta"},
+                      json={"blocks": [{"key": ks[0], "engine_hash": "cd" * 32}]})
+        assert r.json() == {"named": 0, "requested": 1}  # acme's block, seen from beta: as if absent
+    entry = tenant_server.store.core.entry(bytes.fromhex(ks[0]))
+    assert entry.engine_hash == bytes.fromhex("ab" * 32)
+    assert tenant_server.store.core.entry(bytes.fromhex(ks[1])).engine_hash == 7
+    with KVClient(tenant_server.url, token=ACME, namespace=NS, colocated=False) as c:
+        c.delete_blocks([bytes.fromhex(ks[1])])
+        c.put_kv(spec, toks, make_kv(spec, len(toks), 1))  # block 1 anew: unnamed; block 0 stays
+    assert tenant_server.store.core.entry(bytes.fromhex(ks[1])).engine_hash is None
+    assert tenant_server.store.core.entry(bytes.fromhex(ks[0])).engine_hash == bytes.fromhex("ab" * 32)

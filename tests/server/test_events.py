@@ -257,6 +257,26 @@ def test_put_get_delete_and_evict_are_stored_and_removed_events(srv, admin, subs
     assert {e["data"]["key"] for e in evs[8:] if e["event"] == "removed"} == set(keys)
 
 
+def test_blocks_an_engine_names_are_stored_again_under_that_name_and_removed_with_it(srv, subs):
+    s = subs()
+    toks = chain(5, 3)
+    keys = [k.hex() for k in block_hashes(SPEC, toks, "acme")]
+    names = [bytes([0xC0 + i]) * 32 for i in range(3)]
+    with KVClient(srv.url, token=ACME, namespace="acme", retries=0) as c:
+        c.put_kv(SPEC, toks, make_kv(SPEC, len(toks)))
+        assert c.name_blocks(SPEC, toks, names) == 3
+        assert c.name_blocks(SPEC, toks, names) == 3  # the same names again: nothing new to announce
+        snap = {b["key"]: b.get("engine_hash") for b in snapshot(srv.url)["blocks"]}
+        assert [snap[k] for k in keys] == [n.hex() for n in names]  # a resync keeps the names
+        c.delete(SPEC, toks)
+    evs = s.wait_for(lambda e: sum(x["event"] == "removed" for x in e) >= 3)
+    named = [e["data"] for e in evs if e["event"] == "stored" and e["data"].get("reason") == "named"]
+    assert [(d["key"], d["engine_hash"], d["engine_parent"]) for d in named] == \
+        [(k, n.hex(), p) for k, n, p in zip(keys, names, [None, names[0].hex(), names[1].hex()])]
+    removed = {e["data"]["key"]: e["data"]["engine_hash"] for e in evs if e["event"] == "removed"}
+    assert removed == {k: n.hex() for k, n in zip(keys, names)}
+
+
 def test_blocks_moving_between_tiers_and_evicted_from_the_last_are_events(srv, admin, subs):
     s = subs()
     start = snapshot(srv.url)["seq"]
