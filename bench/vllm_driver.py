@@ -84,6 +84,10 @@ def serve(args: argparse.Namespace) -> None:
     transfer = _kv_transfer(args)
     if transfer is not None:
         kwargs["kv_transfer_config"] = transfer
+    if args.kv_events_endpoint:  # vLLM's own KV events, published on ZMQ as `vllm serve --kv-events-config` does
+        from vllm.config import KVEventsConfig
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=args.kv_events_endpoint)
     try:
         llm = LLM(**kwargs)
     except Exception as exc:  # the caller sees why the engine refused to start
@@ -139,6 +143,7 @@ def main() -> None:
     s.add_argument("--max-model-len", type=int, default=2048)
     s.add_argument("--max-num-batched-tokens", type=int, default=8192)
     s.add_argument("--prefix-caching", action="store_true")
+    s.add_argument("--kv-events-endpoint", default=None, help="publish vLLM's KV events on this ZMQ endpoint")
     args = parser.parse_args()
     (make_model if args.command == "make-model" else serve)(args)
 

@@ -54,6 +54,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from client_sdk import KVClient
 from kvstore.errors import InvalidSpec
@@ -131,7 +132,7 @@ def connector_settings(extra: dict[str, Any]) -> dict[str, Any]:
         InvalidSpec: an unknown key or a value of the wrong type.
     """
     known = {"url", "namespace", "token", "fingerprint", "model_id", "save_decode", "timeout_s", "colocated",
-             "layerwise"}
+             "layerwise", "name_blocks"}
     unknown = set(extra) - known
     if unknown:
         raise InvalidSpec(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}")
@@ -145,9 +146,12 @@ def connector_settings(extra: dict[str, Any]) -> dict[str, Any]:
         "timeout_s": extra.get("timeout_s", 10.0),
         "colocated": extra.get("colocated"),
         "layerwise": extra.get("layerwise"),
+        "name_blocks": extra.get("name_blocks"),
     }
     if out["colocated"] not in (None, True, False):
         raise InvalidSpec(f"colocated must be true, false or null, got {out['colocated']!r}")
+    if out["name_blocks"] not in (None, True, False):
+        raise InvalidSpec(f"name_blocks must be true, false or null, got {out['name_blocks']!r}")
     if out["layerwise"] not in (None, True, False):
         raise InvalidSpec(f"layerwise must be true, false or null, got {out['layerwise']!r}")
     if not isinstance(out["save_decode"], bool):
@@ -319,6 +323,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, LoadJob] = {}
         self._finish_saves: list[SaveJob] = []
+        # vLLM hashes prompts at this granularity (set by its engine core): its block hashes name
+        # our blocks only where it is our block size
+        self._hash_block_size = getattr(vllm_config.cache_config, "hash_block_size", None)
         self._down_until = 0.0
         self._down_for = 0.0
         # worker side
@@ -438,7 +445,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             if end > tracked.saved:
                 block_ids = self._kv_cache_manager.get_block_ids(req_id)[0][:end // bs]
                 meta.saves.append(SaveJob(req_id, list(request.all_token_ids[:end]), list(block_ids),
-                                          self._failures_seen))
+                                          self._failures_seen, self._engine_names(request, end // bs)))
                 tracked.saved, tracked.saving = end, True
         for job in self._finish_saves:
             job.seen = self._failures_seen
@@ -471,9 +478,20 @@ class KVStoreConnector(KVConnectorBase_V1):
             end = min(computed // self.block_size, len(block_ids)) * self.block_size
             if end > tracked.saved:
                 self._finish_saves.append(SaveJob(req_id, list(request.all_token_ids[:end]),
-                                                  list(block_ids[:end // self.block_size])))
+                                                  list(block_ids[:end // self.block_size]),
+                                                  hashes=self._engine_names(request, end // self.block_size)))
                 tracked.saving = True
         return tracked.saving, None
+
+    def _engine_names(self, request: "Request", n: int) -> list[Any] | None:
+        """vLLM's hashes of the request's first ``n`` blocks, as its own KV events write them, or
+        None where they do not name our blocks (hashed at another block size) or naming is off."""
+        if self.settings["name_blocks"] is False or self._hash_block_size not in (None, self.block_size):
+            return None
+        hashes = getattr(request, "block_hashes", None) or []
+        if len(hashes) < n:
+            return None
+        return [maybe_convert_block_hash(h) for h in hashes[:n]]
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -487,7 +505,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=index)
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._layout = layout_for([kv_caches[n] for n in names], self.spec)
-        self._saver = Saver(self.client, self.spec, self._layout, self.counters)
+        self._saver = Saver(self.client, self.spec, self._layout, self.counters,
+                            name_blocks=self.settings["name_blocks"])
         log.info("kvstore connector: %d layers, %s layout, %d-token blocks", len(names), self._layout.kind,
                  self.block_size)
 
@@ -532,7 +551,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 bad = self._load_errors.union(*list(self._failures)[max(0, len(self._failures) - unseen):])
                 cut = next((i for i, b in enumerate(job.block_ids) if b in bad), len(job.block_ids))
                 if cut:
-                    self._saver.submit(SaveJob(job.req_id, job.tokens[:cut * bs], job.block_ids[:cut]), ready)
+                    self._saver.submit(SaveJob(job.req_id, job.tokens[:cut * bs], job.block_ids[:cut],
+                                               hashes=job.hashes[:cut] if job.hashes else None), ready)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if not isinstance(kv_connector_metadata, KVStoreConnectorMetadata) or self._saver is None:

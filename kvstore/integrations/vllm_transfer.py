@@ -71,6 +71,9 @@ class SaveJob:
     seen: int = 0
     """How many load-failure reports the scheduler had taken in when it planned this save: failures
     reported after that may lie under its blocks (``KVStoreConnector.wait_for_save``)."""
+    hashes: list[Any] | None = None
+    """vLLM's own block hashes of these blocks (as its KV events write them), when the scheduler
+    has them: the saved blocks are named by them on the server, for routers (``Saver``)."""
 
 
 @dataclass
@@ -303,8 +306,12 @@ class Saver:
     """
 
     def __init__(self, client: Any, spec: KVSpec, layout: PagedLayout, counters: Counters, *,
-                 one_copy: bool | None = None) -> None:
+                 one_copy: bool | None = None, name_blocks: bool | None = None) -> None:
         self.client = client
+        self.name_blocks = name_blocks
+        """Name saved blocks by vLLM's hashes on the server (``KVClient.name_blocks``): True, False,
+        or None: when the server publishes KV events in vLLM's format (``/v1/info``'s ``kv_events``),
+        asked once. One small request per save that stored blocks, on this thread."""
         self.spec = spec
         self.layout = layout
         self.one_copy = one_copy
@@ -315,6 +322,7 @@ class Saver:
         self._cv = threading.Condition()
         self._closed = False
         self._down_until = 0.0
+        self._name_failed = False
         self._buffer: torch.Tensor | None = None
         self._thread = threading.Thread(target=self._run, name="kvstore-vllm-save", daemon=True)
         self._thread.start()
@@ -382,6 +390,7 @@ class Saver:
                 return 0
             ids = job.block_ids
             self.client.put_kv_blocks(self.spec, job.tokens, lambda d, dst: self.layout.read_block(ids[d], dst))
+            self._name(job, have // bs)
             return end - have // bs * bs
         kv = self.layout.gather(job.block_ids, self._out(end))
         have = min(self.client.lookup(self.spec, job.tokens), end)
@@ -389,14 +398,35 @@ class Saver:
             return 0
         first = have // bs
         if first == 0:
-            return self.client.put_kv(self.spec, job.tokens, kv)
+            stored = self.client.put_kv(self.spec, job.tokens, kv)
+            self._name(job, 0)
+            return stored
         keys = block_hashes(self.spec, job.tokens, self.client.namespace)[first:]
         fp = self.spec.fingerprint()
         frames = [(key, codec.encode(kv[:, :, :, (first + i) * bs:(first + i + 1) * bs],
                                      meta=block_meta(self.client.namespace, fp, first + i)))
                   for i, key in enumerate(keys)]
         self.client.put_blocks(frames)
+        self._name(job, first)
         return end - first * bs
+
+    def _name(self, job: SaveJob, first: int) -> None:
+        """Name the blocks this save stored (from block ``first``) by vLLM's hashes, when on."""
+        n = len(job.tokens) // self.spec.block_tokens
+        if not job.hashes or len(job.hashes) < n or first >= n:
+            return
+        if self.name_blocks is None:
+            self.name_blocks = bool(self.client.info().get("kv_events"))  # asked once; a failure asks again
+        if not self.name_blocks:
+            return
+        try:
+            self.client.name_blocks(self.spec, job.tokens, job.hashes[first:n], first=first,
+                                    parent=job.hashes[first - 1] if first else None)
+        except Exception as exc:  # advisory: the blocks are stored; only routers miss their vLLM names
+            (log.debug if self._name_failed else log.warning)(
+                "kvstore: naming %d saved blocks by vLLM's hashes failed (routers will not count them): %s",
+                n - first, exc)
+            self._name_failed = True
 
     def _run(self) -> None:
         unbind()

@@ -193,6 +193,35 @@ def test_a_save_puts_the_whole_prefix_then_only_the_missing_tail(server, colocat
     client.close()
 
 
+@pytest.mark.parametrize("colocated", [False, None])
+def test_saved_blocks_are_named_by_vllms_hashes_when_the_server_publishes_events(server, colocated):
+    """``name_blocks`` None asks ``/v1/info`` (this server publishes no KV events: nothing named);
+    True names what each save stored, its first new block's parent included, on every path."""
+    from kvstore.keys import block_hashes
+
+    tokens = list(range(5 * BS))
+    hashes = [bytes([0xD0 + i]) * 32 for i in range(5)]
+    keys = block_hashes(SPEC, tokens, "default")
+    with KVClient(server.url, colocated=colocated, plan=False) as client:
+        asked = Saver(client, SPEC, layout_for(cpu_caches(), SPEC), Counters())
+        try:
+            asked.submit(SaveJob("a", tokens[:BS], [6], hashes=hashes[:1]))
+            assert asked.wait_for("a", 10)
+        finally:
+            asked.close()
+        assert asked.name_blocks is False and server.store.core.entry(keys[0]).engine_hash is None
+        saver = Saver(client, SPEC, layout_for(cpu_caches(), SPEC), Counters(), name_blocks=True)
+        try:
+            saver.submit(SaveJob("a", tokens[:2 * BS], [6, 2], hashes=hashes[:2]))  # block 0 stored: 1 named, parent 0
+            saver.submit(SaveJob("a", tokens, [6, 2, 7, 8, 3], hashes=hashes))  # the tail: 2-4, parent 1
+            assert saver.wait_for("a", 10)
+        finally:
+            saver.close()
+    assert [server.store.core.entry(k).engine_hash for k in keys] == [None, *hashes[1:]]
+    named = [e for e in server.store.events.read(0, 10_000)[0] if e.reason == "named"]
+    assert [(e.engine_hash, e.engine_parent) for e in named] == list(zip(hashes[1:], hashes[:-1]))
+
+
 def test_a_failed_save_is_counted_and_releases_its_blocks():
     down = KVClient("http://127.0.0.1:9", retries=0, connect_timeout_s=0.5)
     counters = Counters()
