@@ -203,3 +203,44 @@ def test_the_connector_logs_through_vllm_unless_the_user_configured_logging():
                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-2:] == ["True True", "[]"], done.stdout
+
+
+@pytest.mark.lmcache
+def test_the_lmcache_server_line_stores_in_kvstore_and_reads_back(tmp_path):
+    """The doc's ``lmcache server`` line, as written (ports and paths replaced), with kvstore's L2
+    adapter: LMCache's own engine-side adapters store chunks through it, they land in kvstore
+    (``skip_l1``), and a lookup and load bring them back bit for bit."""
+    from types import SimpleNamespace
+
+    from bench.lmcache_mp import MPDriver
+    from bench.peers import lmcache_python
+
+    python = require_venv(lmcache_python(), "no .venv-lmcache with lmcache==0.5.6 (.ci/run makes it)",
+                          "KVSTORE_REQUIRE_LMCACHE")
+    walk = Walkthrough(tmp_path)
+    port, http_port = free_port(), free_port()
+    line = re.sub(r"\b8080\b", str(http_port), re.sub(r"\b5555\b", str(port), walk.blocks["lmcache-server"]))
+    walk.blocks["lmcache-server"] = line
+    walk.env.update(LMCACHE_TRACK_USAGE="false", LMCACHE_DISABLE_BANNER="1")
+    try:
+        server_log = tmp_path / "kvstore.log"
+        server = walk.start("kvstore-serve", server_log)
+        kv_url = f"http://127.0.0.1:{walk.kv_port}"
+        walk.wait_ready(server, f"{kv_url}/healthz", server_log)
+        log = tmp_path / "lmcache.log"
+        lmcache = walk.start("lmcache-server", log)
+        walk.wait_ready(lmcache, f"http://127.0.0.1:{http_port}/healthcheck", log)
+        target = SimpleNamespace(url=f"tcp://127.0.0.1:{port}", http_url=f"http://127.0.0.1:{http_port}")
+        with MPDriver(python, tmp_path / "driver.log") as driver:
+            driver.connect(target, max_tokens=1024)
+            assert driver.call("store", seed=1, tokens=512)["settled"]  # two 256-token chunks, into kvstore
+            got = driver.call("fetch", seed=1, tokens=512)
+            assert got["hit_tokens"] == 512 and got["identical"] and not got["load_errors"], got
+        status = get_json(f"http://127.0.0.1:{http_port}/status")["storage_manager"]["l2_adapters"][0]
+        assert status["kvstore_status"] == "ok" and status["stored_object_count"] == 2, status
+        with urllib.request.urlopen(f"{kv_url}/admin/entries?namespace=lmcache", timeout=10) as r:
+            assert len(json.loads(r.read())["entries"]) == 2
+        walk.ctrl_c(lmcache)
+        walk.ctrl_c(server)
+    finally:
+        walk.close()
