@@ -358,18 +358,20 @@ class PlacementManager:
     def place_new(self, nbytes: int) -> str:
         """The tier a new block should be written to.
 
-        The top tier while it has room under its high watermark; past that, only
-        when a block read once just now would beat the coldest resident there by
-        the margin. Otherwise the block starts one tier down and earns its way up
-        with a second read (admission filtering: one-off blocks such as a scan
-        do not push out what is being reused).
+        The top tier while it has free room: a put never waits on a lower tier while the
+        background mover keeps room ahead of it (above the high watermark it demotes the
+        coldest down to the low watermark; ``over_high_watermark`` tells the store to wake it).
+        Past that, only when a block read once just now would beat the coldest resident there
+        by the margin (room is then made on the put's path). Otherwise the block starts one
+        tier down and earns its way up with a second read (admission filtering: one-off blocks
+        such as a scan do not push out what is being reused).
         """
         if not self.config.admission or len(self.tiers) == 1:
             return self.tiers[0].name
         now = self.clock()
         with self._lock:
             top = self.tiers[0]
-            if self._used[0] + self._incoming[0] + nbytes <= top.high_watermark_frac * top.capacity_bytes:
+            if self._used[0] + self._incoming[0] + nbytes <= top.capacity_bytes or self.config.full_top == "evict":
                 return top.name
             probe = Heat()
             self.scorer.touch(probe, now)
@@ -378,6 +380,13 @@ class PlacementManager:
             if coldest is None or self._room.beats(probe.score, coldest):
                 return top.name
             return self.tiers[1].name
+
+    def over_high_watermark(self) -> bool:
+        """The top tier holds (or is about to hold) more than its high watermark: the mover's
+        next round has demotions to make, and should not wait for its tick."""
+        top = self.tiers[0]
+        with self._lock:
+            return self._used[0] + self._incoming[0] > top.high_watermark_frac * top.capacity_bytes
 
     def make_room(self, tier: str, nbytes: int, *, force: bool = False) -> list[MoveOrder]:
         """Orders that free ``nbytes`` in ``tier`` now, for a put that found it full.

@@ -155,6 +155,43 @@ def test_new_blocks_start_below_a_top_tier_full_of_hotter_ones():
         assert any(store.entry(k).tier == "hot" for k in _keys(store, 1))
 
 
+def test_new_blocks_take_the_free_room_and_the_mover_is_woken_past_the_high_watermark():
+    """A put takes the top tier's free room up to its capacity (the room above the high watermark
+    is what the mover keeps ahead of puts) and wakes the mover past the watermark."""
+    hot, cold = MemoryTier(2 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    with KVStore([hot, cold], placement=QUICK, background=False) as store:
+        woken = []
+        store._puts._nudge = lambda: woken.append(1)  # noqa: SLF001 - the mover's wake-up, observed
+        store.put_kv(SPEC, chain(0, 30), make_kv(SPEC, 16 * 30, seed=0))  # up to the high watermark
+        assert not woken
+        store.put_kv(SPEC, chain(1, 1), make_kv(SPEC, 16, seed=1))  # past it, within the capacity
+        assert store.entry(_keys(store, 1)[0]).tier == "hot" and woken
+        store.run_placement()  # what the woken mover does: back down to the low watermark
+        assert hot.stats().used_bytes <= store.placement.tiers[0].low_watermark_frac * hot.capacity_bytes
+
+
+def test_with_full_top_evict_a_put_into_a_full_top_tier_drops_the_coldest_instead_of_writing_below():
+    hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    config = PlacementConfig(min_residency_s=0.0, full_top="evict")
+    with KVStore([hot, cold], placement=config, background=False) as store:
+        store.put_kv(SPEC, chain(0, 15), make_kv(SPEC, 16 * 15, seed=0))  # hot is full
+        store.get_kv(SPEC, chain(0, 15))
+        cold_puts = cold.stats().counters.puts
+        store.put_kv(SPEC, chain(1), make_kv(SPEC, 128, seed=1))
+        assert {store.entry(k).tier for k in _keys(store, 1)} == {"hot"}  # the new blocks in the top tier
+        assert cold.stats().counters.puts == cold_puts  # nothing written below on the put's path
+        gone = [k for k in block_hashes_of(0, 15) if store.entry(k) is None]
+        assert len(gone) == 8 and all(m["reason"].startswith("evicted") for m in store.moves()[-8:])
+        got, n = store.get_kv(SPEC, chain(1))
+        assert n == 128
+
+
+def block_hashes_of(i: int, blocks: int) -> list[bytes]:
+    from kvstore.keys import block_hashes
+
+    return block_hashes(SPEC, chain(i, blocks))
+
+
 def test_eviction_takes_the_tail_of_a_chain_not_its_head():
     # 15 blocks fit; the second chain's put evicts one block of the first: its deepest,
     # so the first chain still serves a 7-block prefix instead of nothing.
