@@ -485,7 +485,11 @@ def _crash_rounds(data_dir: Path, rounds: int, frame_bytes: int, n_keys: int = 6
             os.kill(child.pid, signal.SIGKILL)
         finally:
             child.kill()  # no-op once it is dead; stops it if an assertion fired first
-            rest, _ = child.communicate()
+            # Through the buffered reader readline used: lines it read ahead are acks too
+            # (communicate() would read the pipe's fd behind that buffer and lose them).
+            rest = child.stdout.read()
+            child.stderr.read()
+            child.wait()
         assert child.returncode == -signal.SIGKILL
         numbers = [int(x) for x in (acked + rest).split(b"\n")[:-1]]  # whole lines only
         for i in numbers:
