@@ -16,17 +16,14 @@ copy is re-indexed at the next start (``kvstore/engine/recovery.py``). A reader 
 looked the entry up before step 3 may find the source gone; it looks again
 (``KVStore.get_kv`` re-reads the index once on a miss).
 
-The background thread plans every ``interval_s``, and at once when a put pushes the top tier
-past its high watermark (``nudge``: the room puts will need is made ahead of them, not on their
-path), and spends at most ``move_bytes_per_s`` (a token bucket refilled by the time that
-passed; a round always makes at least one move), so placement never starves the data path.
+The background thread plans every ``interval_s`` and spends at most
+``move_bytes_per_s`` (a token bucket), so placement never starves the data path.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import replace
 from typing import Callable
 
@@ -58,7 +55,6 @@ class Mover:
         self._placement = core.placement
         self._on_move = on_move
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._tokens = float(self._placement.config.move_bytes_per_s)
 
@@ -196,12 +192,10 @@ class Mover:
 
     # -- the background loop ---------------------------------------------------------
 
-    def run_once(self, elapsed_s: float | None = None) -> int:
-        """Plan and execute within the byte budget (refilled for ``elapsed_s``, default one
-        interval); returns how many moves happened."""
+    def run_once(self) -> int:
+        """Plan and execute within the byte budget; returns how many moves happened."""
         cfg = self._placement.config
-        refill = cfg.move_bytes_per_s * (cfg.interval_s if elapsed_s is None else elapsed_s)
-        self._tokens = min(self._tokens + refill, float(cfg.move_bytes_per_s))
+        self._tokens = min(self._tokens + cfg.move_bytes_per_s * cfg.interval_s, float(cfg.move_bytes_per_s))
         done = 0
         orders = self._placement.plan(hold=True)
         try:
@@ -220,22 +214,11 @@ class Mover:
             self._thread = threading.Thread(target=self._loop, name="kvstore-mover", daemon=True)
             self._thread.start()
 
-    def nudge(self) -> None:
-        """Plan now rather than at the next tick (a put found the top tier past its high watermark)."""
-        self._wake.set()
-
     def _loop(self) -> None:
         interval = self._placement.config.interval_s
-        last = time.monotonic()
-        while True:
-            self._wake.wait(interval)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            now = time.monotonic()
-            elapsed, last = min(now - last, interval), now
+        while not self._stop.wait(interval):
             try:
-                self.run_once(elapsed)
+                self.run_once()
             except Exception:  # keep moving next round; a bug here must not kill placement
                 log.exception("placement round failed")
             # a store that closed mid-round has cleared its index; nothing more to do
@@ -244,7 +227,6 @@ class Mover:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
-        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._thread = None

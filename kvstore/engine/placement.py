@@ -358,8 +358,8 @@ class PlacementManager:
     def place_new(self, nbytes: int) -> str:
         """The tier a new block should be written to.
 
-        The top tier while it has room under its high watermark (a put that takes it past wakes
-        the mover: ``over_high_watermark``); past that, with ``full_top="evict"``, the top tier
+        The top tier while it has room under its high watermark; past that, with
+        ``full_top="evict"``, the top tier
         still (the coldest residents are dropped to make room); with ``spill``, only when a
         block read once just now would beat the coldest resident there by the margin.
         Otherwise the block starts one tier down and earns its way up with a second read
@@ -381,13 +381,6 @@ class PlacementManager:
             if coldest is None or self._room.beats(probe.score, coldest):
                 return top.name
             return self.tiers[1].name
-
-    def over_high_watermark(self) -> bool:
-        """The top tier holds (or is about to hold) more than its high watermark: the mover's
-        next round has demotions to make, and should not wait for its tick."""
-        top = self.tiers[0]
-        with self._lock:
-            return self._used[0] + self._incoming[0] > top.high_watermark_frac * top.capacity_bytes
 
     def make_room(self, tier: str, nbytes: int, *, force: bool = False) -> list[MoveOrder]:
         """Orders that free ``nbytes`` in ``tier`` now, for a put that found it full.

@@ -72,17 +72,14 @@ class Puts:
         execute: the mover's ``execute``: carries out one of placement's move orders.
         lossy: a put writes where a non-raw codec is the codec (the top tier or the next one),
             so NaN and Inf are refused up front rather than kept raw.
-        nudge: wakes the background mover (``Mover.nudge``) when a put finds the top tier past
-            its high watermark.
     """
 
     def __init__(self, core: EngineCore, shared: SharedTier | None, execute: Callable[[MoveOrder], bool], *,
-                 lossy: bool, nudge: Callable[[], None] | None = None) -> None:
+                 lossy: bool) -> None:
         self._core = core
         self._placement: PlacementManager = core.placement
         self._shared = shared
         self._execute = execute
-        self._nudge = nudge
         self.lossy = lossy
         self._forced_warned: dict[str, float] = {}
 
@@ -158,8 +155,6 @@ class Puts:
         if force:
             self._room_forced(target)
         room = self._placement.hold_room(target, size, force=force)
-        if self._nudge is not None and self._placement.over_high_watermark():
-            self._nudge()  # this put took the top tier past it: the mover makes the next puts' room now
         try:
             for order in room.orders:
                 self._execute(order)

@@ -130,7 +130,7 @@ class KVStore:
         self._shared = SharedTier(core, shared, policy) if shared is not None else None
         core.shared = self._shared
         self._mover = Mover(core, self._shared, on_move=self._moved)
-        self._puts = Puts(core, self._shared, self._mover.execute, lossy=lossy, nudge=self._mover.nudge)
+        self._puts = Puts(core, self._shared, self._mover.execute, lossy=lossy)
         self.frames = Frames(core, self._shared, self._puts.take_room)
         """Frames by key: the block routes', shm handles' and lm:// reads and puts."""
         self.reservations = ReservedPuts(core, self._puts.take_room, shared=self._shared is not None)

@@ -155,22 +155,6 @@ def test_new_blocks_start_below_a_top_tier_full_of_hotter_ones():
         assert any(store.entry(k).tier == "hot" for k in _keys(store, 1))
 
 
-def test_a_put_past_the_high_watermark_wakes_the_mover():
-    """A put that takes the top tier past its high watermark wakes the mover, whose round
-    brings the tier back to its low watermark, rather than waiting for the next tick."""
-    hot, cold = MemoryTier(2 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
-    config = PlacementConfig(min_residency_s=0.0, full_top="evict")  # evict: past the watermark, still hot
-    with KVStore([hot, cold], placement=config, background=False) as store:
-        woken = []
-        store._puts._nudge = lambda: woken.append(1)  # noqa: SLF001 - the mover's wake-up, observed
-        store.put_kv(SPEC, chain(0, 30), make_kv(SPEC, 16 * 30, seed=0))  # up to the high watermark
-        assert not woken
-        store.put_kv(SPEC, chain(1, 1), make_kv(SPEC, 16, seed=1))  # past it, within the capacity
-        assert store.entry(block_hashes_of(1, 1)[0]).tier == "hot" and woken
-        store.run_placement()  # what the woken mover does: back down to the low watermark
-        assert hot.stats().used_bytes <= store.placement.tiers[0].low_watermark_frac * hot.capacity_bytes
-
-
 def test_with_full_top_evict_a_put_into_a_full_top_tier_drops_the_coldest_instead_of_writing_below():
     hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
     config = PlacementConfig(min_residency_s=0.0, full_top="evict")
