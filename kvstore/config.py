@@ -88,10 +88,11 @@ class Settings:
     """NUMA node for the cxl arena; default the highest-numbered one, the far node (KVSTORE_CXL_NODE)."""
     nvme_bytes: int = 64 * 2**30
     """Frame bytes the nvme tier may hold (KVSTORE_NVME_BYTES)."""
-    nvme_sync_interval_s: float = 0.1
-    """The nvme tier's group commit: puts return once written through the page cache and one
-    sync covers them within this many seconds (or at once for a durable put's check); 0 syncs
-    every put before it returns (KVSTORE_NVME_SYNC_INTERVAL_S)."""
+    nvme_sync_interval_s: float = 0.0
+    """> 0: the nvme tier's group commit: puts return once written through the page cache and
+    one sync covers them within this many seconds (or at once for a durable put's check); 0 (the
+    default, for now: see docs/reliability.md) syncs every put before it returns
+    (KVSTORE_NVME_SYNC_INTERVAL_S)."""
     redis_url: str | None = None
     """``redis://host:port/db`` or ``redis+cluster://host:port`` (KVSTORE_REDIS_URL)."""
     redis_bytes: int = 16 * 2**30
