@@ -101,7 +101,7 @@ class AsyncKVClient(ClientShell):
             got = await self.shm.put_kv(spec, toks, kv)
             stored = got if got is not None else await self._http_medium.put_kv(spec, toks, kv)
         if durable:
-            c.check_durable(stored, await self.lookup_blocks(spec, toks))
+            c.check_durable(stored, await self._run(calls.lookup_blocks(spec, toks, sync=True)))
         return stored
 
     async def get_kv(self, spec: KVSpec, tokens: Any, *, out: Any = None,

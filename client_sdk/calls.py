@@ -87,8 +87,10 @@ def hexes(keys: Sequence[BlockHash]) -> list[str]:
 # -- the data surface's calls ----------------------------------------------------------------
 
 
-def lookup_blocks(spec: KVSpec, tokens: Any) -> Call[dict]:
-    return kv_call("/v1/lookup", c.check_spec(spec), c.tokens_of(tokens), None)
+def lookup_blocks(spec: KVSpec, tokens: Any, *, sync: bool = False) -> Call[dict]:
+    """The lookup answer; ``sync``: after the server's durable tiers synced what they acknowledged
+    (a durable put's check: ``durable_tokens`` then counts blocks a crash cannot take)."""
+    return kv_call("/v1/lookup?sync=1" if sync else "/v1/lookup", c.check_spec(spec), c.tokens_of(tokens), None)
 
 
 def lookup(spec: KVSpec, tokens: Any, stats: c.ClientStats | None = None) -> Call[int]:

@@ -156,7 +156,7 @@ class KVClient(ClientShell):
             got = self.shm.put_kv(spec, toks, kv)
             stored = got if got is not None else self._http_medium.put_kv(spec, toks, kv)
         if durable:
-            c.check_durable(stored, self.lookup_blocks(spec, toks))
+            c.check_durable(stored, self._run(calls.lookup_blocks(spec, toks, sync=True)))
         return stored
 
     def get_kv(self, spec: KVSpec, tokens: Any, *, out: Any = None,

@@ -88,12 +88,21 @@ class Settings:
     """NUMA node for the cxl arena; default the highest-numbered one, the far node (KVSTORE_CXL_NODE)."""
     nvme_bytes: int = 64 * 2**30
     """Frame bytes the nvme tier may hold (KVSTORE_NVME_BYTES)."""
+    nvme_sync_interval_s: float = 0.0
+    """> 0: the nvme tier's group commit: puts return once written through the page cache and
+    one sync covers them within this many seconds (or at once for a durable put's check); 0 (the
+    default, for now: see docs/reliability.md) syncs every put before it returns
+    (KVSTORE_NVME_SYNC_INTERVAL_S)."""
     redis_url: str | None = None
     """``redis://host:port/db`` or ``redis+cluster://host:port`` (KVSTORE_REDIS_URL)."""
     redis_bytes: int = 16 * 2**30
     """Frame bytes kvstore may keep in Redis, shared by every server on that keyspace (KVSTORE_REDIS_BYTES)."""
     redis_keyspace: str = "default"
     """Key prefix part, so several deployments can share one Redis (KVSTORE_REDIS_KEYSPACE)."""
+    full_top_tier: str = "spill"
+    """What a put does when the top tier has no free room (puts outran the background demotions):
+    ``spill`` writes it, or the coldest it displaces, one tier down on the put's path (nothing
+    dropped); ``evict`` drops the coldest top-tier blocks instead (KVSTORE_FULL_TOP_TIER)."""
     scrub_bytes_per_s: int = SCRUB_BYTES_PER_S
     """How fast the background scrub re-hashes the shm and cxl arenas, bytes per second (e.g.
     256MiB); 0 turns it off. Damage at rest is found within arena bytes / rate seconds
@@ -110,6 +119,11 @@ class Settings:
         if self.cxl_node is not None and (isinstance(self.cxl_node, bool) or not isinstance(self.cxl_node, int)
                                           or self.cxl_node < 0):
             raise InvalidInput(f"cxl_node must be a non-negative int, got {self.cxl_node!r}")
+        if self.full_top_tier not in ("spill", "evict"):
+            raise InvalidInput(f"full_top_tier must be spill or evict, got {self.full_top_tier!r}")
+        sync = self.nvme_sync_interval_s
+        if isinstance(sync, bool) or not isinstance(sync, (int, float)) or not 0 <= sync <= 60:
+            raise InvalidInput(f"nvme_sync_interval_s must be a number of seconds in [0, 60], got {sync!r}")
         if self.redis_url is not None and not _REDIS_URL.match(str(self.redis_url)):
             raise InvalidInput(f"redis_url must start with redis://, rediss:// or redis+cluster://, got {self.redis_url!r}")
 
@@ -156,6 +170,11 @@ def _parse_field(name: str, raw: str) -> object:
         return parse_size(raw)
     if name.endswith("_bytes_per_s"):
         return parse_rate(raw)
+    if name.endswith("_s"):
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidInput(f"a number of seconds, got {raw!r}") from None
     if name == "cxl_node":
         if not raw.strip():
             return None

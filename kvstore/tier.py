@@ -137,6 +137,15 @@ class Tier(ABC):
     def close(self) -> None:
         """Release the backing. Idempotent; later calls raise ``StoreClosed``."""
 
+    def sync(self) -> None:
+        """Return once every put this tier acknowledged survives what ``durable`` promises. A
+        tier that syncs in groups (nvme's group commit) waits for the group; one that makes
+        each put durable before it returns, or promises nothing, has nothing to do.
+
+        Raises:
+            TierIOError: the sync failed; what was put stays stored, not yet durable.
+        """
+
     # -- defaults built on the core ---------------------------------------------
 
     def put_with(self, key: BlockHash, size: int, writer: FrameWriter) -> int:

@@ -119,11 +119,14 @@ async def kv_get(request: Request) -> Response:
 @router.post("/v1/lookup")
 async def lookup(request: Request) -> JSONResponse:
     """The longest stored prefix: its token count, and each block's key and tier; and how much of
-    it sits on durable tiers (``durable_tokens``), which ``put_kv(..., durable=True)`` checks.
+    it sits on durable tiers (``durable_tokens``), which ``put_kv(..., durable=True)`` checks
+    with ``?sync=1``: durable tiers' group commits first (``Tier.sync``).
     ``hint`` when nothing is found but the tokens are stored under another spec of the model."""
     svc, _, ns = caller(request)
     spec, tokens = await spec_and_tokens(request)
     hints: list[str] = []
+    if request.query_params.get("sync") == "1":  # a durable put's check: the group commit first
+        await svc.run(svc.store.core.sync_durable)
     blocks = await svc.run_index(svc.store.prefix_blocks, spec, tokens, ns, hints=hints)
     return JSONResponse({"tokens": len(blocks) * spec.block_tokens, "block_tokens": spec.block_tokens,
                          "durable_tokens": svc.store.frames.durable_count(blocks) * spec.block_tokens,

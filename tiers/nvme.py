@@ -26,6 +26,11 @@ not its checksum: hashing every byte would cost minutes per terabyte, a torn
 file already shows as a wrong length, and bit rot is caught by the first read.
 ``verify_on_start=True`` hashes too.
 
+With ``sync_interval_s`` (the server's default: ``KVSTORE_NVME_SYNC_INTERVAL_S``) a put is not
+synced before it returns: it is written through the page cache and renamed into place, and a
+group commit (``tiers.group_commit``) syncs the file system behind it within the interval, or
+at once for ``sync()`` (a durable put's check waits for it). Without it, each put is synced:
+
 Writes use O_DIRECT from a reused page-aligned buffer: a 32 MiB write+sync took
 15-18 ms that way on the reference VM, and 16-95 ms through the page cache (it
 swings with other writers' dirty pages); at 1 MiB and below they cost the same. Reads
@@ -64,6 +69,8 @@ from tiers.nvme_file import (
     write_all,
     write_direct,
 )
+from tiers.group_commit import GroupCommit
+from tiers.nvme_spares import Spares
 
 __all__ = ["NVMeTier", "FORMAT"]
 
@@ -93,6 +100,7 @@ class NVMeTier(Tier):
         direct_io: bool = True,
         verify_on_start: bool = False,
         spare_files: int = 64,
+        sync_interval_s: float = 0.0,
     ) -> None:
         """Open (or create) ``data_dir`` and rebuild the index from its files.
 
@@ -106,6 +114,8 @@ class NVMeTier(Tier):
             direct_io: write with ``O_DIRECT`` (falls back when the file system refuses).
             verify_on_start: hash every file during the start-up scan, not only its header.
             spare_files: how many replaced or deleted files to keep for reuse (0: none).
+            sync_interval_s: > 0: group commit (puts return unsynced, synced within this many
+                seconds or by ``sync()``); 0: each put is synced before it returns.
 
         Raises:
             InvalidInput: capacity_bytes is not a positive int.
@@ -119,7 +129,9 @@ class NVMeTier(Tier):
         self.durable = fsync
         self.data_dir = os.path.abspath(os.fspath(data_dir))
         self._fsync = fsync
-        self._direct = direct_io and hasattr(os, "O_DIRECT")
+        self._sync_each = fsync and not sync_interval_s > 0
+        """Sync every write before the put returns (else a group commit covers it, or none: not durable)."""
+        self._direct = direct_io and self._sync_each and hasattr(os, "O_DIRECT")
         self._direct_note = "on" if self._direct else "off"
         self._verify_on_start = verify_on_start
         self._index: dict[bytes, int] = {}  # key -> frame length
@@ -133,16 +145,15 @@ class NVMeTier(Tier):
         self._closed = False
         self._qdir = os.path.join(self.data_dir, "quarantine")
         self._rdir = os.path.join(self.data_dir, ".recycle")
-        self._recycled: dict[int, list[str]] = {}  # file size -> spare files of that size
-        self._recycled_count = 0
-        self._recycled_hits = 0
-        self._max_spares = spare_files
+        self._spares = Spares(self._rdir, spare_files)
         self._lock_fd = self._lock_dir()
         try:
             started = time.perf_counter()
-            self._empty_recycle_bin()
+            self._spares.empty()
             self._scan()
             self._scan_ms = (time.perf_counter() - started) * 1e3
+            self._group = GroupCommit(self.data_dir, sync_interval_s, self._sync_failed) \
+                if fsync and not self._sync_each else None
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -259,7 +270,7 @@ class NVMeTier(Tier):
             if key not in self._index:
                 return False
             try:
-                if not self._keep_spare(path, link=False):
+                if not self._spares.keep(path, link=False):
                     os.unlink(path)
             except FileNotFoundError:
                 pass
@@ -298,19 +309,38 @@ class NVMeTier(Tier):
                     "backing": f"files under {self.data_dir}",
                     "layout": "ab/<key hex>.safetensors",
                     "direct_io": self._direct_note,
-                    "fsync": "on" if self._fsync else "off (not durable)",
+                    "fsync": ("off (not durable)" if not self._fsync else "each put" if self._group is None
+                              else f"group commit every {self._group.interval_s:g} s ({self._group.syncs} syncs)"),
                     "startup_scan": "full checksums" if self._verify_on_start else "headers and lengths",
                     "startup_scan_ms": f"{self._scan_ms:.1f}",
                     "quarantined_temp_files": str(self._quarantined["temp"]),
                     "quarantined_corrupt_files": str(self._quarantined["corrupt"]),
                     "missing_files": str(self._quarantined["missing"]),
-                    "spare_files": str(self._recycled_count),
-                    "spare_files_reused": str(self._recycled_hits),
+                    "spare_files": str(self._spares.count),
+                    "spare_files_reused": str(self._spares.reused),
                 },
             )
 
+    def sync(self) -> None:
+        """Return once every put acknowledged so far is synced (a group commit; at once without one).
+
+        Raises:
+            TierIOError: the sync failed (the writes stay stored, not yet durable).
+        """
+        if self._group is not None:
+            try:
+                self._group.sync()
+            except OSError as exc:
+                raise TierIOError(f"tier {self.name!r}: syncing its writes failed: {exc}", tier=self.name) from exc
+
+    def _sync_failed(self, exc: OSError) -> None:
+        with self._lock:
+            self._counters.errors += 1
+
     def close(self) -> None:
-        """Forget the index and release the directory lock. Idempotent; files stay on disk."""
+        """Sync, forget the index and release the directory lock. Idempotent; files stay on disk."""
+        if self._group is not None:
+            self._group.close()
         with self._lock:
             if self._closed:
                 return
@@ -350,7 +380,7 @@ class NVMeTier(Tier):
         key_hex = key.hex()
         header = file_header(key_hex, frame)
         leaf = os.path.dirname(self._path(key_hex))
-        tmp = self._rewrite_spare(header, frame)
+        tmp = self._spares.rewrite(header, frame, sync=self._sync_each)
         if tmp is None:
             tmp = os.path.join(leaf, f".{key_hex}.{os.getpid()}.{next(self._tmp_ids)}{_TMP_SUFFIX}")
             try:
@@ -363,12 +393,12 @@ class NVMeTier(Tier):
                     self._check_open()
                     self._check_fits(key, len(frame), 0)  # the index may have moved while we wrote
                     final = self._path(key_hex)
-                    spare = self._keep_spare(final, link=True) if key in self._index else None
+                    spare = self._spares.keep(final, link=True) if key in self._index else None
                     try:
                         os.replace(tmp, final)  # the old file lives on as the spare
                     except BaseException:
                         if spare is not None:  # it is still the live file: never rewrite it in place
-                            self._drop_spare(spare)
+                            self._spares.drop(spare)
                         raise
                 except BaseException:
                     unlink_quietly(tmp)
@@ -376,6 +406,8 @@ class NVMeTier(Tier):
                 self._used += len(frame) - self._index.get(key, 0)
                 self._index[key] = len(frame)
                 self._counters.puts += 1
+                if self._group is not None:
+                    self._group.wrote()
         except OSError as exc:
             raise self._os_error(exc, f"renaming {tmp}") from exc
         # The new file is published and complete; a failure here only means its
@@ -393,7 +425,7 @@ class NVMeTier(Tier):
                 write_direct(fd, header, len(frame), staged)  # type: ignore[arg-type]
             else:
                 write_all(fd, [memoryview(header), frame])
-            if self._fsync:
+            if self._sync_each:
                 os.fdatasync(fd)  # data and length; the name is synced with the directory
         except OSError as exc:
             if fd >= 0:
@@ -409,84 +441,8 @@ class NVMeTier(Tier):
             if fd >= 0:
                 os.close(fd)
 
-    # -- spare files ---------------------------------------------------------------
-    #
-    # A new file costs a journal commit for its blocks (the fdatasync of a
-    # fresh temp file) on top of the one for its name (the directory fsync):
-    # measured here, 1.30 ms against 1.09 for a bare write+fsync of 1 MiB.
-    # Rewriting a spare file of the very same size allocates nothing, so its
-    # fdatasync only flushes data: 0.50 ms for the whole put. Spares are the
-    # files that deletes and overwrites would unlink; they live in .recycle/
-    # until reused, are never served, and are removed at every start.
-
-    def _keep_spare(self, path: str, *, link: bool) -> str | None:
-        """Keep ``path``'s file as a spare (a hard link when it must stay in place); the spare's
-        path, or None when none was kept. Lock held."""
-        if self._recycled_count >= self._max_spares:
-            return None
-        try:
-            size = os.stat(path).st_size
-            spare = os.path.join(self._rdir, f"{next(self._tmp_ids)}.spare")
-            (os.link if link else os.rename)(path, spare)
-        except OSError:
-            return None
-        self._recycled.setdefault(size, []).append(spare)
-        self._recycled_count += 1
-        return spare
-
-    def _drop_spare(self, spare: str) -> None:
-        """Forget and remove a spare just kept. Lock held."""
-        for paths in self._recycled.values():
-            if spare in paths:
-                paths.remove(spare)
-                self._recycled_count -= 1
-                break
-        unlink_quietly(spare)
-
-    def _rewrite_spare(self, header: bytes, frame: memoryview) -> str | None:
-        """A spare file of exactly this frame's file size, rewritten with it and synced; or None."""
-        size = len(header) + len(frame)
-        with self._lock:
-            spares = self._recycled.get(size)
-            if not spares:
-                return None
-            path = spares.pop()
-            self._recycled_count -= 1
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                views, pos = [memoryview(header), frame], 0
-                while views:
-                    n = os.pwritev(fd, views, pos)
-                    if n == 0:
-                        raise OSError(errno.EIO, "write made no progress")
-                    pos += n
-                    while views and n >= len(views[0]):
-                        n -= len(views[0])
-                        views.pop(0)
-                    if views:
-                        views[0] = views[0][n:]
-                if self._fsync:
-                    os.fdatasync(fd)
-                    # As with O_DIRECT writes: a frame sent to the cold tier is not read
-                    # again soon, so it should not push hotter data out of the page cache.
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except OSError:
-            unlink_quietly(path)
-            return None  # the caller writes a fresh temp file instead
-        with self._lock:
-            self._recycled_hits += 1
-        return path
-
-    def _empty_recycle_bin(self) -> None:
-        with os.scandir(self._rdir) as it:
-            for entry in it:
-                unlink_quietly(entry.path)
-
     def _sync_dir(self, path: str) -> None:
-        if not self._fsync:
+        if not self._sync_each:
             return
         try:
             fsync_dir(path)

@@ -209,6 +209,21 @@ def write_all(fd: int, views: list[memoryview]) -> None:
             views[0] = views[0][n:]
 
 
+def pwrite_all(fd: int, views: list[memoryview], pos: int = 0) -> None:
+    """pwritev from ``pos`` until every byte is written (the kernel may write less per call)."""
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.pwritev(fd, views, pos)
+        if n == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        pos += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][n:]
+
+
 def byte_view(frame: Buffer) -> memoryview:
     try:
         view = memoryview(frame)

@@ -14,7 +14,7 @@
     kvstore bench codec [--quick] [--no-real] [--repeats N] [--out DIR]
     kvstore bench tiers [--quick] [--tiers shm,cxl,...] [--repeats N] [--redis-url URL] [--dir DIR] [--out DIR]
     kvstore bench service [--quick] [--repeats N] [--caches warm|cold] [--torch-threads N] [--out DIR]
-    kvstore bench planner|flight|layers|paged [--quick] [--repeats N] [--torch-threads N] [--out DIR]
+    kvstore bench planner|flight|layers|paged|steady [--quick] [--repeats N] [--torch-threads N] [--out DIR]
     kvstore bench reliability [--quick] [--out DIR] [--docs PAGE]
     kvstore bench all [--quick] [--with-lmcache | --no-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
     kvstore bench lmcache [--quick] [--with-lmcache] [--repeats N] [--out DIR] [--docs PAGE]
@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "Flight vs HTTP; time to first layer"),
                        ("flight", "Arrow Flight against HTTP for 32 MiB batches of frames and KV"),
                        ("layers", "layer-wise get: time to the first layer against the whole KV"),
-                       ("paged", "vLLM's paged cache <-> the arena: loads and saves, one copy or two")):
+                       ("paged", "vLLM's paged cache <-> the arena: loads and saves, one copy or two"),
+                       ("steady", "puts into a full store against an empty one, co-located and HTTP")):
         p = which.add_parser(name, help=what)
         p.add_argument("--quick", action="store_true", help="a small sweep, few repeats (a smoke run)")
         p.add_argument("--repeats", type=int, default=None, help="timed samples per row or option")
@@ -219,6 +220,7 @@ def _bench(args: argparse.Namespace) -> int:
         "codec": _bench_codec, "tiers": _bench_tiers, "service": _bench_service,
         "placement": _bench_traces, "write-policy": _bench_traces,
         "planner": _bench_module, "flight": _bench_module, "layers": _bench_module, "paged": _bench_module,
+        "steady": _bench_module,
         "all": _bench_all,
         "reliability": _bench_reliability, "lmcache": _bench_lmcache, "vllm": _bench_vllm,
         "engines": _bench_engines, "agents": _bench_agents,

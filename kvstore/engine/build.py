@@ -52,7 +52,7 @@ def _redis(s: Settings) -> Tier:
 def _nvme(s: Settings) -> Tier:
     from tiers.nvme import NVMeTier
 
-    return NVMeTier(os.path.join(s.data_dir, "nvme"), s.nvme_bytes)
+    return NVMeTier(os.path.join(s.data_dir, "nvme"), s.nvme_bytes, sync_interval_s=s.nvme_sync_interval_s)
 
 
 _BUILDERS: dict[str, Callable[[Settings], Tier]] = {

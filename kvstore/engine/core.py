@@ -254,6 +254,13 @@ class EngineCore:
         self.events.emit(REMOVED, key=entry.key, namespace=entry.namespace, tier=entry.tier, size=entry.size,
                          depth=entry.depth, spec_fp=entry.spec_fp, reason=reason, engine_hash=entry.engine_hash)
 
+    def sync_durable(self) -> None:
+        """Wait until every write acknowledged by a durable tier is durable (``Tier.sync``): what a
+        durable put's check waits for, so that it vouches for blocks a crash cannot take."""
+        for tier in self._tiers:
+            if tier.durable:
+                tier.sync()
+
     def name_blocks(self, names: Sequence[tuple[BlockHash, bytes | int, bytes | int | None, bytes | None]],
                     namespace: str) -> int:
         """Record an engine's own names for stored blocks of ``namespace``; returns how many are named.

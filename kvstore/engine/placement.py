@@ -358,18 +358,21 @@ class PlacementManager:
     def place_new(self, nbytes: int) -> str:
         """The tier a new block should be written to.
 
-        The top tier while it has room under its high watermark; past that, only
-        when a block read once just now would beat the coldest resident there by
-        the margin. Otherwise the block starts one tier down and earns its way up
-        with a second read (admission filtering: one-off blocks such as a scan
-        do not push out what is being reused).
+        The top tier while it has room under its high watermark; past that, with
+        ``full_top="evict"``, the top tier
+        still (the coldest residents are dropped to make room); with ``spill``, only when a
+        block read once just now would beat the coldest resident there by the margin.
+        Otherwise the block starts one tier down and earns its way up with a second read
+        (admission filtering: one-off blocks such as a scan do not push out what is being
+        reused, nor a prefetched context waiting for its reader).
         """
         if not self.config.admission or len(self.tiers) == 1:
             return self.tiers[0].name
         now = self.clock()
         with self._lock:
             top = self.tiers[0]
-            if self._used[0] + self._incoming[0] + nbytes <= top.high_watermark_frac * top.capacity_bytes:
+            if (self._used[0] + self._incoming[0] + nbytes <= top.high_watermark_frac * top.capacity_bytes
+                    or self.config.full_top == "evict"):
                 return top.name
             probe = Heat()
             self.scorer.touch(probe, now)

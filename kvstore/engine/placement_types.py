@@ -52,6 +52,11 @@ class PlacementConfig:
     """Decayed accesses at which the long memory saturates."""
     admission: bool = True
     """New blocks enter the top tier only past a colder resident (``place_new``); else one tier down."""
+    full_top: str = "spill"
+    """What a put does when the top tier has no free room left (puts outran the mover's demotions):
+    ``spill``: admission as above, room made by demoting the coldest on the put's path, nothing
+    dropped; ``evict``: the block enters the top tier and the coldest residents there are dropped
+    to make room (no lower-tier write on the put's path; the mover still demotes ahead of puts)."""
     margin_frac: float = 0.2
     """A promotion needs this much more heat than the resident it displaces."""
     min_residency_s: float = 5.0
@@ -65,6 +70,10 @@ class PlacementConfig:
     """How often the background mover plans."""
     entry_log: int = 8
     """Moves remembered per entry, for explain."""
+
+    def __post_init__(self) -> None:
+        if self.full_top not in ("spill", "evict"):
+            raise InvalidInput(f"full_top must be spill or evict, got {self.full_top!r}")
     store_log: int = 10_000
     """Moves remembered store-wide."""
 

@@ -92,9 +92,11 @@ class RoomMaker:
                 need = max(need, nbytes)
             orders: list[MoveOrder] = []
             if need > 0:
-                reason = f"demoted: {t.name} full for a {nbytes}-byte put"
+                evict = i == 0 and self.config.full_top == "evict"  # drop, not a lower-tier write, on the put's path
+                reason = (f"evicted: {t.name} full for a {nbytes}-byte put (full_top=evict)" if evict
+                          else f"demoted: {t.name} full for a {nbytes}-byte put")
                 orders = self.demote(i, need, now, list(self.used), set(self.leaving), reason,
-                                     respect_residency=False)
+                                     respect_residency=False, evict=evict)
             room = RoomHold(self, i, nbytes, orders)
             if not hold:
                 room._maker = None
@@ -127,8 +129,8 @@ class RoomMaker:
             yield score, key, self.members[i][key]
 
     def demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],
-               reason: str, *, respect_residency: bool) -> list[MoveOrder]:
-        dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) else None
+               reason: str, *, respect_residency: bool, evict: bool = False) -> list[MoveOrder]:
+        dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) and not evict else None
         why = reason if dst else reason.replace("demoted:", "evicted:", 1)
         orders = []
         freed = 0
@@ -139,13 +141,13 @@ class RoomMaker:
                 continue  # pinned, leased or retained: look past it
             if respect_residency and self.settling(r, now, up=False):
                 break  # the coldest must stay a while: sending hotter ones down instead would be worse
-            orders.append(self.order_down(i, key, r, why, projected, ordered))
+            orders.append(self.order_down(i, key, r, why, projected, ordered, evict=evict))
             freed += r.size
         return orders
 
     def order_down(self, i: int, key: bytes, r: Resident, reason: str, projected: list[int],
-                   ordered: set[bytes]) -> MoveOrder:
-        dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) else None
+                   ordered: set[bytes], *, evict: bool = False) -> MoveOrder:
+        dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) and not evict else None
         ordered.add(key)
         projected[i] -= r.size
         if dst is not None:

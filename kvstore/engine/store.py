@@ -292,18 +292,17 @@ class KVStore:
     def durable_tokens(self, spec: KVSpec, tokens: Any, namespace: str = "default") -> int:
         """Tokens of the longest prefix of ``tokens`` whose blocks this store holds on durable tiers.
 
-        A durable tier's acknowledged write survives a crash of this process (``Tier.durable``:
-        nvme with fsync; Redis with an AOF on every master, as seen at start). Only blocks this
-        store's index holds count: one only the shared tier holds is not vouched for. A prefix:
-        blocks after a volatile one cannot be read after a crash anyway. What this says holds
-        when it is read: placement may later promote a block into a volatile tier, and a frame
+        A durable tier's acknowledged write survives a crash (``Tier.durable``: nvme, whose group
+        commit this waits for; Redis with an AOF on every master, as seen at start). Only blocks
+        this store's index holds count; a shared tier's alone are not vouched for. A prefix. It
+        holds when read: placement may later promote a block into a volatile tier, and a frame
         put may rewrite one there, unless every tier is durable (``tiers="nvme"``).
 
         Raises:
             InvalidSpec, InvalidTokens: bad input.
         """
         self._check_open()
-        spec = _check_spec(spec)
+        spec, _ = _check_spec(spec), self.core.sync_durable()
         n = len(self.core.current_prefix(iter_block_hashes(spec, tokens, namespace), namespace,
                                          spec.fingerprint(), tiers=self.core.durable_tiers))
         return n * spec.block_tokens
@@ -588,7 +587,8 @@ class EmbeddedStore(KVStore):
 
             tiers = build_tiers(settings)
         super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs,
-                         **{"scrub_bytes_per_s": settings.scrub_bytes_per_s, **placement})
+                         **{"scrub_bytes_per_s": settings.scrub_bytes_per_s,
+                            "placement": PlacementConfig(full_top=settings.full_top_tier), **placement})
 
 
 # -- helpers ---------------------------------------------------------------------

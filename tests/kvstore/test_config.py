@@ -46,6 +46,28 @@ def test_env_forms(monkeypatch):
         Settings.from_env()
 
 
+def test_steady_state_settings_parse_and_refuse_bad_values(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSTORE_NVME_SYNC_INTERVAL_S", "0.25")
+    monkeypatch.setenv("KVSTORE_FULL_TOP_TIER", "evict")
+    s = Settings.from_env()
+    assert s.nvme_sync_interval_s == 0.25 and s.full_top_tier == "evict"
+    assert Settings().nvme_sync_interval_s == 0.0 and Settings().full_top_tier == "spill"
+    for name, bad, says in (("KVSTORE_NVME_SYNC_INTERVAL_S", "soon", "KVSTORE_NVME_SYNC_INTERVAL_S"),
+                            ("KVSTORE_NVME_SYNC_INTERVAL_S", "-1", "nvme_sync_interval_s"),
+                            ("KVSTORE_FULL_TOP_TIER", "drop", "full_top_tier")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(InvalidInput, match=says):
+            Settings.from_env()
+        monkeypatch.delenv(name)
+    for interval, says in ((0, "each put"), (0.2, "group commit every 0.2 s")):
+        tier = build_tiers(Settings(tiers="nvme", data_dir=str(tmp_path / str(interval)),
+                                    nvme_sync_interval_s=interval))[0]
+        try:
+            assert tier.stats().details["fsync"].startswith(says)
+        finally:
+            tier.close()
+
+
 def test_build_closes_what_it_built_when_a_later_tier_fails(monkeypatch):
     import tiers.shm
 

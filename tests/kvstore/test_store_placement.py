@@ -155,6 +155,28 @@ def test_new_blocks_start_below_a_top_tier_full_of_hotter_ones():
         assert any(store.entry(k).tier == "hot" for k in _keys(store, 1))
 
 
+def test_with_full_top_evict_a_put_into_a_full_top_tier_drops_the_coldest_instead_of_writing_below():
+    hot, cold = MemoryTier(1 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    config = PlacementConfig(min_residency_s=0.0, full_top="evict")
+    with KVStore([hot, cold], placement=config, background=False) as store:
+        store.put_kv(SPEC, chain(0, 15), make_kv(SPEC, 16 * 15, seed=0))  # hot is full
+        store.get_kv(SPEC, chain(0, 15))
+        cold_puts = cold.stats().counters.puts
+        store.put_kv(SPEC, chain(1), make_kv(SPEC, 128, seed=1))
+        assert {store.entry(k).tier for k in _keys(store, 1)} == {"hot"}  # the new blocks in the top tier
+        assert cold.stats().counters.puts == cold_puts  # nothing written below on the put's path
+        gone = [k for k in block_hashes_of(0, 15) if store.entry(k) is None]
+        assert len(gone) == 8 and all(m["reason"].startswith("evicted") for m in store.moves()[-8:])
+        got, n = store.get_kv(SPEC, chain(1))
+        assert n == 128
+
+
+def block_hashes_of(i: int, blocks: int) -> list[bytes]:
+    from kvstore.keys import block_hashes
+
+    return block_hashes(SPEC, chain(i, blocks))
+
+
 def test_eviction_takes_the_tail_of_a_chain_not_its_head():
     # 15 blocks fit; the second chain's put evicts one block of the first: its deepest,
     # so the first chain still serves a 7-block prefix instead of nothing.

@@ -1,6 +1,6 @@
 """Child process for the nvme kill -9 test: puts frames in a loop until killed.
 
-    python -m tests.tiers.nvme_crash_child DATA_DIR START FRAME_BYTES N_KEYS
+    python -m tests.tiers.nvme_crash_child DATA_DIR START FRAME_BYTES N_KEYS [SPARES [SYNC_INTERVAL_S]]
 
 Put number ``i`` (from START on) stores ``crash_frame(i)`` under ``crash_key(i % N_KEYS)``
 and then writes ``i`` and a newline to stdout in one write: a reported ``i``
@@ -42,7 +42,8 @@ def main(argv: list[str]) -> None:
 
     data_dir, start, frame_bytes, n_keys = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     spares = int(argv[4]) if len(argv) > 4 else 64
-    tier = NVMeTier(data_dir, CAPACITY_BYTES, spare_files=spares)
+    sync_interval_s = float(argv[5]) if len(argv) > 5 else 0.0  # > 0: group commit, puts acked unsynced
+    tier = NVMeTier(data_dir, CAPACITY_BYTES, spare_files=spares, sync_interval_s=sync_interval_s)
     frame = bytearray(_base(frame_bytes))  # restamped in place: no 32 MiB copy per put
     i = start
     while True:

@@ -24,6 +24,7 @@ from kvstore.errors import InvalidInput, TierFull, TierIOError, TierUnavailable
 from tests.mounts import small_tmpfs
 from tests.tiers.conformance import MiB, TierContract, key, payload, tier_state_machine
 from tests.tiers.nvme_crash_child import crash_frame, crash_key, frame_number
+from tiers import nvme as nvme_mod
 from tiers.nvme import FORMAT, NVMeTier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,10 +92,82 @@ class TestNVMeTierBuffered(TestNVMeTier):
     direct_io = False
 
 
+class TestNVMeTierGroupCommit(TestNVMeTier):
+    """The same contract with a group commit: puts acknowledged unsynced, synced behind them."""
+
+    direct_io = False  # the group commit writes through the page cache
+
+    @pytest.fixture
+    def make_tier(self, tmp_path):
+        made = []
+
+        def make(capacity_bytes: int) -> NVMeTier:
+            tier = NVMeTier(tmp_path / f"d{len(made)}", capacity_bytes, sync_interval_s=0.05)
+            made.append(tier)
+            return tier
+
+        yield make
+        for tier in made:
+            tier.close()
+
+
 _STATE_ROOT = tempfile.TemporaryDirectory(prefix="kvstore-nvme-sm-")
 TestNVMeTierStateMachine = tier_state_machine(
     lambda cap: NVMeTier(tempfile.mkdtemp(dir=_STATE_ROOT.name), cap)
 ).TestCase
+TestNVMeTierGroupCommitStateMachine = tier_state_machine(
+    lambda cap: NVMeTier(tempfile.mkdtemp(dir=_STATE_ROOT.name), cap, sync_interval_s=0.05)
+).TestCase
+
+
+def test_a_group_commit_acks_puts_unsynced_and_sync_covers_them(open_tier, monkeypatch):
+    """No put syncs on its own path; ``sync()`` returns only after one syncfs covered every put
+    before it; the thread syncs unasked within its interval; close syncs what is left."""
+    from tiers import group_commit
+
+    synced: list[int] = []
+    real = group_commit.syncfs
+    monkeypatch.setattr(group_commit, "syncfs", lambda fd: (real(fd), synced.append(1)))
+
+    def no_sync(fd):
+        raise AssertionError("a put synced on its own path")
+    tier = open_tier(sync_interval_s=30.0)  # the thread would wait 30 s: only sync() makes it sync now
+    monkeypatch.setattr(os, "fdatasync", no_sync)  # after the open, which syncs the directories it made
+    monkeypatch.setattr(nvme_mod, "fsync_dir", no_sync)
+    for i in range(20):
+        tier.put(key(i), payload(4096 + i, seed=i))
+    assert tier.stats().details["fsync"].startswith("group commit") and tier._group.unsynced == 20
+    tier.sync()
+    assert len(synced) == 1 and tier._group.unsynced == 0
+    tier.sync()  # nothing new: no sync
+    assert len(synced) == 1
+    assert [tier.get(key(i)) == payload(4096 + i, seed=i) for i in range(20)] == [True] * 20
+    tier.close()
+    assert len(synced) == 1  # nothing left to sync at close
+    fast = NVMeTier(tier.data_dir, 64 * MiB, sync_interval_s=0.01)
+    fast.put(key(99), payload(4096))
+    deadline = time.monotonic() + 5
+    while fast._group.unsynced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fast._group.unsynced == 0 and len(synced) == 2  # unasked, within its interval
+    fast.close()
+
+
+def test_a_failed_group_commit_is_a_typed_error_and_the_puts_stay(open_tier, monkeypatch):
+    from tiers import group_commit
+
+    tier = open_tier(sync_interval_s=30.0)
+    tier.put(key(1), payload(4096))
+
+    def eio(fd):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(group_commit, "syncfs", eio)
+    with pytest.raises(TierIOError, match="syncing its writes failed"):
+        tier.sync()
+    assert tier.stats().counters.errors >= 1 and tier.get(key(1)) == payload(4096)
+    monkeypatch.undo()
+    tier.sync()  # the disk is back: the same writes are synced by the next one
+    assert tier._group.unsynced == 0
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1GiB"])
@@ -382,7 +455,8 @@ def test_refused_o_direct_falls_back_to_buffered_writes(open_tier, monkeypatch):
 # -- kill -9 -------------------------------------------------------------------------
 
 
-def _crash_rounds(data_dir: Path, rounds: int, frame_bytes: int, n_keys: int = 6, spares: int = 0) -> int:
+def _crash_rounds(data_dir: Path, rounds: int, frame_bytes: int, n_keys: int = 6, spares: int = 0,
+                  sync_interval_s: float = 0.0) -> int:
     """Kill a writing child ``rounds`` times; check every acknowledged put after each.
 
     Even rounds kill as soon as a temp file appears (mid-write); odd rounds
@@ -395,7 +469,7 @@ def _crash_rounds(data_dir: Path, rounds: int, frame_bytes: int, n_keys: int = 6
         start = (r + 1) * 1_000_000
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.tiers.nvme_crash_child", str(data_dir), str(start),
-             str(frame_bytes), str(n_keys), str(spares)],
+             str(frame_bytes), str(n_keys), str(spares), str(sync_interval_s)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         acked = b""
@@ -440,6 +514,16 @@ def test_acknowledged_puts_survive_kill_9_while_rewriting_spares(tmp_path):
     try:
         _crash_rounds(data_dir, rounds=4, frame_bytes=8 * MiB, spares=64)
         assert os.listdir(data_dir / ".recycle") == []  # each restart throws spares away
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_acknowledged_puts_survive_kill_9_under_a_group_commit(tmp_path):
+    # Puts acknowledged before any sync: a kill -9 of the process loses none (the page cache is
+    # the kernel's); a kill mid-write leaves a temp file, quarantined at start, never served.
+    data_dir = tmp_path / "crash"
+    try:
+        _crash_rounds(data_dir, rounds=4, frame_bytes=8 * MiB, sync_interval_s=0.1)
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
 

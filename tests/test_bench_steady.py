@@ -1,0 +1,25 @@
+"""``kvstore bench steady --quick``: every row, the full stores really full, their policies at work.
+
+No timing is asserted (figures live in docs/benchmarks.md); what is checked is that the bench
+measures what it says: both full stores were filled to their top tier's high watermark, the
+default one spilled its puts below it, and the evicting one dropped its coldest blocks.
+"""
+
+import json
+
+from bench.steady import SIZES, run
+
+
+def test_the_steady_bench_fills_two_stores_and_reports_every_row(tmp_path):
+    result = run(quick=True, out_dir=tmp_path)
+    rows = {(r["size"], r["medium"]): r for r in result["rows"]}
+    assert set(rows) == {(size, medium) for size, *_ in SIZES for medium in ("co-located", "HTTP")}
+    for row in rows.values():
+        assert all(row[store]["mb_s"] > 0 for store in ("empty", "full", "full evict"))
+        assert row["full / empty"] > 0 and row["full evict / empty"] > 0
+    full, evict = result["full stores"]["full"], result["full stores"]["full evict"]
+    assert full["filled_mib"] >= 200 and evict["filled_mib"] >= 200  # 256 MiB top tiers, filled first
+    assert rows[("1 MiB", "co-located")]["full: last burst"].get("nvme")  # spill: below the full top tier
+    assert evict["moves during the samples"].get("evicted", 0) > 0  # evict: the coldest dropped
+    assert "evicted" not in full["moves during the samples"]  # spill drops nothing (nvme has room)
+    assert json.loads((tmp_path / result["path"].split("/")[-1]).read_text())["rows"]
