@@ -195,17 +195,22 @@ class ArenaTier(Tier):
 
     # -- two-phase puts: a writer in another process fills a reserved slot -------------------
 
-    def reserve(self, key: BlockHash, size: int) -> Slot:
+    def reserve(self, key: BlockHash, size: int, *, lasting: bool = False) -> Slot:
         """Room for a frame of at most ``size`` bytes for ``key``, held busy (never moved or reused)
         and invisible until ``commit_reserved`` or ``abort_reserved``. Every reservation must end
         in one of the two, or its range stays taken.
+
+        ``lasting``: the reservation may be held a long time (a writer's pool slot): it is taken
+        from the arena's high end, so that such ranges, which compaction cannot move, do not
+        split the room compaction packs towards the low end (several writers' pools scattered
+        through a small arena left no range for a block though the bytes were free).
 
         Raises:
             TierFull: no room; nothing changed.
         """
         check_key(key)
         with self._lock:
-            return self._reserve(key, size)
+            return self._reserve(key, size, lasting=lasting)
 
     def reserved_view(self, slot: Slot) -> memoryview | None:
         """The reserved slot's bytes, in tiers that keep them in this process's memory (None elsewhere)."""
@@ -254,7 +259,7 @@ class ArenaTier(Tier):
             self._counters.puts += 1
             self._unbusy(slot.offset)
 
-    def _reserve(self, key: bytes, size: int) -> Slot:
+    def _reserve(self, key: bytes, size: int, *, lasting: bool = False) -> Slot:
         """Room for ``size`` bytes, pinned until published. Lock held.
 
         Raises:
@@ -266,14 +271,17 @@ class ArenaTier(Tier):
         old_len = old.length if old is not None else 0
         if self._used + self._reserved - old_len + size > self.capacity_bytes:
             self._full(f"a {size}-byte frame does not fit ({self._used} of {self.capacity_bytes} bytes used)")
-        offset = self._alloc.alloc(size) if self._free_rows else None
+        offset = self._allocate(size, lasting) if self._free_rows else None
         if offset is None:
-            offset = self._make_room(key, old, size)
+            offset = self._make_room(key, old, size, lasting)
         self._reserved += size
         self._busy[offset] = 1
         return Slot(self._free_rows.pop(), offset, size)
 
-    def _make_room(self, key: bytes, old: Slot | None, size: int) -> int:
+    def _allocate(self, size: int, lasting: bool) -> int | None:
+        return self._alloc.alloc_high(size) if lasting else self._alloc.alloc(size)
+
+    def _make_room(self, key: bytes, old: Slot | None, size: int, lasting: bool = False) -> int:
         """Allocate when the easy way failed: drop the frame being replaced, compact.
 
         Both steps are planned on a copy of the allocator first, so a put that
@@ -302,7 +310,7 @@ class ArenaTier(Tier):
             self._release(old)
         if compact:
             self._compact()
-        offset = self._alloc.alloc(size)
+        offset = self._allocate(size, lasting)
         if offset is None:  # a reader in another process leased a range since the plan
             self._full(f"no {size}-byte range is free: a reader pinned one during compaction")
         return offset

@@ -294,10 +294,10 @@ class ShmTier(ArenaTier):
             self._index_remove(slot.index)  # the key left the map: before its row can be reused
         super()._release(slot)
 
-    def _reserve(self, key: bytes, size: int) -> Slot:
+    def _reserve(self, key: bytes, size: int, *, lasting: bool = False) -> Slot:
         if self._retired:
             self._reclaim()  # leases held by other processes end without telling us
-        return super()._reserve(key, size)
+        return super()._reserve(key, size, lasting=lasting)
 
     def _details(self) -> dict[str, str]:
         return {"segment": self.path, "pinned": str(self.pinned).lower(),

@@ -185,7 +185,7 @@ class PooledPuts:
             try:
                 if room.tier != 0:  # placement would put new blocks lower: no slot up top to lend
                     raise TierFull(f"placement puts new blocks below {top.name!r}", tier=top.name)
-                slot = top.reserve(POOL_KEY, size)
+                slot = top.reserve(POOL_KEY, size, lasting=True)
             except TierFull:
                 room.release()
                 break

@@ -11,7 +11,8 @@ serves a ``/dev/shm`` mapping, a hugepage mapping and a CUDA tensor.
 Free ranges sit in segregated bins, two-level like TLSF: a power of two split
 into four sub-classes. ``alloc`` looks first in the smallest bin whose every
 range fits (constant time), then scans the request's own bin, so it fails only
-when no free range is large enough. When free space is enough in total but
+when no free range is large enough. ``alloc_high`` takes ranges from the top
+instead, for those that stay long and cannot move. When free space is enough in total but
 split up, ``compact`` packs allocations towards offset 0 and returns the moves
 for the owner to carry out; allocations the owner cannot move (a reader holds
 them) stay where they are.
@@ -131,6 +132,26 @@ class SlabAllocator:
         self._allocs[start] = need
         self._used += need
         return start
+
+    def alloc_high(self, n: int) -> int | None:
+        """As ``alloc``, but the top of the highest free range that fits, or ``None``.
+
+        For ranges that stay allocated a long time and cannot be moved (a writer's pool of
+        reserved slots): ``compact`` packs the rest towards 0, so such ranges kept at the high
+        end do not split the space it frees. Linear in the number of free ranges.
+        """
+        need = self.rounded(n)
+        start = max((s for s, length in self._free_start.items() if length >= need), default=None)
+        if start is None:
+            return None
+        length = self._free_start[start]
+        self._remove_free(start, length)
+        if length > need:
+            self._add_free(start, length - need)
+        offset = start + length - need
+        self._allocs[offset] = need
+        self._used += need
+        return offset
 
     def free(self, offset: int) -> None:
         """Return the range at ``offset``; neighbours coalesce.

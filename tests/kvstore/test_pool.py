@@ -89,6 +89,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert off % 64 == 0 and off + self.a.rounded(n) <= self.SIZE
             self.live[off] = self.a.rounded(n)
 
+    @rule(n=st.integers(0, 20000))
+    def alloc_high(self, n):
+        off = self.a.alloc_high(n)
+        if off is None:
+            assert all(length < self.a.rounded(n) for _, length in self.a._gaps())
+        else:
+            assert off % 64 == 0 and off + self.a.rounded(n) <= self.SIZE
+            # the top of the highest range that fits: no fitting free range lies above it
+            assert all(start + length <= off or length < self.a.rounded(n) for start, length in self.a._gaps())
+            self.live[off] = self.a.rounded(n)
+
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 1000))
     def free(self, i):
@@ -120,6 +131,19 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+def test_alloc_high_takes_the_top_and_compaction_packs_the_rest_below_it():
+    a = SlabAllocator(4096)
+    pool = a.alloc_high(1000)
+    assert pool == 4096 - 1024
+    low = [a.alloc(512) for _ in range(4)]
+    assert low == [0, 512, 1024, 1536]
+    a.free(low[0])
+    a.free(low[2])
+    assert a.alloc(1536) is None  # 2 x 512 free below, split
+    a.compact(pinned={pool})  # the long-lived range is at the top: everything else packs under it
+    assert a.largest_free() == 4096 - 1024 - 2 * 512
 
 
 def test_shrink_returns_the_tail():

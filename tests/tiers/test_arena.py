@@ -55,6 +55,24 @@ class TestHeapArena(TierContract):
             assert bytes(tier.get(key(i))) == payload(128 * 1024 - 64, i)
         assert bytes(tier.get(key(100))) == payload(512 * 1024 - 64, 100)
 
+    def test_lasting_reservations_do_not_split_the_arena(self):
+        # Writers' pools hold reserved slots for as long as they write; placed among frames,
+        # they pinned a small arena apart: free bytes enough, no range long enough.
+        tier = HeapArena(1 * MiB, max_entries=64)
+        block = 64 * 1024 - 64
+        pools = []
+        for i in range(8):
+            tier.put(key(i), payload(block, i))
+            if i % 2:
+                pools.append(tier.reserve(key(1000 + i), block, lasting=True))
+        for i in range(8):
+            tier.delete(key(i))
+        tier.put(key(100), payload(8 * 64 * 1024 - 64, 100))  # half the arena in one range
+        assert bytes(tier.get(key(100))) == payload(8 * 64 * 1024 - 64, 100)
+        assert all(p.offset >= tier.arena_bytes - 4 * 64 * 1024 for p in pools)
+        for p in pools:
+            tier.abort_reserved(p, block)
+
     def test_range_being_read_is_not_reused(self):
         tier = HeapArena(1 * MiB, max_entries=16)
         tier.put(key(1), payload(4096, 1))
