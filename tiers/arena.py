@@ -271,14 +271,14 @@ class ArenaTier(Tier):
         old_len = old.length if old is not None else 0
         if self._used + self._reserved - old_len + size > self.capacity_bytes:
             self._full(f"a {size}-byte frame does not fit ({self._used} of {self.capacity_bytes} bytes used)")
-        offset = self._allocate(size, lasting) if self._free_rows else None
+        offset = self._take_range(size, lasting) if self._free_rows else None
         if offset is None:
             offset = self._make_room(key, old, size, lasting)
         self._reserved += size
         self._busy[offset] = 1
         return Slot(self._free_rows.pop(), offset, size)
 
-    def _allocate(self, size: int, lasting: bool) -> int | None:
+    def _take_range(self, size: int, lasting: bool) -> int | None:
         return self._alloc.alloc_high(size) if lasting else self._alloc.alloc(size)
 
     def _make_room(self, key: bytes, old: Slot | None, size: int, lasting: bool = False) -> int:
@@ -310,7 +310,7 @@ class ArenaTier(Tier):
             self._release(old)
         if compact:
             self._compact()
-        offset = self._allocate(size, lasting)
+        offset = self._take_range(size, lasting)
         if offset is None:  # a reader in another process leased a range since the plan
             self._full(f"no {size}-byte range is free: a reader pinned one during compaction")
         return offset
