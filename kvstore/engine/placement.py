@@ -66,6 +66,7 @@ from typing import Callable, Iterable, Sequence
 
 from kvstore.errors import InvalidInput
 from kvstore.engine.heat import AdaptiveRate, DecayedRate, Heat, Scorer
+from kvstore.engine.heat_order import HeatOrder
 from kvstore.engine.placement_types import MoveOrder, MoveRecord, PlacementConfig, Resident, TierPolicy
 from kvstore.engine.retention import PREFETCH_OWNER, Retention
 from kvstore.engine.room import RoomHold, RoomMaker
@@ -99,7 +100,7 @@ class _Heats:
 
 
 class PlacementManager:
-    """Decides moves across ``tiers`` (fastest first). Thread-safe; every event is O(1).
+    """Decides moves across ``tiers`` (fastest first). Thread-safe; every event is O(log n).
 
     Args:
         tiers: one policy per tier, fastest first.
@@ -121,6 +122,7 @@ class PlacementManager:
             raise InvalidInput("tier names must be unique")
         self._res: dict[bytes, Resident] = {}
         self._members: list[dict[bytes, Resident]] = [{} for _ in self.tiers]
+        self._order = [HeatOrder() for _ in self.tiers]  # each tier's members, coldest first
         self._used = [0] * len(self.tiers)
         self._incoming = [0] * len(self.tiers)  # bytes of held writes not yet indexed (``hold_room``)
         self._leaving: set[bytes] = set()  # ordered by a held make_room or plan, not moved yet: not picked again
@@ -130,7 +132,7 @@ class PlacementManager:
         self._moved_bytes = 0
         self._lock = threading.Lock()
         self._room = RoomMaker(self.tiers, self.config, self.scorer, self.clock, self._lock, members=self._members,
-                               used=self._used, incoming=self._incoming, leaving=self._leaving)
+                               order=self._order, used=self._used, incoming=self._incoming, leaving=self._leaving)
         self._retention = Retention(self._res, self._candidates, self.config)
 
     # -- events from the store ------------------------------------------------------
@@ -159,6 +161,7 @@ class PlacementManager:
             self._used[r.tier] += size
             if access:
                 self.scorer.touch(r.heat, now)
+            self._order[r.tier].put(key, r.heat.score, depth)
 
     def accessed(self, keys: Iterable[bytes], counts: Iterable[int] | None = None) -> None:
         """Each key was read (``counts[i]`` times): heat goes up; one below the top tier
@@ -171,6 +174,7 @@ class PlacementManager:
                     continue
                 for _ in range(min(n, _SATURATING_READS)):  # reads at one instant saturate the score
                     self.scorer.touch(r.heat, now)
+                self._order[r.tier].put(key, r.heat.score, r.depth)
                 if r.retain_owner == PREFETCH_OWNER:
                     self._retention.forget(key, r)
                 if r.tier and self.config.promote:
@@ -206,6 +210,7 @@ class PlacementManager:
             r.tier, r.since_s = self._pos[order.dst], now
             r.size = order.size if size is None else size
             self._members[r.tier][order.key] = r
+            self._order[r.tier].put(order.key, r.heat.score, r.depth)
             self._used[r.tier] += r.size
             r.moves.append(record)
             while len(r.moves) > self.config.entry_log:
@@ -213,6 +218,7 @@ class PlacementManager:
 
     def _leave(self, key: bytes, r: Resident) -> None:
         self._members[r.tier].pop(key, None)
+        self._order[r.tier].discard(key)
         self._used[r.tier] -= r.size
         self._leaving.discard(key)
 
@@ -329,7 +335,11 @@ class PlacementManager:
         """
         now = self.clock()
         with self._lock:
+            switches = getattr(self.scorer, "switches", 0)
             self.scorer.calibrate(_Heats(self._res), len(self._members[0]), len(self._res), now)
+            if getattr(self.scorer, "switches", 0) != switches:  # every score changed: rank afresh
+                for members, order in zip(self._members, self._order):
+                    order.rebuild((key, r.heat.score, r.depth) for key, r in members.items())
             projected = list(self._used)
             orders: list[MoveOrder] = []
             ordered: set[bytes] = set(self._leaving)  # a held put's make_room is moving these now
@@ -376,8 +386,8 @@ class PlacementManager:
                 return top.name
             probe = Heat()
             self.scorer.touch(probe, now)
-            coldest = min((r.heat.score for r in self._members[0].values()
-                           if not r.held(now) and not r.retained(now)), default=None)
+            coldest = next((score for score, _, r in self._room.coldest(0, ())
+                            if not r.held(now) and not r.retained(now)), None)
             if coldest is None or self._room.beats(probe.score, coldest):
                 return top.name
             return self.tiers[1].name

@@ -13,11 +13,11 @@ method runs with the manager holding it.
 
 from __future__ import annotations
 
-import heapq
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Container, Iterator, Sequence
 
 from kvstore.engine.heat import Scorer
+from kvstore.engine.heat_order import HeatOrder
 from kvstore.engine.placement_types import MoveOrder, PlacementConfig, Resident, TierPolicy
 
 __all__ = ["RoomHold", "RoomMaker"]
@@ -58,17 +58,19 @@ class RoomMaker:
 
     Args:
         members: the manager's residents of each tier, by key.
+        order: the same residents of each tier, coldest first (the manager keeps it).
         used: the bytes the manager counts in each tier.
         incoming: the bytes of held writes not yet indexed, per tier (``hold_room``).
         leaving: keys a held ``make_room`` or ``plan`` ordered out and not moved yet: not picked again.
         lock: the manager's lock.
     """
 
-    __slots__ = ("tiers", "config", "scorer", "clock", "lock", "pos", "members", "used", "incoming", "leaving")
+    __slots__ = ("tiers", "config", "scorer", "clock", "lock", "pos", "members", "order", "used", "incoming",
+                 "leaving")
 
     def __init__(self, tiers: Sequence[TierPolicy], config: PlacementConfig, scorer: Scorer,
                  clock: Callable[[], float], lock: threading.Lock, *, members: list[dict[bytes, Resident]],
-                 used: list[int], incoming: list[int], leaving: set[bytes]) -> None:
+                 order: list[HeatOrder], used: list[int], incoming: list[int], leaving: set[bytes]) -> None:
         self.tiers = tiers
         self.config = config
         self.scorer = scorer
@@ -76,6 +78,7 @@ class RoomMaker:
         self.lock = lock
         self.pos = {t.name: i for i, t in enumerate(tiers)}
         self.members = members
+        self.order = order
         self.used = used
         self.incoming = incoming
         self.leaving = leaving
@@ -120,13 +123,13 @@ class RoomMaker:
     def beats(self, a: float, b: float) -> bool:
         return self.scorer.beats(a, b) if self.config.hysteresis else a > b
 
-    def coldest(self, i: int, ordered: set[bytes]) -> Iterator[tuple[float, bytes, Resident]]:
-        """Residents of tier ``i`` not yet ordered, coldest first (a heap popped lazily: O(n + k log n))."""
-        heap = [(r.heat.score, -r.depth, key) for key, r in self.members[i].items() if key not in ordered]
-        heapq.heapify(heap)
-        while heap:
-            score, _, key = heapq.heappop(heap)
-            yield score, key, self.members[i][key]
+    def coldest(self, i: int, ordered: Container[bytes]) -> Iterator[tuple[float, bytes, Resident]]:
+        """Residents of tier ``i`` not yet ordered, coldest first: read off the tier's kept order, so
+        the k coldest cost O(k) plus the ordered ones skipped, not a sort of the tier."""
+        members = self.members[i]
+        for score, key in self.order[i]:
+            if key not in ordered:
+                yield score, key, members[key]
 
     def demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],
                reason: str, *, respect_residency: bool, evict: bool = False) -> list[MoveOrder]:
