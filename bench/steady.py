@@ -19,7 +19,8 @@ Sizes: 1 MiB puts of 64 KiB blocks (16 blocks of a small model: 8 layers, 2 KV h
 layers, 8 KV heads, head_dim 128, fp16). Media: co-located (shared memory) and HTTP. Samples
 are interleaved (every row once per round, order rotated each round); the figure is the
 median. After the runs the bench reads where the full store's last burst landed (its blocks'
-tiers) and how many blocks placement demoted, so a ratio comes with its cause.
+tiers) and how many blocks placement demoted, so a ratio comes with its cause. A last row
+(``bench/steady_scale.py``) puts into a full top tier of 1M blocks against one of 10k, in process.
 
     kvstore bench steady [--quick] [--repeats N] [--out DIR]
 """
@@ -38,6 +39,7 @@ import torch
 
 from bench.report import header, publish
 from bench.serving import kvstore_serve
+from bench.steady_scale import format_scale, run_scale
 
 __all__ = ["run", "format_table", "SIZES"]
 
@@ -196,6 +198,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
                                                  for k, v in _moves(urls[store]).items()
                                                  if v != before[store].get(k, 0.0)}}
             for store in filled}
+    result["scale"] = run_scale(quick=quick)
     out = header("steady", repeats=repeats, client_torch_threads=torch.get_num_threads(),
                  unit="MB/s of a burst of puts, median over samples", top_tier_bytes=TOP_BYTES, **result)
     out["machine"]["cpus"] = os.cpu_count()
@@ -218,4 +221,6 @@ def format_table(result: dict) -> str:
         lines.append(f"{store}: filled {fs['filled_mib']:.0f} MiB in {fs['fill_s']:.1f} s; top tier now "
                      f"{fs['top_tier_used_mib']:.0f} MiB; moves during the samples: "
                      f"{fs['moves during the samples'] or 'none'}")
+    if "scale" in result:
+        lines += format_scale(result["scale"])
     return "\n".join(lines)

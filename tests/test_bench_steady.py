@@ -22,4 +22,8 @@ def test_the_steady_bench_fills_two_stores_and_reports_every_row(tmp_path):
     assert rows[("1 MiB", "co-located")]["full: last burst"].get("nvme")  # spill: below the full top tier
     assert evict["moves during the samples"].get("evicted", 0) > 0  # evict: the coldest dropped
     assert "evicted" not in full["moves during the samples"]  # spill drops nothing (nvme has room)
+    scale = result["scale"]  # a full top tier of 20k blocks against 2k, every put making room
+    assert scale["sizes"] == [2_000, 20_000] and scale["ratio"] > 0
+    assert all(f["blocks"] >= 0.85 * n for n, f in zip(scale["sizes"], scale["filled"].values()))
+    assert all(m["demoted"] >= 16 for m in scale["moves"].values())
     assert json.loads((tmp_path / result["path"].split("/")[-1]).read_text())["rows"]

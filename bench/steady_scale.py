@@ -1,0 +1,116 @@
+"""Puts into a full top tier that holds many blocks against one that holds few, the same run.
+
+Part of ``kvstore bench steady``: an in-process store over two memory tiers whose top tier holds
+``N`` small blocks (16-token blocks of a one-layer toy model, under 1 KiB a frame) and is filled
+to its capacity first; each sample is one put of 16 fresh blocks, which must make room (16 of the
+coldest go one tier down, on the put's path) and be placed. Stores of 10k and 1M blocks
+(``--quick``: 2k and 20k) are timed interleaved; the row is the median put time at each size and
+their ratio (issue 34's target: <= 1.2x). What it isolates is what grows with the tier: choosing
+the coldest, admission, the index.
+
+The background mover is off (``background=False``) so that every sample's room is made on its
+own path, the worst case; the lower tier is large enough never to fill.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["run_scale", "SCALES", "QUICK_SCALES"]
+
+SCALES = (10_000, 1_000_000)
+QUICK_SCALES = (2_000, 20_000)
+PUT_BLOCKS = 16
+FILL_BLOCKS = 4096
+"""Blocks per put while filling (untimed)."""
+
+
+def _spec():
+    from kvstore.spec import KVSpec
+
+    return KVSpec("bench-scale", num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=16,
+                  fingerprint="bench-scale")
+
+
+def _store(blocks: int):
+    from kvstore.engine.placement import PlacementConfig
+    from kvstore.engine.store import KVStore
+    from tiers.memory import MemoryTier
+
+    spec = _spec()
+    kv = torch.zeros(spec.kv_shape(spec.block_tokens), dtype=spec.torch_dtype)
+    probe = KVStore([MemoryTier(1 << 20, name="probe")], background=False)
+    probe.put_kv(spec, list(range(spec.block_tokens)), kv)
+    frame = probe.core.tiers[0].stats().used_bytes
+    probe.close()
+    top = MemoryTier(frame * blocks, name="top")
+    low = MemoryTier(frame * (blocks + 64 * PUT_BLOCKS * 64), name="low")
+    # The high watermark at the capacity: filled to it, every later put must make room on its path
+    # (below it, new blocks would be written one tier down: admission).
+    policies = {"top": {"high_watermark_frac": 1.0, "low_watermark_frac": 0.95}}
+    # Admission off: a new block could otherwise start one tier down (not hotter than the coldest
+    # resident yet), and the put would make no room at all.
+    return KVStore([top, low], background=False, tier_policies=policies,
+                   placement=PlacementConfig(admission=False)), frame
+
+
+def _fill(store: Any, frame: int) -> int:
+    """Fresh chains until the top tier is full (one more put must make room); the next free token."""
+    spec = _spec()
+    top = store.core.tiers[0]
+    next_token = 0
+    while True:
+        room = (top.capacity_bytes - top.stats().used_bytes) // frame
+        n = min(FILL_BLOCKS, room)
+        # Deeper blocks' frames are a little larger than ``frame``: the first put that had to
+        # make room says the tier is full.
+        if n < PUT_BLOCKS or store.placement.counters()["demoted"]:
+            return next_token
+        kv = torch.zeros(spec.kv_shape(n * spec.block_tokens), dtype=spec.torch_dtype)
+        store.put_kv(spec, [next_token] + [0] * (n * spec.block_tokens - 1), kv)  # a chain of its own
+        next_token += 1
+
+
+def run_scale(*, quick: bool = False, repeats: int = 21) -> dict[str, Any]:
+    """The scale rows: median put time into a full top tier at each size, and the ratio."""
+    sizes = QUICK_SCALES if quick else SCALES
+    spec = _spec()
+    kv = torch.zeros(spec.kv_shape(PUT_BLOCKS * spec.block_tokens), dtype=spec.torch_dtype)
+    stores, cursors, times, filled = {}, {}, {n: [] for n in sizes}, {}
+    try:
+        for n in sizes:
+            store, frame = _store(n)
+            t0 = time.perf_counter()
+            cursors[n] = _fill(store, frame) + 10**9
+            filled[n] = {"blocks": store.core.tiers[0].stats().used_bytes // frame,
+                         "fill_s": round(time.perf_counter() - t0, 1)}
+            stores[n] = store
+        gc.collect()
+        for r in range(repeats):
+            for n in (sizes if r % 2 == 0 else sizes[::-1]):
+                tokens = list(range(cursors[n], cursors[n] + PUT_BLOCKS * spec.block_tokens))
+                cursors[n] += len(tokens)
+                t0 = time.perf_counter()
+                stores[n].put_kv(spec, tokens, kv)
+                times[n].append(time.perf_counter() - t0)
+        where = {n: stores[n].placement.counters() for n in sizes}
+    finally:
+        for store in stores.values():
+            store.close()
+    small, large = sizes
+    med = {n: statistics.median(times[n]) for n in sizes}
+    return {"sizes": list(sizes), "put_blocks": PUT_BLOCKS, "median_ms": {str(n): round(1e3 * med[n], 3) for n in sizes},
+            "ratio": round(med[large] / med[small], 2), "filled": {str(n): filled[n] for n in sizes},
+            "moves": {str(n): where[n] for n in sizes}}
+
+
+def format_scale(scale: dict[str, Any]) -> list[str]:
+    small, large = scale["sizes"]
+    ms = scale["median_ms"]
+    return [f"full top tier of {large:,} blocks vs {small:,}: a {scale['put_blocks']}-block put (room made on its path) "
+            f"{ms[str(large)]:.2f} vs {ms[str(small)]:.2f} ms median, {scale['ratio']:.2f}x (target <= 1.2x)"]
