@@ -192,30 +192,44 @@ class SlabAllocator:
     def compact(self, pinned: Iterable[int] = ()) -> list[Move]:
         """Pack allocations towards 0, leaving ``pinned`` offsets in place.
 
+        In offset order, each allocation moves down to the lowest free place below it: the
+        first hole left before a pin that it fits (room before a pin that the allocations
+        before it did not fill), else right after the last one placed. Pins then cost only the
+        room no later allocation fits, not every gap before them (a few writers' pinned slots
+        among mixed 64 KiB and 128 KiB frames left no 64 KiB range free when each gap was kept).
+
         Returns:
-            The moves to carry out, in order. The allocator already records the
-            new offsets; the owner must copy the bytes before using them.
+            The moves to carry out, in order: each ``dst < src`` and each destination is free
+            by the time its move runs (sources ascend). The allocator already records the new
+            offsets; the owner must copy the bytes before using them.
         """
         fixed = set(pinned)
-        order = sorted(self._allocs.items())
-        pinned_starts = [off for off, _ in order if off in fixed]
         moves: list[Move] = []
         placed: dict[int, int] = {}
-        cursor, next_pin = 0, 0
-        for off, size in order:
-            while next_pin < len(pinned_starts) and pinned_starts[next_pin] < cursor:
-                next_pin += 1
+        holes: list[list[int]] = []  # [start, length]: room left before a pin, lowest first
+        biggest = 0
+        cursor = 0
+        for off, size in sorted(self._allocs.items()):
             if off in fixed:
+                if off > cursor:
+                    holes.append([cursor, off - cursor])
+                    biggest = max(biggest, off - cursor)
                 placed[off] = size
                 cursor = off + size
                 continue
-            limit = pinned_starts[next_pin] if next_pin < len(pinned_starts) else self.size
-            # cursor <= off always holds, so staying put is the fallback that never overlaps a pin.
-            dst = cursor if cursor + size <= limit else off
+            hole = next((h for h in holes if h[1] >= size), None) if size <= biggest else None
+            if hole is not None:  # below every pin passed: free since what was there moved
+                dst = hole[0]
+                hole[0] += size
+                hole[1] -= size
+                if hole[1] + size == biggest:
+                    biggest = max(h[1] for h in holes)
+            else:  # cursor <= off: below the next pin and every source not moved yet
+                dst = cursor
+                cursor = dst + size
             if dst != off:
                 moves.append(Move(off, dst, size))
             placed[dst] = size
-            cursor = dst + size
         self._allocs = placed
         self._reset_free(self._gaps())
         return moves

@@ -118,6 +118,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.live = {remap.get(o, o): s for o, s in self.live.items()}
         if not pinned:
             assert self.a.largest_free() == self.a.free_bytes
+        else:  # past the last pin, everything packs: its free room is one range, at the end
+            tail = max(o + self.live[o] for o in pinned)
+            after = [(st, n) for st, n in self.a._free_start.items() if st >= tail]
+            assert len(after) <= 1 and all(st + n == self.SIZE for st, n in after)
 
     @invariant()
     def consistent(self):
@@ -144,6 +148,17 @@ def test_alloc_high_takes_the_top_and_compaction_packs_the_rest_below_it():
     assert a.alloc(1536) is None  # 2 x 512 free below, split
     a.compact(pinned={pool})  # the long-lived range is at the top: everything else packs under it
     assert a.largest_free() == 4096 - 1024 - 2 * 512
+
+
+def test_compaction_fills_the_room_before_a_pin_with_what_fits():
+    a = SlabAllocator(10 * 64)
+    first = a.alloc(64)
+    pin = a.alloc(2 * 64)
+    big, small = a.alloc(3 * 64), a.alloc(64)
+    a.free(first)
+    moves = a.compact(pinned={pin})  # the small one goes before the pin; the large one fits only after it
+    assert [(m.src, m.dst) for m in moves] == [(small, 0)] and big == pin + 128
+    assert a.largest_free() == 10 * 64 - (big + 3 * 64)
 
 
 def test_shrink_returns_the_tail():
