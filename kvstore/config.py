@@ -83,7 +83,8 @@ class Settings:
     shm_bytes: int = 1 * 2**30
     """Capacity of the shared-memory arena, bytes; reserved in /dev/shm at start (KVSTORE_SHM_BYTES)."""
     cxl_bytes: int = 1 * 2**30
-    """Capacity of the hugepage arena, bytes; pre-faulted at start (KVSTORE_CXL_BYTES)."""
+    """Capacity of the hugepage arena, bytes (KVSTORE_CXL_BYTES); hugetlb pages are pre-faulted at start,
+    the THP fallback's come with the writes."""
     cxl_node: int | None = None
     """NUMA node for the cxl arena; default the highest-numbered one, the far node (KVSTORE_CXL_NODE)."""
     nvme_bytes: int = 64 * 2**30

@@ -15,9 +15,14 @@ How the arena is made, in order, and why:
    anonymous mapping, aligned to 2 MiB and advised ``MADV_HUGEPAGE`` (THP).
 2. ``mbind(MPOL_BIND)`` to the node, before the first touch: a policy applies
    to pages faulted in after it, and moving pages later costs a copy.
-3. Pre-fault every page (``MADV_POPULATE_WRITE``, else a memset) so that a put
-   never takes a page fault; populate reports a failure as an errno instead of
-   a ``SIGBUS`` on a hugetlb mapping the node cannot back.
+3. A hugetlb arena: pre-fault every page (``MADV_POPULATE_WRITE``, else a
+   memset) so that a put never takes a page fault; its pages are reserved at
+   mmap anyway, and populate reports a failure as an errno instead of a
+   ``SIGBUS`` on a hugetlb mapping the node cannot back. A THP arena (the
+   fallback) is not pre-faulted: its pages come with the first write into
+   them, 2 MiB at a time, so an idle server holds only the memory its frames
+   use (pre-faulted, the default 1 GiB arena was 1 GiB of an idle server's
+   anonymous memory, issue 34's ``<= 300 MiB`` target four times over).
 
 ``stats().details`` says what was obtained, read back from the kernel (smaps
 and ``get_mempolicy``), never what was asked for.
@@ -176,17 +181,21 @@ def _prefault(addr: int, length: int) -> str:
     return "memset"
 
 
+ON_DEMAND = "none: THP pages fault in at their first write"
+
+
 def _place(mapping: _Mapping, node: int) -> tuple[str, str]:
-    """mbind, then fault in: (mbind outcome, prefault method). Unmaps on failure."""
+    """mbind, then fault a hugetlb mapping in: (mbind outcome, prefault method). Unmaps on failure."""
     try:
-        return _bind(mapping.addr, mapping.length, node), _prefault(mapping.addr, mapping.length)
+        bound = _bind(mapping.addr, mapping.length, node)
+        return bound, _prefault(mapping.addr, mapping.length) if mapping.hugetlb else ON_DEMAND
     except BaseException:
         _LIBC.munmap(mapping.addr, mapping.length)
         raise
 
 
 def _make_arena(length: int, node: int, hugepages: bool) -> tuple[_Mapping, str, str]:
-    """A bound, pre-faulted mapping: (mapping, mbind outcome, prefault method)."""
+    """A bound mapping, pre-faulted if hugetlb: (mapping, mbind outcome, prefault method)."""
     mapping = _map_arena(length, hugepages)
     try:
         return (mapping, *_place(mapping, node))
@@ -252,7 +261,8 @@ def _page_facts(mapping: _Mapping) -> dict[str, str]:
     if page_kib == HUGE_PAGE // 1024:
         size = "2 MiB (hugetlb)"
     else:
-        size = f"{page_kib} KiB" + (" + THP" if thp else " (no THP obtained)")
+        size = f"{page_kib} KiB" + (" + THP" if thp else " (no THP obtained)" if kib.get("Rss", 0)
+                                    else " (nothing faulted in yet)")
     return {
         "page_size": size,
         "hugetlb_bytes": str(hugetlb),
