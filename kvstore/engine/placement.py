@@ -369,9 +369,9 @@ class PlacementManager:
         """The tier a new block should be written to.
 
         The top tier while it has room under its high watermark; past that, with
-        ``full_top="evict"``, the top tier
-        still (the coldest residents are dropped to make room); with ``spill``, only when a
-        block read once just now would beat the coldest resident there by the margin.
+        ``full_top="evict"``, the top tier still (the coldest residents are dropped to make
+        room); with ``spill``, only when a block read once just now would beat the coldest
+        resident there by the margin.
         Otherwise the block starts one tier down and earns its way up with a second read
         (admission filtering: one-off blocks such as a scan do not push out what is being
         reused, nor a prefetched context waiting for its reader).

@@ -71,11 +71,12 @@ class PlacementConfig:
     entry_log: int = 8
     """Moves remembered per entry, for explain."""
 
+    store_log: int = 10_000
+    """Moves remembered store-wide."""
+
     def __post_init__(self) -> None:
         if self.full_top not in ("spill", "evict"):
             raise InvalidInput(f"full_top must be spill or evict, got {self.full_top!r}")
-    store_log: int = 10_000
-    """Moves remembered store-wide."""
 
 
 @dataclass(frozen=True, slots=True)
