@@ -8,24 +8,31 @@ user runs (signals, exit codes, another process's shared memory).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import uvicorn
 
-from bench.serving import free_port
 
 
 class ThreadServer:
     """``uvicorn.Server`` running ``app`` in a daemon thread."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None) -> None:
-        self.port = port or free_port()
+        # The socket is bound here and handed to uvicorn: picking a free port and
+        # binding it later let another test's process take it in between (CI saw
+        # "address already in use"). SO_REUSEADDR lets a test restart on its port.
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port or 0))
+        self.port = self.sock.getsockname()[1]
         self.host = host
         config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="on",
                                 access_log=False, timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name=f"uvicorn-{self.port}", daemon=True)
 
     @property
     def url(self) -> str:
@@ -52,3 +59,4 @@ class ThreadServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+        self.sock.close()
