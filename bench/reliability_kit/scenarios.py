@@ -106,11 +106,13 @@ PUTS_PER_CYCLE = 20_000
 """Room for one client's puts in a cycle (it makes a few hundred): cycle c numbers them from c * this."""
 
 
-def crash_env(data: Path) -> dict[str, str]:
+def crash_env(data: Path, **settings: str) -> dict[str, str]:
+    """The crash scenario's server environment; ``settings`` adds KVSTORE_* variables
+    (``KVSTORE_NVME_LAYOUT="log"``...)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     # raw on nvme (a cold tier keeps int8 by default): then any difference is damage, not rounding
     env.update(KVSTORE_DATA_DIR=str(data), KVSTORE_TIERS="nvme", KVSTORE_TIER_CODECS="nvme=raw",
-               KVSTORE_LOG_LEVEL="warning")
+               KVSTORE_LOG_LEVEL="warning", **settings)
     return env
 
 
@@ -142,16 +144,16 @@ def _cycle(url: str, server: ServeProcess, cycle: int, rng: random.Random) -> di
     return acked
 
 
-def run_crashes(tmp_path: Path, cycles: int, seed: int = 0) -> dict:
+def run_crashes(tmp_path: Path, cycles: int, seed: int = 0, **settings: str) -> dict:
     rng = random.Random(seed)
     data, port = tmp_path / "data", free_port()
     all_acked: list[tuple[int, int]] = []
     figures = {"cycles": 0, "acknowledged": 0, "checked": 0, "lost": 0, "torn_served": 0, "in_flight_found": 0}
     for cycle in range(cycles):
-        server = ServeProcess(crash_env(data), port=port).start()
+        server = ServeProcess(crash_env(data, **settings), port=port).start()
         acked = _cycle(server.url, server, cycle, rng)
         assert all(done for done, _ in acked.values()), f"a client acknowledged nothing in cycle {cycle}: {acked}"
-        server = ServeProcess(crash_env(data), port=port).start()
+        server = ServeProcess(crash_env(data, **settings), port=port).start()
         try:
             with KVClient(server.url, namespace=CRASH_NAMESPACE, colocated=False, plan=False) as client:
                 for c, (done, in_flight) in acked.items():

@@ -50,6 +50,10 @@ def _redis(s: Settings) -> Tier:
 
 
 def _nvme(s: Settings) -> Tier:
+    if s.nvme_layout == "log":
+        from tiers.nvme_log import LogTier
+
+        return LogTier(os.path.join(s.data_dir, "nvme-log"), s.nvme_bytes, sync_interval_s=s.nvme_sync_interval_s)
     from tiers.nvme import NVMeTier
 
     return NVMeTier(os.path.join(s.data_dir, "nvme"), s.nvme_bytes, sync_interval_s=s.nvme_sync_interval_s)

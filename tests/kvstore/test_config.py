@@ -68,6 +68,24 @@ def test_steady_state_settings_parse_and_refuse_bad_values(monkeypatch, tmp_path
             tier.close()
 
 
+def test_the_nvme_layout_setting_picks_the_tier_and_its_directory(monkeypatch, tmp_path):
+    assert Settings().nvme_layout == "files"
+    monkeypatch.setenv("KVSTORE_NVME_LAYOUT", "segments")
+    with pytest.raises(InvalidInput, match="nvme_layout"):
+        Settings.from_env()
+    monkeypatch.setenv("KVSTORE_NVME_LAYOUT", "log")
+    for layout, directory in (("files", "nvme"), ("log", "nvme-log")):
+        s = Settings(tiers="nvme", data_dir=str(tmp_path), nvme_layout=layout, nvme_sync_interval_s=0.1)
+        tier = build_tiers(s)[0]
+        try:
+            tier.put(b"k" * 32, b"frame")
+            assert tier.stats().details.get("layout", "").startswith("log" if layout == "log" else "ab/")
+            assert tier.data_dir == str(tmp_path / directory)
+        finally:
+            tier.close()
+    assert Settings.from_env().nvme_layout == "log"
+
+
 def test_build_closes_what_it_built_when_a_later_tier_fails(monkeypatch):
     import tiers.shm
 

@@ -41,6 +41,12 @@ def test_durable_puts_survive_kill_9(tmp_path):
     _check(run_crashes(tmp_path, cycles=3), 3)
 
 
+def test_durable_puts_survive_kill_9_on_the_log_layout_with_a_group_commit(tmp_path):
+    # Segments appended through the page cache, a durable put's check waiting for the group commit
+    # that covers it; each restart cuts the open segment's torn tail and seals it.
+    _check(run_crashes(tmp_path, cycles=3, seed=2, KVSTORE_NVME_LAYOUT="log", KVSTORE_NVME_SYNC_INTERVAL_S="0.05"), 3)
+
+
 @pytest.mark.slow
 def test_durable_puts_survive_20_kill_9(tmp_path):
     _check(run_crashes(tmp_path, cycles=20, seed=1), 20)
