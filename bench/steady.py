@@ -19,8 +19,11 @@ Sizes: 1 MiB puts of 64 KiB blocks (16 blocks of a small model: 8 layers, 2 KV h
 layers, 8 KV heads, head_dim 128, fp16). Media: co-located (shared memory) and HTTP. Samples
 are interleaved (every row once per round, order rotated each round); the figure is the
 median. After the runs the bench reads where the full store's last burst landed (its blocks'
-tiers) and how many blocks placement demoted, so a ratio comes with its cause. A last row
-(``bench/steady_scale.py``) puts into a full top tier of 1M blocks against one of 10k, in process.
+tiers) and how many blocks placement demoted, so a ratio comes with its cause. A scale row
+(``bench/steady_scale.py``) puts into a full top tier of 1M blocks against one of 10k, in process;
+a spill table (``bench/steady_spill.py``) writes 64 KiB frames to the nvme tier's two layouts
+until durable against one sequential file write of the same bytes. The servers' nvme layout is
+``KVSTORE_NVME_LAYOUT`` from the bench's environment (default ``files``).
 
     kvstore bench steady [--quick] [--repeats N] [--out DIR]
 """
@@ -40,6 +43,7 @@ import torch
 from bench.report import header, publish
 from bench.serving import kvstore_serve
 from bench.steady_scale import format_scale, run_scale
+from bench.steady_spill import format_spill, run_spill
 
 __all__ = ["run", "format_table", "SIZES"]
 
@@ -180,7 +184,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
     repeats = repeats or (3 if quick else 7)
     # the nvme group commit on (opt-in): the per-put sync is not what this bench is about
     env = dict(KVSTORE_TIERS="shm,nvme", KVSTORE_SHM_BYTES=str(TOP_BYTES), KVSTORE_NVME_BYTES=str(16 << 30),
-               KVSTORE_NVME_SYNC_INTERVAL_S="0.1")
+               KVSTORE_NVME_SYNC_INTERVAL_S="0.1", KVSTORE_NVME_LAYOUT=os.environ.get("KVSTORE_NVME_LAYOUT", "files"))
     fresh = _Fresh(10_000_000)
     with kvstore_serve("steady-empty", **env) as empty, kvstore_serve("steady-full", **env) as full, \
             kvstore_serve("steady-evict", **env, KVSTORE_FULL_TOP_TIER="evict") as evict:
@@ -199,6 +203,8 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
                                                  if v != before[store].get(k, 0.0)}}
             for store in filled}
     result["scale"] = run_scale(quick=quick)
+    result["spill"] = run_spill(quick=quick)
+    result["nvme_layout"] = env["KVSTORE_NVME_LAYOUT"]
     out = header("steady", repeats=repeats, client_torch_threads=torch.get_num_threads(),
                  unit="MB/s of a burst of puts, median over samples", top_tier_bytes=TOP_BYTES, **result)
     out["machine"]["cpus"] = os.cpu_count()
@@ -208,8 +214,8 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
 
 def format_table(result: dict) -> str:
     lines = [f"kvstore bench steady  ({result['repeats']} samples a row; shm {result['top_tier_bytes'] >> 20} MiB "
-             f"over nvme; MB/s of a burst of puts, median; full: KVSTORE_FULL_TOP_TIER=spill (default), "
-             f"full evict: =evict)",
+             f"over nvme ({result.get('nvme_layout', 'files')} layout); MB/s of a burst of puts, median; "
+             f"full: KVSTORE_FULL_TOP_TIER=spill (default), full evict: =evict)",
              f"{'put':<8}{'block':<8}{'medium':<12}{'empty':>8}{'full':>8}{'evict':>8}{'full/empty':>11}"
              f"{'evict/empty':>12}   where the full stores' last burst landed (spill | evict)"]
     for row in result["rows"]:
@@ -223,4 +229,6 @@ def format_table(result: dict) -> str:
                      f"{fs['moves during the samples'] or 'none'}")
     if "scale" in result:
         lines += format_scale(result["scale"])
+    if "spill" in result:
+        lines += format_spill(result["spill"])
     return "\n".join(lines)

@@ -26,4 +26,8 @@ def test_the_steady_bench_fills_two_stores_and_reports_every_row(tmp_path):
     assert scale["sizes"] == [2_000, 20_000] and scale["ratio"] > 0
     assert all(f["blocks"] >= 0.85 * n for n, f in zip(scale["sizes"], scale["filled"].values()))
     assert all(m["demoted"] >= 16 for m in scale["moves"].values())
+    spill = result["spill"]  # every variant wrote and synced; raw is its own yardstick
+    assert set(spill["mb_s"]) == {"raw", "files, group commit", "log, group commit", "files, sync each put",
+                                  "log, sync each put"}
+    assert all(v > 0 for v in spill["mb_s"].values()) and spill["vs_raw"]["raw"] == 1.0
     assert json.loads((tmp_path / result["path"].split("/")[-1]).read_text())["rows"]
