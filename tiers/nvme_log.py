@@ -161,12 +161,14 @@ class LogTier(Tier):
             self._pending += len(view)
         try:
             seg, offset, seq = self._write(FRAME, key, view, checksum, None)
-            with self._lock:
-                self._publish(key, seg, offset, len(view), seq, None)
-                self._counters.puts += 1
-        finally:
+        except BaseException:
             with self._lock:
                 self._pending -= len(view)
+            raise
+        with self._lock:
+            self._pending -= len(view)
+            self._publish(key, seg, offset, len(view), seq, None)
+            self._counters.puts += 1
 
     def get(self, key: BlockHash) -> Buffer | None:
         """The frame under ``key`` as a new bytearray; None when absent or failing its checks."""
@@ -404,7 +406,7 @@ class LogTier(Tier):
         if self._sync_each:
             try:
                 os.fdatasync(seg.fd)
-            except OSError as exc:
+            except OSError as exc:  # not published; a restart may find it, as after a kill mid-put
                 with self._lock:
                     self._unpin_locked(seg)
                 raise self._os_error(exc, f"syncing {seg.path}") from exc
@@ -462,7 +464,8 @@ class LogTier(Tier):
         return self._active
 
     def _new_segment(self) -> Segment:
-        seg_id = max(self._segments, default=0) + 1
+        with self._lock:  # the compactor may be removing a segment meanwhile
+            seg_id = max(self._segments, default=0) + 1
         path = os.path.join(self._seg_dir, f"{seg_id:016x}.open")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
