@@ -19,7 +19,8 @@ Sizes: 1 MiB puts of 64 KiB blocks (16 blocks of a small model: 8 layers, 2 KV h
 layers, 8 KV heads, head_dim 128, fp16). Media: co-located (shared memory) and HTTP. Samples
 are interleaved (every row once per round, order rotated each round); the figure is the
 median. After the runs the bench reads where the full store's last burst landed (its blocks'
-tiers) and how many blocks placement demoted, so a ratio comes with its cause. A scale row
+tiers) and how many blocks placement demoted, so a ratio comes with its cause. Then 1 and 8
+client processes put and get at once on the full store (``bench/steady_clients.py``). A scale row
 (``bench/steady_scale.py``) puts into a full top tier of 1M blocks against one of 10k, in process;
 a spill table (``bench/steady_spill.py``) writes 64 KiB frames to the nvme tier's two layouts
 until durable against one sequential file write of the same bytes. The servers' nvme layout is
@@ -42,10 +43,11 @@ import torch
 
 from bench.report import header, publish
 from bench.serving import kvstore_serve
+from bench.steady_clients import format_clients, run_clients
 from bench.steady_scale import format_scale, run_scale
 from bench.steady_spill import format_spill, run_spill
 
-__all__ = ["run", "format_table", "SIZES"]
+__all__ = ["run", "format_table", "block_spec", "SIZES"]
 
 TOP_BYTES = 256 << 20
 """The top tier of both stores: the full one is filled to its high watermark first."""
@@ -53,7 +55,7 @@ SIZES = (("1 MiB", "64 KiB", 256, 16), ("32 MiB", "2 MiB", 256, 4))
 """(put size, block size, tokens per put, puts per burst)."""
 
 
-def _spec(block: str):
+def block_spec(block: str):
     from kvstore.spec import KVSpec
 
     if block == "64 KiB":
@@ -100,7 +102,7 @@ def fill(url: str, fresh: _Fresh) -> int:
     the bytes put."""
     from client_sdk import KVClient
 
-    spec = _spec("2 MiB")
+    spec = block_spec("2 MiB")
     kv = torch.randn(spec.kv_shape(256), generator=torch.Generator().manual_seed(0)).to(spec.torch_dtype)
     put, size = 0, spec.bytes_per_token * 256
     with KVClient(url, namespace="fill", colocated=True, plan=False) as c:
@@ -118,13 +120,13 @@ def measure(urls: dict[str, str], repeats: int, fresh: _Fresh) -> dict:
     stores = list(urls)
     clients = {(store, medium): KVClient(url, namespace="steady", colocated=medium == "co-located", plan=False)
                for store, url in urls.items() for medium in ("co-located", "HTTP")}
-    kvs = {block: torch.randn(_spec(block).kv_shape(tokens), generator=torch.Generator().manual_seed(1))
-           .to(_spec(block).torch_dtype) for _, block, tokens, _ in SIZES}
+    kvs = {block: torch.randn(block_spec(block).kv_shape(tokens), generator=torch.Generator().manual_seed(1))
+           .to(block_spec(block).torch_dtype) for _, block, tokens, _ in SIZES}
     times: dict[str, list[float]] = {}
     last: dict[str, list[int]] = {}
 
     def sample(size: str, block: str, tokens: int, burst: int, medium: str, store: str) -> Callable[[], None]:
-        spec, kv, client = _spec(block), kvs[block], clients[(store, medium)]
+        spec, kv, client = block_spec(block), kvs[block], clients[(store, medium)]
         name = f"{size} {block} {medium} {store}"
 
         def once() -> None:
@@ -149,7 +151,7 @@ def measure(urls: dict[str, str], repeats: int, fresh: _Fresh) -> dict:
             fn()
     rows = []
     for size, block, tokens, burst in SIZES:
-        spec = _spec(block)
+        spec = block_spec(block)
         nbytes = spec.bytes_per_token * tokens * burst
         for medium in ("co-located", "HTTP"):
             row: dict = {"size": size, "block": block, "medium": medium, "burst_puts": burst}
@@ -195,6 +197,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
             filled[store] = (fill(urls[store], fresh), time.perf_counter() - t0)
         before = {store: _moves(urls[store]) for store in filled}
         result = measure(urls, repeats, fresh)
+        result["clients"] = run_clients(full, window_s=2.0 if quick else 5.0)
         result["full stores"] = {
             store: {"filled_mib": filled[store][0] / (1 << 20), "fill_s": filled[store][1],
                     "top_tier_used_mib": _top(urls[store])["used_bytes"] / (1 << 20),
@@ -227,6 +230,8 @@ def format_table(result: dict) -> str:
         lines.append(f"{store}: filled {fs['filled_mib']:.0f} MiB in {fs['fill_s']:.1f} s; top tier now "
                      f"{fs['top_tier_used_mib']:.0f} MiB; moves during the samples: "
                      f"{fs['moves during the samples'] or 'none'}")
+    if "clients" in result:
+        lines += format_clients(result["clients"])
     if "scale" in result:
         lines += format_scale(result["scale"])
     if "spill" in result:

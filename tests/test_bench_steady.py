@@ -26,6 +26,10 @@ def test_the_steady_bench_fills_two_stores_and_reports_every_row(tmp_path):
     assert scale["sizes"] == [2_000, 20_000] and scale["ratio"] > 0
     assert all(f["blocks"] >= 0.85 * n for n, f in zip(scale["sizes"], scale["filled"].values()))
     assert all(m["demoted"] >= 16 for m in scale["moves"].values())
+    many = result["clients"]  # 1 and 8 client processes, each op and medium, on the full store
+    assert {(r["op"], r["medium"], r["clients"]) for r in many["rows"]} == {
+        (op, medium, n) for op in ("put", "get") for medium in ("co-located", "HTTP") for n in (1, 8)}
+    assert all(r["ops"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in many["rows"])
     spill = result["spill"]  # every variant wrote and synced; raw is its own yardstick
     assert set(spill["mb_s"]) == {"raw", "files, group commit", "log, group commit", "files, sync each put",
                                   "log, sync each put"}

@@ -1,0 +1,166 @@
+"""Many clients on a full store: 1 and 8 client processes putting and getting at once.
+
+Part of ``kvstore bench steady``: after the single-client rows, worker processes (one torch
+thread each, started once) run against the bench's full store (top tier at its high watermark,
+``KVSTORE_FULL_TOP_TIER=spill``) for the same wall-clock window, started at one instant:
+
+- ``put``: fresh 1 MiB sequences (16 blocks of 64 KiB) in a loop;
+- ``get``: the worker's own 1 MiB sequence, put once before the windows, in a loop.
+
+Per row (op x medium x clients): aggregate ops/s (each worker's count over the time its ops
+took, summed), p50 and p99 latency pooled over the workers. Ratios: 8 clients' aggregate over
+one client's (issue 34's target >= 1.5x) and, for puts, p99 / p50 at 8 clients (<= 3x).
+
+    python -m bench.steady_clients worker URL WORKER     one client process (what ``run_clients`` spawns)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+from bench.serving import reply_line
+
+__all__ = ["run_clients", "format_clients", "CLIENTS"]
+
+CLIENTS = (1, 8)
+MEDIA = ("co-located", "HTTP")
+TOKENS = 256  # 1 MiB of the 64 KiB-block spec
+_REPLY_TIMEOUT_S = 300.0
+
+
+def _sequence(worker: int, i: int) -> list[int]:
+    return [500_000_000 + worker * 10_000_000 + i] + [11] * (TOKENS - 1)
+
+
+class _Worker:
+    def __init__(self, url: str, worker: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.steady_clients", "worker", url, str(worker)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def reply(self) -> dict:
+        line = reply_line(self.proc, _REPLY_TIMEOUT_S, "a steady client")
+        if not line:
+            raise RuntimeError(f"a steady client exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.send(cmd="close")
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def _workers(url: str, n: int) -> Iterator[list[_Worker]]:
+    workers: list[_Worker] = []
+    try:
+        workers = [_Worker(url, w) for w in range(n)]
+        for w in workers:
+            if not w.reply().get("ready"):
+                raise RuntimeError("a steady client failed to start")
+        yield workers
+    finally:
+        for w in workers:
+            w.close()
+
+
+def run_clients(url: str, *, window_s: float, clients: tuple[int, ...] = CLIENTS) -> dict:
+    """Rows of pooled throughput and latency for each op, medium and client count against ``url``."""
+    rows = []
+    with _workers(url, max(clients)) as workers:
+        for op in ("put", "get"):
+            for medium in MEDIA:
+                for n in clients:
+                    start_at = time.time() + 0.5
+                    for w in workers[:n]:
+                        w.send(cmd=op, medium=medium, start_at=start_at, window_s=window_s)
+                    latencies: list[float] = []
+                    rate = 0.0
+                    for w in workers[:n]:
+                        got = w.reply()
+                        latencies.extend(got["latencies"])
+                        rate += len(got["latencies"]) / got["elapsed_s"]
+                    latencies.sort()
+                    rows.append({"op": op, "medium": medium, "clients": n, "ops": len(latencies),
+                                 "ops_per_s": rate, "p50_ms": 1e3 * statistics.median(latencies),
+                                 "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]})
+    by = {(r["op"], r["medium"], r["clients"]): r for r in rows}
+    lo, hi = min(clients), max(clients)
+    ratios = {f"{op} {medium}": {"aggregate": by[op, medium, hi]["ops_per_s"] / by[op, medium, lo]["ops_per_s"],
+                                 "p99 / p50": by[op, medium, hi]["p99_ms"] / by[op, medium, hi]["p50_ms"]}
+              for op in ("put", "get") for medium in MEDIA}
+    return {"window_s": window_s, "clients": list(clients), "rows": rows, "ratios": ratios}
+
+
+def format_clients(result: dict) -> list[str]:
+    lo, hi = min(result["clients"]), max(result["clients"])
+    lines = ["", f"many clients on the full store: 1 MiB of 64 KiB blocks, {result['window_s']:g} s windows",
+             f"{'op':<5}{'medium':<12}{'clients':>8}{'ops/s':>9}{'p50 ms':>9}{'p99 ms':>9}"]
+    for r in result["rows"]:
+        lines.append(f"{r['op']:<5}{r['medium']:<12}{r['clients']:>8}{r['ops_per_s']:>9.0f}"
+                     f"{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}")
+    for name, ratio in result["ratios"].items():
+        lines.append(f"{name}: {hi} clients / {lo} aggregate {ratio['aggregate']:.2f}x (target >= 1.5x); "
+                     f"p99 / p50 at {hi} {ratio['p99 / p50']:.1f}x" + (" (target <= 3x)" if name.startswith("put") else ""))
+    return lines
+
+
+def _worker(url: str, worker: int) -> None:
+    """Answer ``put`` and ``get`` commands with every op's latency in the window."""
+    import torch
+
+    from bench.steady import block_spec
+    from client_sdk import KVClient
+
+    torch.set_num_threads(1)
+    spec = block_spec("64 KiB")
+    kv = torch.randn(spec.kv_shape(TOKENS), generator=torch.Generator().manual_seed(worker)).to(spec.torch_dtype)
+    clients = {medium: KVClient(url, namespace="steady-clients", colocated=medium == "co-located", plan=False)
+               for medium in MEDIA}
+    mine = _sequence(worker, 0)
+    clients["co-located"].put_kv(spec, mine, kv)
+    for client in clients.values():
+        client.get_kv(spec, mine)
+    print(json.dumps({"ready": True}), flush=True)
+    i = 1
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "close":
+            break
+        client = clients[cmd["medium"]]
+        time.sleep(max(0.0, cmd["start_at"] - time.time()))
+        start = t1 = time.perf_counter()
+        end = start + cmd["window_s"]
+        latencies = []
+        while t1 < end:
+            t0 = t1
+            if cmd["cmd"] == "put":
+                i += 1
+                client.put_kv(spec, _sequence(worker, i), kv)
+            else:
+                client.get_kv(spec, mine)
+            t1 = time.perf_counter()
+            latencies.append(t1 - t0)
+        print(json.dumps({"latencies": latencies, "elapsed_s": t1 - start}), flush=True)
+    for client in clients.values():
+        client.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "worker":
+        sys.exit("usage: python -m bench.steady_clients worker URL WORKER")
+    _worker(sys.argv[2], int(sys.argv[3]))
