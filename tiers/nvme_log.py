@@ -19,11 +19,10 @@ under the append lock, so a segment never has a hole before an acknowledged reco
 Every read checks the record's header (key, seq, length) and the frame's xxh3; a frame that
 fails is a miss, is counted, and gets a tombstone so a restart does not bring it back.
 
-A compactor thread seals full segments (``fdatasync``, rename) and rewrites the live records
-of a sealed segment that is at least ``compact_dead_fraction`` dead into the active one,
-keeping their seqs, syncs them, then deletes the old file. A tombstone is copied only while
-a dead frame of its key is still on disk elsewhere (the tier counts them per key), so
-tombstones do not pile up.
+A compactor thread (``tiers.nvme_log_compact``) seals full segments and rewrites the ones at
+least ``compact_dead_fraction`` dead. A put and a delete of one key may race: a tombstone
+written while puts of its key are in flight raises the seq those may publish at, so memory
+never keeps a frame the segments would not.
 """
 
 from __future__ import annotations
@@ -40,8 +39,9 @@ from kvstore.tier import Buffer, Tier, TierCounters, TierStats, writable_bytes
 from tiers.group_commit import GroupCommit
 from tiers.nvme_file import NO_SPACE, byte_view, fsync_dir
 from tiers.nvme_log_format import (
-    FRAME, HEADER, TOMBSTONE, encode_header, frame_checksum, parse_header, record_size, scan,
+    FRAME, HEADER, TOMBSTONE, encode_header, frame_checksum, parse_header, record_size,
 )
+from tiers.nvme_log_compact import Compaction
 from tiers.nvme_log_segments import Segment, load_segments, lock_dir, pwrite_all
 
 __all__ = ["LogTier"]
@@ -50,7 +50,7 @@ _PAD = bytes(8)
 _SEQ, _LEN = 3, 2  # fields of an index entry (segment id, offset, length, seq)
 
 
-class LogTier(Tier):
+class LogTier(Compaction, Tier):
     """A durable tier of segment files, bounded by ``capacity_bytes`` of live frames.
 
     ``shared`` is False: the index lives in this process, the directory is locked to one tier.
@@ -112,6 +112,12 @@ class LogTier(Tier):
         self._segments: dict[int, Segment] = {}
         self._shadowed: dict[bytes, int] = {}
         """Per key, its dead frame records still on disk: a tombstone of the key must outlive them."""
+        self._inflight: dict[bytes, int] = {}
+        """Per key, puts appended or appending and not yet published."""
+        self._floor: dict[bytes, int] = {}
+        """Per key with puts in flight: the lowest seq one may publish (a tombstone written meanwhile
+        outranks the lower ones on disk, so in memory they are dead on arrival too)."""
+        self._compacting = threading.Lock()  # one compaction at a time (the thread, or a caller)
         self._used = 0
         self._pending = 0
         self._counters = TierCounters()
@@ -159,15 +165,18 @@ class LogTier(Tier):
                 raise TierFull(f"tier {self.name!r}: a {len(view)}-byte frame does not fit ({self._used} of "
                                f"{self.capacity_bytes} bytes used, {self._pending} reserved)", tier=self.name)
             self._pending += len(view)
+            self._inflight[key] = self._inflight.get(key, 0) + 1
         try:
             seg, offset, seq = self._write(FRAME, key, view, checksum, None)
         except BaseException:
             with self._lock:
                 self._pending -= len(view)
+                self._landed(key)
             raise
         with self._lock:
             self._pending -= len(view)
             self._publish(key, seg, offset, len(view), seq, None)
+            self._landed(key)
             self._counters.puts += 1
 
     def get(self, key: BlockHash) -> Buffer | None:
@@ -205,6 +214,7 @@ class LogTier(Tier):
         seg, offset, seq = self._write(TOMBSTONE, key, memoryview(b""), frame_checksum(b""), None)
         with self._lock:
             self._unpin_locked(seg)
+            self._raise_floor(key, seq)
             loc = self._index.get(key)
             if loc is None or loc[_SEQ] > seq:  # deleted, or put again, meanwhile
                 return False
@@ -276,108 +286,6 @@ class LogTier(Tier):
             self._close_fds()
             os.close(self._lock_fd)
 
-    # -- compaction -------------------------------------------------------------
-
-    def compact(self) -> int:
-        """Seal full segments and rewrite every sealed one that is dead enough; segments removed.
-
-        The compactor thread calls this; tests and benches may call it directly.
-        """
-        self._seal_full()
-        removed = 0
-        while (seg := self._candidate()) is not None:
-            self._compact_one(seg)
-            removed += 1
-        return removed
-
-    def _compact_loop(self, interval_s: float) -> None:
-        while True:
-            with self._lock:
-                self._wake.wait(interval_s)
-                if self._closed:
-                    return
-            try:
-                self.compact()
-            except StoreClosed:
-                return
-            except (OSError, TierIOError, TierFull):
-                with self._lock:
-                    self._counters.errors += 1  # tried again on the next round
-
-    def _seal_full(self) -> None:
-        with self._lock:
-            ready = [s for s in self._segments.values() if s.full and not s.sealed and s.writing == 0]
-        for seg in ready:  # only this thread seals or retires: the fd stays open
-            if self._fsync:
-                os.fdatasync(seg.fd)
-            sealed = seg.path[: -len(".open")] + ".seg"
-            os.rename(seg.path, sealed)
-            if self._fsync:
-                fsync_dir(self._seg_dir)
-            with self._lock:
-                seg.path, seg.sealed = sealed, True
-
-    def _candidate(self) -> Segment | None:
-        with self._lock:
-            self._check_open()
-            dead = [(s.tail - s.live, s) for s in self._segments.values()
-                    if s.sealed and not s.damaged and s.tail and s.tail - s.live >= self._dead_fraction * s.tail]
-        return max(dead, key=lambda d: d[0])[1] if dead else None
-
-    def _compact_one(self, seg: Segment) -> None:
-        """Copy ``seg``'s live records (and tombstones still needed) to the active segment, then drop it."""
-        wrote: set[int] = set()
-        records = list(scan(seg.fd, seg.tail, verify=False))
-        for rec in records:
-            with self._lock:
-                self._check_open()
-                loc = self._index.get(rec.key)
-                if rec.kind == FRAME:
-                    keep = loc is not None and loc[0] == seg.id and loc[1] == rec.offset
-                else:
-                    keep = (loc is None or loc[_SEQ] < rec.seq) and self._shadowed.get(rec.key, 0) > 0
-            if not keep:
-                continue
-            body = memoryview(os.pread(seg.fd, rec.length, rec.offset + HEADER))
-            if rec.kind == FRAME and (len(body) != rec.length or frame_checksum(body) != rec.checksum):
-                self._corrupt(rec.key, loc)
-                continue
-            dest, offset, _ = self._write(rec.kind, rec.key, body, rec.checksum, rec.seq)
-            wrote.add(dest.id)
-            with self._lock:
-                if rec.kind == FRAME:
-                    self._publish(rec.key, dest, offset, rec.length, rec.seq, (seg.id, rec.offset))
-                else:
-                    self._unpin_locked(dest)
-        if self._fsync:  # the copies are durable before the originals go
-            for seg_id in wrote:
-                with self._lock:
-                    dest = self._segments.get(seg_id)
-                    if dest is not None:
-                        dest.pins += 1
-                if dest is not None:
-                    try:
-                        os.fdatasync(dest.fd)
-                    finally:
-                        self._unpin(dest)
-        with self._lock:
-            if (records[-1].offset + records[-1].size if records else 0) != seg.tail:
-                seg.damaged = True  # unreadable past where the scan stopped: kept, never picked again
-                self._facts["damaged_segments"] += 1
-                return
-            for rec in records:
-                if rec.kind == FRAME:
-                    self._unshadow(rec.key)  # every frame here is dead by now, and goes with the file
-            del self._segments[seg.id]
-            seg.retired = True
-            self._facts["compactions"] += 1
-            self._facts["compacted_bytes"] += seg.tail
-            if seg.pins == 0:
-                os.close(seg.fd)
-        os.unlink(seg.path)
-        if self._fsync:
-            fsync_dir(self._seg_dir)
-
     # -- writing ----------------------------------------------------------------
 
     def _write(self, kind: int, key: bytes, body: memoryview, checksum: int,
@@ -407,8 +315,13 @@ class LogTier(Tier):
             try:
                 os.fdatasync(seg.fd)
             except OSError as exc:  # not published; a restart may find it, as after a kill mid-put
+                with self._append:
+                    if seg is self._active:  # later records must not sit behind what may be lost
+                        self._roll()
                 with self._lock:
                     self._unpin_locked(seg)
+                    if kind == FRAME:
+                        self._shadow(key)  # on disk, dead: a tombstone of the key must outlive it
                 raise self._os_error(exc, f"syncing {seg.path}") from exc
         elif self._group is not None:
             self._group.wrote()
@@ -428,10 +341,10 @@ class LogTier(Tier):
             self._index[key] = (seg.id, offset, length, seq)
             seg.live += record_size(length)
             return
+        if seq < self._floor.get(key, -1) or (loc is not None and loc[_SEQ] > seq):
+            self._shadow(key)  # a later put or a tombstone of this key got there first: dead on arrival
+            return
         if loc is not None:
-            if loc[_SEQ] > seq:
-                self._shadow(key)  # a later put of this key already published: ours is dead on arrival
-                return
             self._forget(key, loc)
         self._index[key] = (seg.id, offset, length, seq)
         seg.live += record_size(length)
@@ -453,6 +366,20 @@ class LogTier(Tier):
             self._shadowed[key] = left
         else:
             self._shadowed.pop(key, None)
+
+    def _raise_floor(self, key: bytes, seq: int) -> None:
+        """A tombstone of ``key`` at ``seq`` is on disk: puts of it in flight below ``seq`` are dead. Lock held."""
+        if key in self._inflight:
+            self._floor[key] = max(self._floor.get(key, -1), seq)
+
+    def _landed(self, key: bytes) -> None:
+        """One put of ``key`` published or failed. Lock held."""
+        left = self._inflight[key] - 1
+        if left:
+            self._inflight[key] = left
+        else:
+            del self._inflight[key]
+            self._floor.pop(key, None)
 
     def _roll(self) -> Segment:
         """Start a new active segment; the old one is sealed by the compactor. Append lock held."""
@@ -531,9 +458,10 @@ class LogTier(Tier):
             if loc is None or self._index.get(key) != loc:
                 return  # replaced meanwhile
             self._forget(key, loc)
+            self._raise_floor(key, loc[_SEQ])
             self._facts["corrupt_frames"] += 1
-        try:
-            seg, _, _ = self._write(TOMBSTONE, key, memoryview(b""), frame_checksum(b""), None)
+        try:  # the damaged record's own seq: it outranks exactly what that record did, no more
+            seg, _, _ = self._write(TOMBSTONE, key, memoryview(b""), frame_checksum(b""), loc[_SEQ])
             with self._lock:
                 self._unpin_locked(seg)
         except (TierIOError, TierFull, StoreClosed):

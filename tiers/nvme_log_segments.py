@@ -85,7 +85,9 @@ def load_segments(seg_dir: str, *, verify_all: bool, fsync: bool) -> Loaded:
                 seg.path = path[: -len(".open")] + ".seg"
                 os.rename(path, seg.path)
                 seg.sealed = seg.full = True
-        for seg in [s for s in found.segments.values() if s.tail == 0]:
+            elif seg.tail < size:  # sealed, then damaged: kept (it may hold tombstones), never compacted
+                seg.damaged = True
+        for seg in [s for s in found.segments.values() if s.tail == 0 and not s.damaged]:
             os.close(seg.fd)
             os.unlink(seg.path)
             del found.segments[seg.id]

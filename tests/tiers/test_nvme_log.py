@@ -328,3 +328,101 @@ def test_a_segment_damaged_mid_way_is_left_alone_by_compaction(open_tier, tmp_pa
     for i in (10, 11):  # past the damage, still served from the kept segment
         assert bytes(tier.get(key(i))) == payload(3000, i)
     assert tier.get(key(8)) is None  # its own header is the damaged one: a miss, never wrong bytes
+
+
+# -- races and failures a review found (stop 41) ------------------------------------------------
+
+
+def test_a_delete_racing_a_put_leaves_memory_and_segments_agreeing(tmp_path):
+    """A put appended (seq N) but not yet published when a delete appends its tombstone (N+1): on
+    disk the tombstone wins, so in memory the put must not come back either."""
+    from tiers.nvme_log_format import FRAME
+
+    written, go = threading.Event(), threading.Event()
+
+    class Paused(LogTier):
+        def _write(self, kind, key, body, checksum, seq):
+            out = super()._write(kind, key, body, checksum, seq)
+            if kind == FRAME and threading.current_thread().name == "putter":
+                written.set()
+                go.wait(10)
+            return out
+
+    tier = Paused(tmp_path / "d", MiB, compact_interval_s=0)
+    tier.put(key(1), b"v1")
+    putter = threading.Thread(target=tier.put, args=(key(1), b"v2"), name="putter")
+    putter.start()
+    assert written.wait(10)
+    assert tier.delete(key(1)) is True
+    go.set()
+    putter.join()
+    assert tier.get(key(1)) is None and tier.stats().used_bytes == 0
+    tier.close()
+    again = LogTier(tmp_path / "d", MiB, compact_interval_s=0)
+    assert again.get(key(1)) is None
+    again.close()
+
+
+def test_under_a_group_commit_compaction_syncs_before_it_deletes_a_segment(open_tier):
+    """The records that made a segment dead (a newer put) must be durable before the segment goes,
+    or a host crash would bring back the older frame they replaced."""
+    tier = open_tier(segment_bytes=8192, sync_interval_s=3600)  # the thread would not sync for an hour
+    for i in range(7):
+        tier.put(key(i), payload(1000, i))
+    tier.sync()
+    for i in range(7):  # all dead now: replaced by unsynced puts
+        tier.put(key(i), payload(1000, 100 + i))
+    assert tier._group.unsynced > 0
+    assert tier.compact() >= 1
+    assert tier._group.unsynced == 0
+
+
+def test_a_put_whose_sync_fails_does_not_let_a_tombstone_go_too_soon(open_tier, tmp_path, monkeypatch):
+    import errno
+
+    from kvstore.errors import TierIOError
+
+    tier = open_tier(segment_bytes=8192)  # each put synced
+    tier.put(key(0), payload(1000, 0))
+    for i in range(1, 8):
+        tier.put(key(100 + i), payload(1000, i))  # the first segment stays live: never compacted
+    assert tier.delete(key(0))
+    real, fail = os.fdatasync, [True]
+
+    def fdatasync(fd):
+        if fail[0]:
+            fail[0] = False
+            raise OSError(errno.EIO, "injected")
+        return real(fd)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with pytest.raises(TierIOError):
+        tier.put(key(0), payload(1000, 50))  # on disk, unpublished: dead, and counted as such
+    for r in range(4):
+        for i in range(1, 6):
+            tier.put(key(200 + i), payload(1000, 10 * r + i))
+        tier.compact()
+    tier.close()
+    again = open_tier(segment_bytes=8192)
+    assert again.get(key(0)) in (None, payload(1000, 50))  # deleted, or the put that failed: never v1
+    assert again.get(key(0)) != payload(1000, 0)
+
+
+def test_compactions_called_at_once_do_not_trip_each_other(open_tier):
+    tier = open_tier(segment_bytes=4096)
+    for r in range(30):
+        for i in range(4):
+            tier.put(key(i), payload(900, 10 * r + i))
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            tier.compact()
+        except BaseException as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(bytes(tier.get(key(i))) == payload(900, 290 + i) for i in range(4))
