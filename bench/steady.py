@@ -44,25 +44,16 @@ import torch
 from bench.report import header, publish
 from bench.serving import kvstore_serve
 from bench.steady_clients import format_clients, run_clients
+from bench.steady_specs import block_spec
 from bench.steady_scale import format_scale, run_scale
 from bench.steady_spill import format_spill, run_spill
 
-__all__ = ["run", "format_table", "block_spec", "SIZES"]
+__all__ = ["run", "format_table", "SIZES"]
 
 TOP_BYTES = 256 << 20
 """The top tier of both stores: the full one is filled to its high watermark first."""
 SIZES = (("1 MiB", "64 KiB", 256, 16), ("32 MiB", "2 MiB", 256, 4))
 """(put size, block size, tokens per put, puts per burst)."""
-
-
-def block_spec(block: str):
-    from kvstore.spec import KVSpec
-
-    if block == "64 KiB":
-        return KVSpec("bench-steady-small", num_layers=8, num_kv_heads=2, head_dim=64, dtype="float16",
-                      block_tokens=16, fingerprint="bench-steady-small")
-    return KVSpec("bench-steady-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16",
-                  block_tokens=16, fingerprint="bench-steady-8b")
 
 
 def _admin(url: str, path: str) -> dict:

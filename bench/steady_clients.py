@@ -123,7 +123,7 @@ def _worker(url: str, worker: int) -> None:
     """Answer ``put`` and ``get`` commands with every op's latency in the window."""
     import torch
 
-    from bench.steady import block_spec
+    from bench.steady_specs import block_spec
     from client_sdk import KVClient
 
     torch.set_num_threads(1)
