@@ -188,3 +188,27 @@ def test_a_prefetch_into_a_full_top_tier_does_not_push_itself_out(spec, tmp_path
         assert tiers_of(store, spec, convo, "a")[:4] == ["shm"] * 4  # held for its reader
         store.get_kv(spec, convo, "a")
         assert store.placement.retention(store._current_keys(spec, convo, "a")[0]) is None  # the reader came
+
+
+def test_a_prefetch_tries_a_refused_move_again(spec, tmp_path, monkeypatch):
+    """A move into the top tier refused once (no free range at that instant: reads, a compaction)
+    is tried again within the job, not left one tier down for the reader to fetch over HTTP."""
+    with small_store(spec, tmp_path) as store:
+        toks = list(range(64))
+        store.put_kv(spec, toks, make_kv(spec, 64), "a")
+        keys = store._current_keys(spec, toks, "a")
+        for key in keys:
+            assert store.migrate(key, "nvme")
+        real, refused = store.prefetcher._execute, []
+
+        def refuse_the_second_once(order):
+            if order.key == keys[1] and not refused:
+                refused.append(order.key)
+                return False
+            return real(order)
+        monkeypatch.setattr(store.prefetcher, "_execute", refuse_the_second_once)
+        assert store.prefetch(spec, toks, "a") == 64
+        assert store.prefetcher.idle()
+        assert refused == [keys[1]] and set(tiers_of(store, spec, toks, "a")) == {"shm"}
+        record = store.prefetcher.log()[-1]
+        assert (record["moved"], record["failed"], record["retried"]) == (4, 0, 1)
