@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 import threading
 import time
 from collections import deque
@@ -133,6 +134,7 @@ class _Churn:
     """1 MiB of KV per put (2 KiB per token)."""
 
     def __init__(self, url: str, top_bytes: int) -> None:
+        self.url = url
         from client_sdk import KVClient
 
         self.client = KVClient(url, namespace="other-tenants", agent="other-tenants", plan=False)
@@ -163,7 +165,7 @@ class _Churn:
         self.client.close()
 
 
-def _prefetch(client: Any, spec: KVSpec, prompt: list[int], top: str) -> dict[str, Any]:
+def _prefetch(client: Any, url: str, spec: KVSpec, prompt: list[int], top: str) -> dict[str, Any]:
     """Prefetch ``prompt``'s stored prefix; wait until every block is in ``top`` (or ``PREFETCH_WAIT_S``)."""
     t0 = time.perf_counter()
     n = client.prefetch(spec, prompt)
@@ -174,8 +176,13 @@ def _prefetch(client: Any, spec: KVSpec, prompt: list[int], top: str) -> dict[st
         if done or time.perf_counter() - t0 > PREFETCH_WAIT_S:
             break
         time.sleep(0.005)
-    return {"prefetch_tokens": n, "prefetch_s": time.perf_counter() - t0, "prefetch_complete": done,
-            "prefetch_at": t0}
+    out = {"prefetch_tokens": n, "prefetch_s": time.perf_counter() - t0, "prefetch_complete": done,
+           "prefetch_at": t0}
+    if not done:  # say why: the server's record of this prefetch (moves made, refused and their reasons)
+        with urllib.request.urlopen(f"{url}/admin/prefetches?limit=3", timeout=30) as r:
+            out["prefetch_record"] = json.loads(r.read())
+        out["blocks_not_in_top"] = [b for b in found if b["tier"] != top]
+    return out
 
 
 def _handoff_env(cfg: DemoConfig) -> tuple[dict[str, str], int]:
@@ -203,7 +210,7 @@ def _handoff_variant(variant: str, agents: list[_AgentProcess], orchestrator: An
         if i:  # the tool call between two agents
             handoff = churn.pause()
             if variant == "prefetch":
-                handoff.update(_prefetch(orchestrator, spec, prompt_tokens(cfg, role, role_tokens), top))
+                handoff.update(_prefetch(orchestrator, churn.url, spec, prompt_tokens(cfg, role, role_tokens), top))
         retain = variant == "retain"
         turn = agent.turn(namespace=orchestrator.namespace, release=retain and i > 0,
                           retain_s=RETAIN_S if retain and i < len(agents) - 1 else None)
