@@ -21,15 +21,13 @@ flat; what grows with the data is ``RssAnon``, the server's own heap.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from bench.serving import reply_line
+from bench.serving import json_workers
 
 __all__ = ["throughput", "memory"]
 
@@ -44,46 +42,6 @@ def _fixed(tokens: int) -> list[int]:
 
 
 # -- throughput ------------------------------------------------------------------------------
-
-
-class _Worker:
-    def __init__(self, url: str, nbytes: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.scale", "worker", url, str(nbytes)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-
-    def reply(self) -> dict:
-        line = reply_line(self.proc, REPLY_TIMEOUT_S, "a scale worker")
-        if not line:
-            raise RuntimeError(f"a scale worker exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.send(cmd="close")
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@contextlib.contextmanager
-def _workers(url: str, nbytes: int, n: int) -> Iterator[list[_Worker]]:
-    workers: list[_Worker] = []
-    try:
-        workers = [_Worker(url, nbytes) for _ in range(n)]
-        for w in workers:
-            if not w.reply().get("ready"):
-                raise RuntimeError("a scale worker failed to start")
-        yield workers
-    finally:
-        for w in workers:
-            w.close()
 
 
 def throughput(url: str, nbytes: int, *, clients: tuple[int, ...], duration_s: float,
@@ -101,7 +59,8 @@ def throughput(url: str, nbytes: int, *, clients: tuple[int, ...], duration_s: f
     with KVClient(url, namespace=NAMESPACE, colocated=False, plan=False) as putter:
         putter.put_kv(spec, _fixed(tokens), kv)
         tick(f"starting {max(clients)} client processes")
-        with _workers(url, nbytes, max(clients)) as workers:
+        argvs = [["-m", "bench.scale", "worker", url, str(nbytes)]] * max(clients)
+        with json_workers(argvs, "a scale worker", REPLY_TIMEOUT_S) as workers:
             for medium in media:
                 for n in clients:
                     start_at = time.time() + 0.5

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 __all__ = ["free_port", "wait_http", "child", "stop", "kvstore_serve", "kvstore_server", "reply_line",
+           "JsonWorker", "json_workers",
            "LineDriver"]
 
 
@@ -117,6 +118,51 @@ def kvstore_server(name: str, **env: str) -> Iterator[tuple[str, subprocess.Pope
             yield f"http://127.0.0.1:{port}", proc
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+class JsonWorker:
+    """A bench's worker process (``python -m <module> worker ...``): JSON commands on its stdin,
+    one JSON line back per command. ``what`` names it in errors."""
+
+    def __init__(self, argv: list[str], what: str, timeout_s: float = 300.0) -> None:
+        self.what, self.timeout_s = what, timeout_s
+        self.proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+
+    def reply(self) -> dict:
+        line = reply_line(self.proc, self.timeout_s, self.what)
+        if not line:
+            raise RuntimeError(f"{self.what} exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.send(cmd="close")
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def json_workers(argvs: list[list[str]], what: str, timeout_s: float = 300.0) -> Iterator[list[JsonWorker]]:
+    """Start one ``JsonWorker`` per argv, wait until each says ``{"ready": true}``; closed after."""
+    workers: list[JsonWorker] = []
+    try:
+        workers = [JsonWorker(argv, what, timeout_s) for argv in argvs]
+        for w in workers:
+            if not w.reply().get("ready"):
+                raise RuntimeError(f"{what} failed to start")
+        yield workers
+    finally:
+        for w in workers:
+            w.close()
 
 
 class LineDriver:

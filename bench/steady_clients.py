@@ -16,72 +16,29 @@ one client's (issue 34's target >= 1.5x) and, for puts, p99 / p50 at 8 clients (
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
-from typing import Any, Iterator
 
-from bench.serving import reply_line
+from bench.serving import json_workers
 
 __all__ = ["run_clients", "format_clients", "CLIENTS"]
 
 CLIENTS = (1, 8)
 MEDIA = ("co-located", "HTTP")
 TOKENS = 256  # 1 MiB of the 64 KiB-block spec
-_REPLY_TIMEOUT_S = 300.0
 
 
 def _sequence(worker: int, i: int) -> list[int]:
     return [500_000_000 + worker * 10_000_000 + i] + [11] * (TOKENS - 1)
 
 
-class _Worker:
-    def __init__(self, url: str, worker: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.steady_clients", "worker", url, str(worker)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-
-    def reply(self) -> dict:
-        line = reply_line(self.proc, _REPLY_TIMEOUT_S, "a steady client")
-        if not line:
-            raise RuntimeError(f"a steady client exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.send(cmd="close")
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@contextlib.contextmanager
-def _workers(url: str, n: int) -> Iterator[list[_Worker]]:
-    workers: list[_Worker] = []
-    try:
-        workers = [_Worker(url, w) for w in range(n)]
-        for w in workers:
-            if not w.reply().get("ready"):
-                raise RuntimeError("a steady client failed to start")
-        yield workers
-    finally:
-        for w in workers:
-            w.close()
-
-
 def run_clients(url: str, *, window_s: float, clients: tuple[int, ...] = CLIENTS) -> dict:
     """Rows of pooled throughput and latency for each op, medium and client count against ``url``."""
     rows = []
-    with _workers(url, max(clients)) as workers:
+    argvs = [["-m", "bench.steady_clients", "worker", url, str(w)] for w in range(max(clients))]
+    with json_workers(argvs, "a steady client") as workers:
         for op in ("put", "get"):
             for medium in MEDIA:
                 for n in clients:
