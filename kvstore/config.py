@@ -15,7 +15,7 @@ from typing import Mapping
 from kvstore.codec import Codec
 from kvstore.errors import InvalidInput
 
-__all__ = ["Settings", "parse_size", "parse_rate", "TIER_KINDS", "SCRUB_BYTES_PER_S"]
+__all__ = ["Settings", "parse_size", "parse_rate", "TIER_KINDS", "SCRUB_BYTES_PER_S", "RECODE_BACKLOG_BYTES"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -26,11 +26,15 @@ _UNITS = {
 _MAX_SIZE = 2**60
 _REDIS_URL = re.compile(r"^(redis|rediss|redis\+cluster)://")
 TIER_KINDS = ("memory", "device", "shm", "cxl", "redis", "nvme")
+_ZERO_OFF = frozenset({"recode_backlog_bytes"})  # sizes where 0 means off
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 SCRUB_BYTES_PER_S = 256 * 2**20
 """The background scrub's default rate, bytes per second: xxh3 hashes an arena's frames (out of
 cache) at ~8 GB/s here, so 3% of a core in hashing; the scrub thread measured 4.8% in all
 (``kvstore.engine.scrub``; docs/design.md, "Verified once")."""
+RECODE_BACKLOG_BYTES = 256 * 2**20
+"""Raw frame bytes puts may spill into cold tiers ahead of their int8 re-encode, by default
+(``kvstore.engine.recode``): 128 MiB more disk at most than int8 for fp16 KV."""
 
 
 def parse_size(text: str | int) -> int:
@@ -113,12 +117,17 @@ class Settings:
     """How fast the background scrub re-hashes the shm and cxl arenas, bytes per second (e.g.
     256MiB); 0 turns it off. Damage at rest is found within arena bytes / rate seconds
     (KVSTORE_SCRUB_BYTES_PER_S)."""
+    recode_backlog_bytes: int = RECODE_BACKLOG_BYTES
+    """Raw bytes a put may write into a cold (int8) tier ahead of their re-encode, which a
+    background thread does behind it; past that a put encodes int8 itself; 0: always
+    (KVSTORE_RECODE_BACKLOG_BYTES)."""
 
     def __post_init__(self) -> None:
         # Accept "4GiB" as well as ints; store plain bytes and the canonical codec name.
         for f in fields(self):
             if f.name.endswith("_bytes"):
-                object.__setattr__(self, f.name, parse_size(getattr(self, f.name)))
+                parse = parse_rate if f.name in _ZERO_OFF else parse_size
+                object.__setattr__(self, f.name, parse(getattr(self, f.name)))
         object.__setattr__(self, "scrub_bytes_per_s", parse_rate(self.scrub_bytes_per_s))
         object.__setattr__(self, "codec", Codec.parse(self.codec).value)
         object.__setattr__(self, "tiers", ",".join(self.tier_names()))
@@ -174,6 +183,8 @@ class Settings:
 
 
 def _parse_field(name: str, raw: str) -> object:
+    if name in _ZERO_OFF:
+        return parse_rate(raw)
     if name.endswith("_bytes"):
         return parse_size(raw)
     if name.endswith("_bytes_per_s"):

@@ -125,6 +125,18 @@ class _StoreCollector:
         yield GaugeMetricFamily("kvstore_scrub_rate_bytes_per_second",
                                 "The scrubber's rate (KVSTORE_SCRUB_BYTES_PER_S; 0: off).",
                                 value=sc.get("rate_bytes_per_s", 0))
+        rc = s.recode or {}
+        for name, key, doc in (
+                ("recode_spilled_raw_blocks", "spilled_raw_blocks",
+                 "Blocks puts wrote raw into a cold tier, owed an int8 re-encode."),
+                ("recode_blocks", "recoded_blocks", "Raw cold-tier frames re-encoded behind the put."),
+                ("recode_bytes_saved", "recoded_bytes_saved", "Frame bytes the re-encodes saved.")):
+            yield CounterMetricFamily(f"kvstore_{name}", doc, value=rc.get(key, 0))
+        yield GaugeMetricFamily("kvstore_recode_pending_bytes", "Raw cold-tier frame bytes owed a re-encode now.",
+                                value=rc.get("pending_bytes", 0))
+        yield GaugeMetricFamily("kvstore_recode_backlog_limit_bytes",
+                                "The bound on bytes owed a re-encode (KVSTORE_RECODE_BACKLOG_BYTES; 0: off).",
+                                value=rc.get("backlog_bytes", 0))
         for name, value in self._extra().items():
             yield GaugeMetricFamily(f"kvstore_{name}", f"Service figure {name}.", value=value)
 

@@ -216,6 +216,14 @@ class PlacementManager:
             while len(r.moves) > self.config.entry_log:
                 r.moves.popleft()
 
+    def resized(self, key: bytes, size: int) -> None:
+        """``key``'s frame was rewritten in place at ``size`` bytes (re-encoded): same tier, heat."""
+        with self._lock:
+            r = self._res.get(key)
+            if r is not None:
+                self._used[r.tier] += size - r.size
+                r.size = size
+
     def _leave(self, key: bytes, r: Resident) -> None:
         self._members[r.tier].pop(key, None)
         self._order[r.tier].discard(key)

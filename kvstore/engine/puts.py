@@ -25,6 +25,7 @@ from kvstore.codec import Codec
 from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.placement import MoveOrder, PlacementManager, RoomHold
+from kvstore.engine.recode import Recoder
 from kvstore.engine.shared import SharedTier
 from kvstore.errors import InvalidInput, InvalidKV, TierError, TierFull
 from kvstore.keys import BlockHash, block_meta
@@ -72,11 +73,14 @@ class Puts:
         execute: the mover's ``execute``: carries out one of placement's move orders.
         lossy: a put writes where a non-raw codec is the codec (the top tier or the next one),
             so NaN and Inf are refused up front rather than kept raw.
+        recoder: where a block written raw below the top tier is owed its re-encode (``None``: a
+            put encodes for a cold tier itself).
     """
 
     def __init__(self, core: EngineCore, shared: SharedTier | None, execute: Callable[[MoveOrder], bool], *,
-                 lossy: bool) -> None:
+                 lossy: bool, recoder: Recoder | None = None) -> None:
         self._core = core
+        self._recoder = recoder
         self._placement: PlacementManager = core.placement
         self._shared = shared
         self._execute = execute
@@ -141,6 +145,8 @@ class Puts:
                             raise
                         continue
                     core.publish(entry, now=heat_now, parent=parent, tokens=tokens)
+                    if entry.codec is not core.codec_of(entry.tier) and self._recoder is not None:
+                        self._recoder.owe(key, entry.size)  # spilled raw: int8 comes behind
                     if self._shared is not None:
                         self._shared.after_put(entry, block, block_meta(namespace, spec_fp, depth))
                     if self._placement.lease(key):
@@ -183,6 +189,9 @@ class Puts:
         failure: TierError | None = None
         for tier in core.tiers[first:]:
             codec = core.codec_of(tier.name)
+            if (codec is not Codec.RAW and self._recoder is not None
+                    and self._recoder.spills_raw(tier.name, block.numel() * block.element_size())):
+                codec = Codec.RAW  # below the top tier: the recoder re-encodes it off the put's path
             try:
                 try:
                     n, header = encode_into_tier(tier, key, block, codec, meta)

@@ -52,7 +52,9 @@ def decode_chain(core: EngineCore, found: list[IndexEntry], adopted: dict[BlockH
             try:  # decoded straight out of the slot, hashed on its first read only
                 done = core.decode_into(entry, part)
             except (FrameError, InvalidKV) as exc:  # InvalidKV: a frame of another shape or dtype
-                _damaged(core, entry, exc)
+                if _again(core, entry, scratch, part, namespace, spec_fp, exc):
+                    good += 1
+                    continue
                 break
             if done is not None:
                 good += 1
@@ -75,10 +77,33 @@ def decode_chain(core: EngineCore, found: list[IndexEntry], adopted: dict[BlockH
             # expect_checksum: a sound frame that is not the one indexed (a tier mix-up) is refused
             codec_mod.decode(scratch[:n], out=part, expect_checksum=entry.checksum)
         except (FrameError, InvalidKV) as exc:
-            _damaged(core, entry, exc)
+            if _again(core, entry, scratch, part, namespace, spec_fp, exc):
+                good += 1
+                continue
             break
         good += 1
     return good
+
+
+def _again(core: EngineCore, entry: IndexEntry, scratch: memoryview, part: torch.Tensor, namespace: str,
+           spec_fp: str, exc: Exception) -> bool:
+    """After ``entry``'s frame failed: if the key's entry changed meanwhile (the frame was
+    rewritten in place, as a re-encode does: ``kvstore.engine.recode``), decode the new one once;
+    otherwise the frame is damaged and dropped. True when the block was decoded."""
+    again = core.entry(entry.key)
+    if again is None or again is entry or not is_current(again, namespace, spec_fp):
+        _damaged(core, entry, exc)  # a no-op drop when the entry changed: it is not the one named
+        return False
+    buf = scratch if again.size <= len(scratch) else _FRAMES.get(again.size)
+    n = core.read_into(again, buf)
+    if n is None:
+        return False
+    try:
+        codec_mod.decode(buf[:n], out=part, expect_checksum=again.checksum)
+    except (FrameError, InvalidKV) as exc2:
+        _damaged(core, again, exc2)
+        return False
+    return True
 
 
 def _damaged(core: EngineCore, entry: IndexEntry, exc: Exception) -> None:

@@ -38,6 +38,9 @@ class StoreStats:
     """The background verifier and scrubber (``kvstore.engine.scrub.ScrubStats``): frames verified
     behind their publish, blocks and bytes scrubbed, cycles completed and the last one's length,
     damaged frames they found (``counters.corrupt_blocks`` counts those with the readers')."""
+    recode: dict[str, Any] = field(default_factory=dict)
+    """The re-encoder (``kvstore.engine.recode.RecodeStats``): raw frames puts spilled into cold
+    tiers, owed and re-encoded, and the bound on what is owed."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from kvstore.codec import Codec
-from kvstore.config import SCRUB_BYTES_PER_S, Settings
+from kvstore.config import RECODE_BACKLOG_BYTES, SCRUB_BYTES_PER_S, Settings
 from kvstore.errors import InvalidInput, InvalidKV, StoreClosed, TierError
 from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.events import DEFAULT_CAPACITY, EventLog
@@ -36,6 +36,7 @@ from kvstore.engine.mover import Mover
 from kvstore.engine.placement import MoveOrder, PlacementConfig, PlacementManager, TierPolicy
 from kvstore.engine.prefetch import HandoffLearner, Prefetcher
 from kvstore.engine.puts import Puts, check_finite, tier_codecs_of
+from kvstore.engine.recode import Recoder
 from kvstore.engine.recovery import recover
 from kvstore.engine.reserved import Reservation, ReservedPuts
 from kvstore.engine.reads import decode_chain
@@ -65,8 +66,9 @@ class KVStore:
         tier_policies: per-tier ``TierPolicy`` fields by tier name, e.g.
             ``{"shm": {"high_watermark_frac": 0.8}}``.
         scorer: heat strategy (default: decayed access rate).
-        background: run the placement mover and the scrubber in threads; tests and the simulator
-            call ``run_placement()`` themselves instead (and frames are hashed by their readers).
+        background: run the placement mover, the scrubber and the re-encoder in threads; tests and the
+            simulator call ``run_placement()`` themselves instead (frames are hashed by their readers,
+            and a put encodes for a cold tier itself).
         write_policy: when blocks reach a shared tier (Redis), if there is one:
             ``write_through``, ``write_back``, ``selective`` (or a ``WritePolicy``).
         clock: a function returning seconds, non-decreasing (default ``time.time``).
@@ -82,6 +84,7 @@ class KVStore:
         event_capacity: events kept for subscribers (``kvstore.engine.events``): how far one may fall
             behind before it must resynchronise from a snapshot.
         scrub_bytes_per_s: the scrub's rate over the shm and cxl arenas, bytes/s; 0: off (``scrubber``).
+        recode_backlog_bytes: raw bytes puts may spill into cold tiers ahead of ``recoder``; 0: off.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class KVStore:
         clock: Callable[[], float] | None = None,
         event_capacity: int = DEFAULT_CAPACITY,
         scrub_bytes_per_s: int = SCRUB_BYTES_PER_S,
+        recode_backlog_bytes: int = RECODE_BACKLOG_BYTES,
     ) -> None:
         tiers = list(tiers)
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
@@ -130,7 +134,9 @@ class KVStore:
         self._shared = SharedTier(core, shared, policy) if shared is not None else None
         core.shared = self._shared
         self._mover = Mover(core, self._shared, on_move=self._moved)
-        self._puts = Puts(core, self._shared, self._mover.execute, lossy=lossy)
+        self.recoder = Recoder(core, backlog_bytes=recode_backlog_bytes if background else 0)
+        """Re-encodes, behind the put, the blocks it spilled raw into cold tiers (``kvstore.engine.recode``)."""
+        self._puts = Puts(core, self._shared, self._mover.execute, lossy=lossy, recoder=self.recoder)
         self.frames = Frames(core, self._shared, self._puts.take_room)
         """Frames by key: the block routes', shm handles' and lm:// reads and puts."""
         self.reservations = ReservedPuts(core, self._puts.take_room, shared=self._shared is not None)
@@ -155,6 +161,7 @@ class KVStore:
         if background:
             self._mover.start()
             self.scrubber.start()
+            self.recoder.start()
 
     # -- public API -------------------------------------------------------------
 
@@ -372,14 +379,10 @@ class KVStore:
         Blocks only the shared tier holds (another node stored them) are adopted first, so a
         node reading from the shared tier gets them into its own arena. Returns at once.
 
-        Args:
-            hold_s: then hold the blocks in the top tier this long, or until their first read
-                (a soft retention no tenant pays for, within a quarter of the tier): without
-                it, churn in a full top tier could push them out before their reader comes.
-                0: no hold.
-
-        Returns:
-            Tokens of the prefix the prefetch will bring (what a get would find now).
+        ``hold_s``: then hold the blocks in the top tier this long, or until their first read (a soft
+        retention no tenant pays for, within a quarter of the tier), so that churn in a full top
+        tier does not push them out before their reader comes; 0: no hold. Returns the tokens of
+        the prefix the prefetch will bring (what a get would find now).
 
         Raises:
             InvalidSpec, InvalidTokens: bad input.
@@ -425,17 +428,11 @@ class KVStore:
                 quota_bytes: int | None = None) -> dict[str, Any]:
         """Place the stored prefix of ``tokens`` where its next reader will read it.
 
-        Args:
-            to: ``"here"``: the reader is on this node: keep the blocks in the top tier for
-                ``ttl_s`` (a retention of ``owner``'s, within ``quota_bytes``). Anything else (a
-                node's name, or ``"shared"``): the reader is on another node: copy every block
-                to the shared tier now, whatever the write policy, so that node finds it (its
-                ``prefetch`` brings it into its own arena).
-            ttl_s: how long to hold for ``"here"`` (default 120 s).
-
-        Returns:
-            tokens and blocks of the prefix; held (blocks retained here); shared (blocks the
-            shared tier holds now).
+        ``to="here"``: the reader is on this node: keep the blocks in the top tier for ``ttl_s``
+        (default 120 s; a retention of ``owner``'s, within ``quota_bytes``). Anything else (a node's
+        name, or ``"shared"``): copy every block to the shared tier now, whatever the write policy,
+        so that node finds it (its ``prefetch`` brings it into its own arena). Returns tokens and
+        blocks of the prefix, held (blocks retained here), shared (blocks the shared tier holds).
 
         Raises:
             InvalidInput: a bad ``to`` or ``ttl_s``, or another node named with no shared tier.
@@ -533,6 +530,7 @@ class KVStore:
             shared=self._shared.stats() if self._shared is not None else {},
             reads_by_tier=self.core.reads_by_tier(),
             scrub=self.scrubber.stats(),
+            recode=self.recoder.stats().to_dict(),
         )
 
     def close(self) -> None:
@@ -542,6 +540,7 @@ class KVStore:
         self.scrubber.close()  # it reads the arenas: stopped before they close
         self.prefetcher.close()
         self._mover.stop()  # no move may start against tiers that are closing
+        self.recoder.close()
         self.reservations.close()
         self.core.closed = True
         self.core.clear()
@@ -588,6 +587,7 @@ class EmbeddedStore(KVStore):
             tiers = build_tiers(settings)
         super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs,
                          **{"scrub_bytes_per_s": settings.scrub_bytes_per_s,
+                            "recode_backlog_bytes": settings.recode_backlog_bytes,
                             "placement": PlacementConfig(full_top=settings.full_top_tier), **placement})
 
 

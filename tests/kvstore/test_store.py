@@ -159,6 +159,7 @@ def test_per_tier_codec():
     with KVStore([hot, cold], tier_codecs={"cold": "int8"}) as store:
         kv = make_kv(spec, 20 * 16)
         store.put_kv(spec, list(range(20 * 16)), kv)
+        assert store.recoder.idle(10)  # the put spilled raw; int8 comes behind it (engine/recode.py)
         by_tier = {e.tier: e.codec for e in store.entries()}
         assert by_tier == {"hot": Codec.RAW, "cold": Codec.INT8}
         assert hot.stats().entries == 15 and cold.stats().entries == 5

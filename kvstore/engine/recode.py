@@ -1,0 +1,280 @@
+"""Cold frames re-encoded behind the put: a full store spills raw, a thread makes it int8 later.
+
+Cold tiers (nvme, redis) hold int8 frames by default: half the bytes of fp16 on slow media. A put
+into a full store spills its blocks one tier down on its own path (``KVSTORE_FULL_TOP_TIER=spill``),
+and encoding them int8 there was most of that path's time (46% of a server's samples under eight
+writers, where the disk's writes took 13%). So a put writes a block below the top tier raw, as
+long as the frames owed a re-encode stay under ``backlog_bytes``, and ``Recoder`` re-encodes them
+to their tier's codec in a background thread:
+
+- A frame owed is read from its tier, checked to be the one its index entry names, re-encoded
+  (``codec.transcode``), and written back over itself under the key's claim, only if the entry
+  is still the one read: a put, delete or move of the key meanwhile wins and the debt is dropped.
+  The index switches to the new frame with a ``moved`` event (reason ``recoded``, same tier),
+  and placement counts its new size.
+- A block int8 cannot hold (NaN or Inf) stays raw, as a demotion keeps it (``kept_raw``).
+- The thread works in the put's gaps: while the debt is under half its bound it waits until no
+  put has owed for ``QUIET_S``; past half it works flat out. At the bound a put encodes its
+  spilled blocks itself again, so disk use and the debt stay bounded (raw is 2x int8 for fp16).
+- Debts are kept in memory only: a restart finds the raw frames in the recovered index and owes
+  them again (``owe_recovered``).
+
+Readers are unaffected: a frame is raw or int8 by its own header. A reader that looked up the
+raw entry and then read the int8 frame finds its checksum not the one it expected and looks the
+entry up again (``kvstore.engine.reads``), as after a move.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, replace
+
+from kvstore import codec as codec_mod
+from kvstore.codec import Codec
+from kvstore.engine.core import EngineCore
+from kvstore.errors import FrameError, InvalidKV, TierError
+from kvstore.keys import BlockHash
+
+__all__ = ["Recoder", "RecodeStats", "QUIET_S"]
+
+log = logging.getLogger("kvstore.engine.recode")
+
+QUIET_S = 0.05
+"""Seconds without a new debt before the thread re-encodes, while the debt is under half its
+bound: a burst of puts runs alone on the CPU, the thread catches up in the gap after it."""
+ERROR_BACKOFF_S = 1.0
+"""Seconds the thread waits after an unexpected failure before it carries on."""
+
+
+@dataclass(slots=True)
+class RecodeStats:
+    """What the re-encoder did since the store started (``StoreStats.recode``)."""
+
+    backlog_bytes: int = 0
+    """The bound on raw frame bytes owed a re-encode (KVSTORE_RECODE_BACKLOG_BYTES); 0: off, puts
+    encode for a cold tier themselves."""
+    pending_blocks: int = 0
+    pending_bytes: int = 0
+    """Raw frame bytes owed now."""
+    spilled_raw_blocks: int = 0
+    """Blocks puts wrote raw below the top tier, owed a re-encode."""
+    recoded_blocks: int = 0
+    recoded_bytes_saved: int = 0
+    """Frame bytes the re-encodes saved (raw size minus new size)."""
+    dropped: int = 0
+    """Debts given up: the block was rewritten, moved up, deleted or evicted first."""
+    kept_raw: int = 0
+    """Blocks the tier's codec cannot hold (NaN or Inf for int8): they stay raw."""
+    failed: int = 0
+    """Re-encodes a tier failed (a read or a write); the block stays raw."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Recoder:
+    """Owes and pays the re-encodes of raw frames below the top tier; one per store.
+
+    Args:
+        core: the store's engine core.
+        backlog_bytes: the most raw frame bytes owed at once; 0 turns raw spilling off.
+    """
+
+    def __init__(self, core: EngineCore, *, backlog_bytes: int) -> None:
+        self._core = core
+        self._stats = RecodeStats(backlog_bytes=max(0, int(backlog_bytes)))
+        self._pending: OrderedDict[BlockHash, int] = OrderedDict()  # oldest first
+        self._cond = threading.Condition()
+        self._last_owed = 0.0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- the put's side ---------------------------------------------------------------------
+
+    def spills_raw(self, tier: str, nbytes: int) -> bool:
+        """Whether a put should write a ``nbytes`` raw frame into ``tier`` and owe its re-encode:
+        a tier below the top one whose codec is not raw, with room in the debt's bound, and the
+        thread running to pay it."""
+        core = self._core
+        if tier == core.tier_names[0] or core.codec_of(tier) is Codec.RAW or self._shared(tier):
+            return False
+        with self._cond:
+            return (self._thread is not None and not self._closed
+                    and self._stats.pending_bytes + nbytes <= self._stats.backlog_bytes)
+
+    def _shared(self, tier: str) -> bool:
+        """Other nodes read a shared tier's frames against the checksums they hold: a frame there
+        is never rewritten in place, so a put encodes for it itself."""
+        shared = self._core.shared
+        return shared is not None and shared.name == tier
+
+    def owe(self, key: BlockHash, nbytes: int) -> None:
+        """``key``'s frame was written raw where its tier wants another codec: re-encode it later."""
+        with self._cond:
+            if self._closed:
+                return
+            self._owe(key, nbytes)
+            self._stats.spilled_raw_blocks += 1
+            self._cond.notify()
+
+    def _owe(self, key: BlockHash, nbytes: int) -> None:
+        old = self._pending.pop(key, None)
+        if old is not None:
+            self._stats.pending_bytes -= old
+        self._pending[key] = nbytes
+        self._stats.pending_bytes += nbytes
+        self._stats.pending_blocks = len(self._pending)
+        self._last_owed = time.monotonic()
+
+    def owe_recovered(self) -> int:
+        """Owe the re-encodes of raw frames the start-up scan found in tiers that want another
+        codec (a restart loses the debts in memory); how many, up to the bound."""
+        core = self._core
+        owed = 0
+        with self._cond:
+            for entry in core.snapshot():
+                if self._stats.pending_bytes + entry.size > self._stats.backlog_bytes:
+                    break
+                if (entry.codec is Codec.RAW and entry.tier != core.tier_names[0]
+                        and core.codec_of(entry.tier) is not Codec.RAW and not self._shared(entry.tier)):
+                    self._owe(entry.key, entry.size)
+                    owed += 1
+            self._last_owed = 0.0  # nothing is putting: no reason to wait
+            self._cond.notify()
+        return owed
+
+    # -- paying -----------------------------------------------------------------------------
+
+    def recode(self, key: BlockHash) -> str:
+        """Re-encode ``key``'s raw frame in its tier's codec, in place: ``recoded``, ``dropped``
+        (no longer owed: rewritten, moved or gone), ``kept_raw``, ``failed`` or ``damaged``."""
+        core = self._core
+        entry = core.entry(key)
+        if (entry is None or entry.codec is not Codec.RAW or entry.tier == core.tier_names[0]
+                or self._shared(entry.tier)):
+            return "dropped"
+        want = core.codec_of(entry.tier)
+        if want is Codec.RAW:
+            return "dropped"
+        tier = core.tier(entry.tier)
+        try:
+            frame = tier.get(key)
+        except TierError as exc:
+            log.warning("re-encode of %s: tier %s failed a get (%s); it stays raw", key.hex(), tier.name, exc)
+            return "failed"
+        if frame is None:
+            return "dropped"  # gone meanwhile; a reader drops the entry when it finds it so
+        try:
+            if codec_mod.read_header(frame).body_checksum != entry.checksum:
+                return "dropped"  # rewritten since we looked the entry up
+            new = codec_mod.transcode(frame, want)
+        except InvalidKV:
+            return "kept_raw"
+        except FrameError as exc:
+            log.warning("re-encode of %s: frame in %s is damaged (%s); dropped", key.hex(), tier.name, exc)
+            core.drop(entry, corrupt=True)
+            return "damaged"
+        header = codec_mod.read_header(new)
+        with core.claim(key):
+            if core.entry(key) is not entry:  # rewritten, moved or deleted meanwhile: that wins
+                return "dropped"
+            try:
+                tier.put(key, new)
+            except TierError as exc:  # full or failing: the raw frame stays, still sound
+                log.info("re-encode of %s: tier %s refused the write (%s); it stays raw", key.hex(), tier.name, exc)
+                return "failed"
+            core.switch(replace(entry, size=len(new), codec=header.codec, checksum=header.body_checksum),
+                        src=tier.name, reason="recoded")
+            core.placement.resized(key, len(new))
+        with self._cond:
+            self._stats.recoded_bytes_saved += entry.size - len(new)
+        return "recoded"
+
+    def run_once(self, limit: int | None = None) -> int:
+        """Pay debts, oldest first (at most ``limit``); how many were taken on."""
+        done = 0
+        while limit is None or done < limit:
+            with self._cond:
+                if not self._pending:
+                    break
+                key, nbytes = self._pending.popitem(last=False)
+            self._pay(key, nbytes)
+            done += 1
+        return done
+
+    def _pay(self, key: BlockHash, nbytes: int) -> None:
+        try:
+            outcome = self.recode(key)
+        except Exception:  # noqa: BLE001 - one block's failure must not end the thread
+            log.exception("re-encode of %s failed", key.hex())
+            outcome = "failed"
+        with self._cond:
+            self._stats.pending_bytes -= nbytes  # owed again meanwhile: that newer debt counts its own
+            self._stats.pending_blocks = len(self._pending)
+            if outcome == "recoded":
+                self._stats.recoded_blocks += 1
+            elif outcome in ("dropped", "damaged"):
+                self._stats.dropped += 1
+            elif outcome == "kept_raw":
+                self._stats.kept_raw += 1
+            else:
+                self._stats.failed += 1
+
+    def idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until nothing is owed (tests and benches); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cond:
+                if not self._pending and self._stats.pending_bytes == 0:
+                    return True
+                self._cond.wait(0.01)
+        return False
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the thread (a store with ``background``), owing what recovery found raw; with a
+        bound of 0, nothing runs."""
+        if self._thread is None and self._stats.backlog_bytes > 0 and not self._closed:
+            self._thread = threading.Thread(target=self._loop, name="kvstore-recoder", daemon=True)
+            self._thread.start()
+            self.owe_recovered()
+
+    def _next(self) -> tuple[BlockHash, int] | None:
+        """The oldest debt, once it is time to pay it; None once closed."""
+        with self._cond:
+            while not self._closed:
+                if self._pending:
+                    wait = self._last_owed + QUIET_S - time.monotonic()
+                    if wait <= 0 or self._stats.pending_bytes * 2 >= self._stats.backlog_bytes:
+                        return self._pending.popitem(last=False)
+                    self._cond.wait(wait)
+                else:
+                    self._cond.notify_all()  # idle() waiters
+                    self._cond.wait()
+            return None
+
+    def _loop(self) -> None:
+        while True:
+            job = self._next()
+            if job is None or self._core.closed:
+                return
+            self._pay(*job)
+            with self._cond:
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (before the tiers close); the debts left stay raw until a restart."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def stats(self) -> RecodeStats:
+        with self._cond:
+            return replace(self._stats, pending_blocks=len(self._pending))

@@ -1,0 +1,173 @@
+"""Blocks a put spills raw into a cold tier, re-encoded to int8 behind it (``kvstore.engine.recode``).
+
+Real shm arenas and nvme directories, the store's own threads. A slow disk is injected where a
+test needs the re-encoder caught mid-way: its tier's ``get`` waits on a gate.
+"""
+
+import threading
+
+import torch
+
+from kvstore import KVStore, codec
+from kvstore.codec import Codec
+from kvstore.engine.events import MOVED
+from tests.conftest import make_kv, make_spec, wait_until
+from tiers.nvme import NVMeTier
+from tiers.shm import ShmTier
+
+MiB = 1 << 20
+SPEC = make_spec(num_layers=4, num_kv_heads=2, head_dim=64)  # 32 KiB blocks of 16 tokens
+BLOCK = 32 * 1024
+
+
+def _store(path, *, backlog=64 * MiB, top=1 * MiB, **kw) -> KVStore:
+    return KVStore([ShmTier(top), NVMeTier(path, 256 * MiB)], recode_backlog_bytes=backlog, **kw)
+
+
+def _close_enough(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    ref = ref.float()
+    return float((got.float() - ref).norm() / ref.norm()) < 0.01
+
+
+def _gate(tier) -> tuple[threading.Event, threading.Event]:
+    """Make ``tier.get`` (the re-encoder's read) return only once the gate opens: a slow disk."""
+    entered, gate = threading.Event(), threading.Event()
+    real = tier.get
+
+    def get(key):
+        frame = real(key)  # read, then held up: what it read may be stale by the time it returns
+        entered.set()
+        assert gate.wait(30), "the test never opened the gate"
+        return frame
+
+    tier.get = get
+    return entered, gate
+
+
+def _nvme_entries(store):
+    return [e for e in store.entries() if e.tier == "nvme"]
+
+
+def test_a_full_store_spills_raw_and_the_recoder_makes_it_int8(tmp_path):
+    tokens = list(range(16 * 64))  # 2 MiB of KV into a 1 MiB top tier
+    kv = make_kv(SPEC, len(tokens), seed=1)
+    with _store(tmp_path / "nvme") as store:
+        assert store.put_kv(SPEC, tokens, kv) == len(tokens)
+        st = store.stats().recode
+        assert st["spilled_raw_blocks"] > 0, st  # the put wrote raw below the top tier
+        assert store.recoder.idle(20)
+        nvme = _nvme_entries(store)
+        assert nvme and all(e.codec is Codec.INT8 for e in nvme)
+        assert all(e.size < BLOCK for e in nvme)  # int8: about half the fp16 bytes
+        st = store.stats().recode
+        assert st["recoded_blocks"] == st["spilled_raw_blocks"] == len(nvme)
+        assert st["pending_bytes"] == 0 and st["pending_blocks"] == 0
+        assert st["recoded_bytes_saved"] > len(nvme) * BLOCK // 3
+        # placement counts the frames' new sizes: what it decides room by matches the tier
+        assert store.placement.usage()["nvme"] == sum(e.size for e in nvme) == store.tiers[1].stats().used_bytes
+        recoded = [ev for ev in store.events.read(0, 100_000)[0] if ev.kind == MOVED and ev.reason == "recoded"]
+        assert {ev.key for ev in recoded} == {e.key for e in nvme}
+        got, n = store.get_kv(SPEC, tokens)
+        assert n == len(tokens)
+        for e in store.entries():
+            part = slice(e.depth * 16, (e.depth + 1) * 16)
+            if e.codec is Codec.INT8:
+                assert _close_enough(got[:, :, :, part], kv[:, :, :, part])
+            else:
+                assert torch.equal(got[:, :, :, part], kv[:, :, :, part])
+        assert store.stats().counters.corrupt_blocks == 0
+
+
+def test_the_debt_is_bounded_past_it_a_put_encodes_itself(tmp_path):
+    tokens = list(range(16 * 64))
+    kv = make_kv(SPEC, len(tokens), seed=2)
+    with _store(tmp_path / "nvme", backlog=4 * BLOCK) as store:
+        entered, gate = _gate(store.tiers[1])
+        try:
+            assert store.put_kv(SPEC, tokens, kv) == len(tokens)
+            entered.wait(5)
+            nvme = _nvme_entries(store)
+            raw = [e for e in nvme if e.codec is Codec.RAW]
+            assert 1 <= len(raw) <= 4, len(raw)  # the bound, in raw KV bytes
+            assert len(nvme) - len(raw) > 10  # the rest encoded on the put's path
+            assert store.stats().recode["pending_bytes"] <= 4 * BLOCK + 4 * 1024
+        finally:
+            gate.set()
+        assert store.recoder.idle(20)
+        assert all(e.codec is Codec.INT8 for e in _nvme_entries(store))
+
+
+def test_a_delete_during_a_recode_wins(tmp_path):
+    tokens = list(range(16 * 64))
+    with _store(tmp_path / "nvme") as store:
+        entered, gate = _gate(store.tiers[1])
+        try:
+            store.put_kv(SPEC, tokens, make_kv(SPEC, len(tokens), seed=3))
+            owed = [e.key for e in _nvme_entries(store)]
+            assert entered.wait(5)  # the re-encoder is reading a frame
+            assert store.delete(SPEC, tokens) == 64
+        finally:
+            gate.set()
+        assert store.recoder.idle(20)
+        assert store.lookup(SPEC, tokens) == 0
+        assert all(store.tiers[1].get(key) is None for key in owed)  # no frame written back
+        st = store.stats().recode
+        assert st["recoded_blocks"] == 0 and st["dropped"] == len(owed)
+
+
+def test_readers_racing_the_recoder_get_every_block_right(tmp_path):
+    tokens = list(range(16 * 64))
+    kv = make_kv(SPEC, len(tokens), seed=4)
+    with _store(tmp_path / "nvme", backlog=64 * MiB) as store:
+        entered, gate = _gate(store.tiers[1])
+        store.put_kv(SPEC, tokens, kv)
+        stop, bad, reads = threading.Event(), [], [0]
+
+        def read() -> None:
+            while not stop.is_set():
+                got, n = store.get_kv(SPEC, tokens)
+                reads[0] += 1
+                if n != len(tokens) or not _close_enough(got, kv):
+                    bad.append(n)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            wait_until(lambda: reads[0] >= 2, what="the reader's first reads")
+            gate.set()
+            assert store.recoder.idle(20)
+            wait_until(lambda: reads[0] >= 10, what="reads after the re-encodes")
+        finally:
+            gate.set()
+            stop.set()
+            reader.join(30)
+        assert bad == []
+        assert store.stats().counters.corrupt_blocks == 0
+
+
+def test_raw_frames_found_at_start_are_owed_and_recoded(tmp_path):
+    tokens = list(range(16 * 64))
+    kv = make_kv(SPEC, len(tokens), seed=5)
+    path = tmp_path / "nvme"
+    with _store(path, tier_codecs={"nvme": "raw"}) as store:  # an operator who kept nvme raw
+        store.put_kv(SPEC, tokens, kv)
+        n_cold = len(_nvme_entries(store))
+        assert n_cold and all(e.codec is Codec.RAW for e in _nvme_entries(store))
+    with _store(path) as store:  # now int8 (the default): what is there is re-encoded
+        assert store.recoder.idle(20)
+        nvme = _nvme_entries(store)
+        assert len(nvme) == n_cold and all(e.codec is Codec.INT8 for e in nvme)
+        for e in nvme:
+            part = slice(e.depth * 16, (e.depth + 1) * 16)
+            assert _close_enough(codec.decode(store.tiers[1].get(e.key)), kv[:, :, :, part])
+        assert store.stats().recode["recoded_blocks"] == n_cold
+
+
+def test_a_store_without_background_threads_encodes_for_the_cold_tier_itself(tmp_path):
+    for store in (_store(tmp_path / "a", backlog=0), _store(tmp_path / "b", background=False)):
+        with store:
+            store.put_kv(SPEC, list(range(16 * 64)), make_kv(SPEC, 16 * 64, seed=6))
+            nvme = _nvme_entries(store)
+            assert nvme and all(e.codec is Codec.INT8 for e in nvme)
+            st = store.stats().recode
+            assert st["spilled_raw_blocks"] == 0 and st["backlog_bytes"] == 0
