@@ -104,6 +104,11 @@ class Tier(ABC):
     """Other processes or hosts can see what this tier holds."""
     shared_writers: bool = False
     """Other stores write here too (Redis): a miss in one store's index may be a hit here."""
+    overwrite_keeps_durable: bool = True
+    """A ``put`` over a key whose frame was durable leaves a durable frame of the key (the old or
+    the new) whatever crash comes. False where a host crash can take both (the file layout under
+    a group commit renames an unsynced file over the old one): the re-encoder does not rewrite
+    frames in place there (``kvstore.engine.recode``)."""
 
     @abstractmethod
     def put(self, key: BlockHash, frame: Buffer) -> None:

@@ -130,6 +130,7 @@ class NVMeTier(Tier):
         self.data_dir = os.path.abspath(os.fspath(data_dir))
         self._fsync = fsync
         self._sync_each = fsync and not sync_interval_s > 0
+        self.overwrite_keeps_durable = self._sync_each or not fsync  # no promise to keep, without fsync
         """Sync every write before the put returns (else a group commit covers it, or none: not durable)."""
         self._direct = direct_io and self._sync_each and hasattr(os, "O_DIRECT")
         self._direct_note = "on" if self._direct else "off"

@@ -91,6 +91,9 @@ def _again(core: EngineCore, entry: IndexEntry, scratch: memoryview, part: torch
     rewritten in place, as a re-encode does: ``kvstore.engine.recode``), decode the new one once;
     otherwise the frame is damaged and dropped. True when the block was decoded."""
     again = core.entry(entry.key)
+    if again is entry:  # a rewrite may be between its write and its index switch: let it finish
+        with core.claim(entry.key):
+            again = core.entry(entry.key)
     if again is None or again is entry or not is_current(again, namespace, spec_fp):
         _damaged(core, entry, exc)  # a no-op drop when the entry changed: it is not the one named
         return False

@@ -99,17 +99,18 @@ class Recoder:
         a tier below the top one whose codec is not raw, with room in the debt's bound, and the
         thread running to pay it."""
         core = self._core
-        if tier == core.tier_names[0] or core.codec_of(tier) is Codec.RAW or self._shared(tier):
+        if tier == core.tier_names[0] or core.codec_of(tier) is Codec.RAW or self._not_in_place(tier):
             return False
         with self._cond:
             return (self._thread is not None and not self._closed
                     and self._stats.pending_bytes + nbytes <= self._stats.backlog_bytes)
 
-    def _shared(self, tier: str) -> bool:
-        """Other nodes read a shared tier's frames against the checksums they hold: a frame there
-        is never rewritten in place, so a put encodes for it itself."""
+    def _not_in_place(self, tier: str) -> bool:
+        """Not rewritten in place, so a put encodes for it itself: a shared tier's frames (other
+        nodes read them against the checksums they hold), or a tier where an overwrite could take
+        a durable frame with it in a host crash (``Tier.overwrite_keeps_durable``)."""
         shared = self._core.shared
-        return shared is not None and shared.name == tier
+        return (shared is not None and shared.name == tier) or not self._core.tier(tier).overwrite_keeps_durable
 
     def owe(self, key: BlockHash, nbytes: int) -> None:
         """``key``'s frame was written raw where its tier wants another codec: re-encode it later."""
@@ -139,7 +140,7 @@ class Recoder:
                 if self._stats.pending_bytes + entry.size > self._stats.backlog_bytes:
                     break
                 if (entry.codec is Codec.RAW and entry.tier != core.tier_names[0]
-                        and core.codec_of(entry.tier) is not Codec.RAW and not self._shared(entry.tier)):
+                        and core.codec_of(entry.tier) is not Codec.RAW and not self._not_in_place(entry.tier)):
                     self._owe(entry.key, entry.size)
                     owed += 1
             self._last_owed = 0.0  # nothing is putting: no reason to wait
@@ -154,7 +155,7 @@ class Recoder:
         core = self._core
         entry = core.entry(key)
         if (entry is None or entry.codec is not Codec.RAW or entry.tier == core.tier_names[0]
-                or self._shared(entry.tier)):
+                or self._not_in_place(entry.tier)):
             return "dropped"
         want = core.codec_of(entry.tier)
         if want is Codec.RAW:
