@@ -174,3 +174,18 @@ def test_a_store_without_background_threads_encodes_for_the_cold_tier_itself(tmp
             assert nvme and all(e.codec is Codec.INT8 for e in nvme)
             st = store.stats().recode
             assert st["spilled_raw_blocks"] == 0 and st["backlog_bytes"] == 0
+
+
+def test_no_rewrite_in_place_where_an_overwrite_could_lose_a_durable_frame(tmp_path):
+    # The file layout under a group commit renames an unsynced file over the old one: the put
+    # encodes int8 itself there. The log layout keeps the old record until a synced compaction.
+    from tiers.nvme_log import LogTier
+
+    for cold, spills in ((NVMeTier(tmp_path / "f", 256 * MiB, sync_interval_s=0.1), False),
+                         (LogTier(tmp_path / "l", 256 * MiB, sync_interval_s=0.1), True)):
+        assert cold.overwrite_keeps_durable is spills
+        with KVStore([ShmTier(1 * MiB), cold]) as store:
+            store.put_kv(SPEC, list(range(16 * 64)), make_kv(SPEC, 16 * 64, seed=7))
+            assert (store.stats().recode["spilled_raw_blocks"] > 0) is spills
+            assert store.recoder.idle(20)
+            assert all(e.codec is Codec.INT8 for e in _nvme_entries(store))
