@@ -131,10 +131,17 @@ class Frames:
             except TierError as exc:
                 log.warning("tier %s failed a block get (%s); served as a miss", entry.tier, exc)
                 return None
-            if frame is not None:
+            if frame is not None and not _rewritten(frame, entry):
                 self._core.touch([key])
                 return frame, entry
+            self._settle(key)
         return None
+
+    def _settle(self, key: BlockHash) -> None:
+        """Wait until nobody holds ``key``'s claim: a rewrite in place (a re-encode) or a move
+        between its tier write and its index switch has finished, so a second look sees both."""
+        with self._core.claim(key):
+            pass
 
     def read_with(self, key: BlockHash, namespaces: frozenset[str] | None,
                   reader: Callable[[memoryview, FrameHeader, IndexEntry], T], *, tally: bool = True) -> T | None:
@@ -187,6 +194,7 @@ class Frames:
             if entry is last:  # the same entry twice and no frame: it is gone from its tier
                 self._core.drop(entry, corrupt=False)
                 return None
+            self._settle(key)
         return None
 
     def block_entry(self, key: BlockHash, namespaces: frozenset[str] | None) -> IndexEntry | None:
@@ -370,3 +378,11 @@ class Frames:
         if isinstance(failure, TierError) and not isinstance(failure, TierFull):
             raise failure
         raise TierFull(f"no tier has room for a {size}-byte frame", stored_tokens=0) from failure
+
+
+def _rewritten(frame: Any, entry: IndexEntry) -> bool:
+    """``frame`` is sound but not the one ``entry`` names (rewritten in place since the index read)."""
+    try:
+        return codec_mod.read_header(frame).body_checksum != entry.checksum
+    except FrameError:  # damaged: the caller's verify says so
+        return False

@@ -138,15 +138,15 @@ class Puts:
                     if is_current(core.entry(key), namespace, spec_fp):  # written while we waited
                         return False
                     try:
-                        entry = self._write(key, block, namespace, spec_fp, depth, now,
-                                            stored_tokens=depth * block.shape[3], first=room.tier)
+                        entry, spilled = self._write(key, block, namespace, spec_fp, depth, now,
+                                                     stored_tokens=depth * block.shape[3], first=room.tier)
                     except TierFull:
                         if force:
                             raise
                         continue
                     core.publish(entry, now=heat_now, parent=parent, tokens=tokens)
-                    if entry.codec is not core.codec_of(entry.tier) and self._recoder is not None:
-                        self._recoder.owe(key, entry.size)  # spilled raw: int8 comes behind
+                    if spilled:
+                        self._recoder.owe(key, entry.size)  # written raw below the top: int8 comes behind
                     if self._shared is not None:
                         self._shared.after_put(entry, block, block_meta(namespace, spec_fp, depth))
                     if self._placement.lease(key):
@@ -179,8 +179,9 @@ class Puts:
                         "counter room_forced", tier)
 
     def _write(self, key: BlockHash, block: torch.Tensor, namespace: str, spec_fp: str, depth: int,
-               now: float, *, stored_tokens: int, first: int = 0) -> IndexEntry:
-        """Encode ``block`` straight into the first tier with room, from tier ``first`` down.
+               now: float, *, stored_tokens: int, first: int = 0) -> tuple[IndexEntry, bool]:
+        """Encode ``block`` straight into the first tier with room, from tier ``first`` down: its
+        entry, and whether it went raw where the recoder owes its re-encode (``spills_raw``).
 
         Runs under ``claim(key)``.
         """
@@ -189,8 +190,9 @@ class Puts:
         failure: TierError | None = None
         for tier in core.tiers[first:]:
             codec = core.codec_of(tier.name)
-            if (codec is not Codec.RAW and self._recoder is not None
-                    and self._recoder.spills_raw(tier.name, block.numel() * block.element_size())):
+            spilled = (codec is not Codec.RAW and self._recoder is not None and self._recoder.spills_raw(
+                tier.name, codec_mod.frame_size(block.shape, block.dtype, Codec.RAW, meta_len=len(meta))))
+            if spilled:
                 codec = Codec.RAW  # below the top tier: the recoder re-encodes it off the put's path
             try:
                 try:
@@ -213,7 +215,7 @@ class Puts:
                 key=key, tier=tier.name, size=n, codec=header.codec, checksum=header.body_checksum,
                 raw_bytes=header.raw_nbytes, namespace=namespace, spec_fp=spec_fp, depth=depth,
                 created_s=now, last_access_s=now,
-            )
+            ), spilled
         if isinstance(failure, TierFull) or failure is None:
             raise TierFull(
                 f"no tier has room for a block ({', '.join(core.tier_names)} are full); "

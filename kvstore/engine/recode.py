@@ -115,7 +115,7 @@ class Recoder:
     def owe(self, key: BlockHash, nbytes: int) -> None:
         """``key``'s frame was written raw where its tier wants another codec: re-encode it later."""
         with self._cond:
-            if self._closed:
+            if self._closed or self._thread is None:  # nobody would pay it (spills_raw said no)
                 return
             self._owe(key, nbytes)
             self._stats.spilled_raw_blocks += 1
@@ -137,10 +137,10 @@ class Recoder:
         owed = 0
         with self._cond:
             for entry in core.snapshot():
-                if self._stats.pending_bytes + entry.size > self._stats.backlog_bytes:
-                    break
                 if (entry.codec is Codec.RAW and entry.tier != core.tier_names[0]
                         and core.codec_of(entry.tier) is not Codec.RAW and not self._not_in_place(entry.tier)):
+                    if self._stats.pending_bytes + entry.size > self._stats.backlog_bytes:
+                        break
                     self._owe(entry.key, entry.size)
                     owed += 1
             self._last_owed = 0.0  # nothing is putting: no reason to wait
@@ -184,9 +184,15 @@ class Recoder:
                 return "dropped"
             try:
                 tier.put(key, new)
-            except TierError as exc:  # full or failing: the raw frame stays, still sound
-                log.info("re-encode of %s: tier %s refused the write (%s); it stays raw", key.hex(), tier.name, exc)
-                return "failed"
+            except TierError as exc:
+                if not _landed(tier, key, header.body_checksum):  # full or failing: the raw frame stays
+                    log.info("re-encode of %s: tier %s refused the write (%s); it stays raw", key.hex(), tier.name,
+                             exc)
+                    return "failed"
+                # The write failed after it landed (a file renamed into place, then its directory's
+                # sync failed): the tier serves the new frame, so the index must name it.
+                log.warning("re-encode of %s: tier %s failed after the write landed (%s); indexed as written",
+                            key.hex(), tier.name, exc)
             core.switch(replace(entry, size=len(new), codec=header.codec, checksum=header.body_checksum),
                         src=tier.name, reason="recoded")
             core.placement.resized(key, len(new))
@@ -279,3 +285,16 @@ class Recoder:
     def stats(self) -> RecodeStats:
         with self._cond:
             return replace(self._stats, pending_blocks=len(self._pending))
+
+
+_HEAD_BYTES = 4096
+"""A frame's header fits well inside this (as recovery reads it)."""
+
+
+def _landed(tier, key: BlockHash, checksum: int) -> bool:
+    """Whether ``tier`` holds, under ``key``, the frame whose body checksum is ``checksum``."""
+    try:
+        got = tier.head(key, _HEAD_BYTES)
+        return got is not None and codec_mod.read_header(got[0], prefix=True).body_checksum == checksum
+    except (TierError, FrameError):
+        return False
