@@ -24,7 +24,8 @@ client processes put and get at once on the full store (``bench/steady_clients.p
 (``bench/steady_scale.py``) puts into a full top tier of 1M blocks against one of 10k, in process;
 a spill table (``bench/steady_spill.py``) writes 64 KiB frames to the nvme tier's two layouts
 until durable against one sequential file write of the same bytes. The servers' nvme layout is
-``KVSTORE_NVME_LAYOUT`` from the bench's environment (default ``files``).
+``KVSTORE_NVME_LAYOUT`` from the bench's environment (default ``log``, the server's default for a new
+data dir).
 
     kvstore bench steady [--quick] [--repeats N] [--out DIR]
 """
@@ -177,7 +178,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
     repeats = repeats or (3 if quick else 7)
     # the nvme group commit on (opt-in): the per-put sync is not what this bench is about
     env = dict(KVSTORE_TIERS="shm,nvme", KVSTORE_SHM_BYTES=str(TOP_BYTES), KVSTORE_NVME_BYTES=str(16 << 30),
-               KVSTORE_NVME_SYNC_INTERVAL_S="0.1", KVSTORE_NVME_LAYOUT=os.environ.get("KVSTORE_NVME_LAYOUT", "files"))
+               KVSTORE_NVME_SYNC_INTERVAL_S="0.1", KVSTORE_NVME_LAYOUT=os.environ.get("KVSTORE_NVME_LAYOUT", "log"))
     # first, on a quiet machine: after the servers, raw writes measured 385-490 MB/s against
     # 1,460-1,550 alone (same machine, same minute), and the ratios meant nothing
     spill = run_spill(quick=quick)
@@ -211,7 +212,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
 
 def format_table(result: dict) -> str:
     lines = [f"kvstore bench steady  ({result['repeats']} samples a row; shm {result['top_tier_bytes'] >> 20} MiB "
-             f"over nvme ({result.get('nvme_layout', 'files')} layout); MB/s of a burst of puts, median; "
+             f"over nvme ({result.get('nvme_layout', 'log')} layout); MB/s of a burst of puts, median; "
              f"full: KVSTORE_FULL_TOP_TIER=spill (default), full evict: =evict)",
              f"{'put':<8}{'block':<8}{'medium':<12}{'empty':>8}{'full':>8}{'evict':>8}{'full/empty':>11}"
              f"{'evict/empty':>12}   where the full stores' last burst landed (spill | evict)"]

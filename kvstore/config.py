@@ -93,16 +93,18 @@ class Settings:
     """NUMA node for the cxl arena; default the highest-numbered one, the far node (KVSTORE_CXL_NODE)."""
     nvme_bytes: int = 64 * 2**30
     """Frame bytes the nvme tier may hold (KVSTORE_NVME_BYTES)."""
-    nvme_sync_interval_s: float = 0.0
-    """> 0: the nvme tier's group commit: puts return once written through the page cache and
-    one sync covers them within this many seconds (or at once for a durable put's check); 0 (the
-    default, for now: see docs/reliability.md) syncs every put before it returns
-    (KVSTORE_NVME_SYNC_INTERVAL_S)."""
-    nvme_layout: str = "files"
-    """How the nvme tier lays out frames (KVSTORE_NVME_LAYOUT): ``files``, one safetensors file per
-    frame under ``<data_dir>/nvme`` (``tiers.nvme``); ``log``, frames appended to 64 MiB segment
-    files under ``<data_dir>/nvme-log`` with a background compactor (``tiers.nvme_log``), faster
-    for small blocks. Each layout reads only its own directory: switching starts empty."""
+    nvme_sync_interval_s: float = 0.1
+    """> 0 (the default, 0.1): the nvme tier's group commit: puts return once written through the
+    page cache and one sync covers them within this many seconds, or at once for a durable put's
+    check; a host crash may lose what the last interval wrote, a ``kill -9`` nothing
+    (docs/reliability.md). 0 syncs every put before it returns (KVSTORE_NVME_SYNC_INTERVAL_S)."""
+    nvme_layout: str = "auto"
+    """How the nvme tier lays out frames (KVSTORE_NVME_LAYOUT): ``log``, frames appended to 64 MiB
+    segment files under ``<data_dir>/nvme-log`` with a background compactor (``tiers.nvme_log``);
+    ``files``, one safetensors file per frame under ``<data_dir>/nvme`` (``tiers.nvme``), several
+    times slower for small blocks; ``auto`` (the default): ``files`` where ``<data_dir>/nvme``
+    holds frames already and ``nvme-log`` does not (a data dir from before the log layout keeps
+    its blocks), else ``log``. Each layout reads only its own directory."""
     redis_url: str | None = None
     """``redis://host:port/db`` or ``redis+cluster://host:port`` (KVSTORE_REDIS_URL)."""
     redis_bytes: int = 16 * 2**30
@@ -139,8 +141,8 @@ class Settings:
         sync = self.nvme_sync_interval_s
         if isinstance(sync, bool) or not isinstance(sync, (int, float)) or not 0 <= sync <= 60:
             raise InvalidInput(f"nvme_sync_interval_s must be a number of seconds in [0, 60], got {sync!r}")
-        if self.nvme_layout not in ("files", "log"):
-            raise InvalidInput(f"nvme_layout must be files or log, got {self.nvme_layout!r}")
+        if self.nvme_layout not in ("auto", "files", "log"):
+            raise InvalidInput(f"nvme_layout must be auto, files or log, got {self.nvme_layout!r}")
         if self.redis_url is not None and not _REDIS_URL.match(str(self.redis_url)):
             raise InvalidInput(f"redis_url must start with redis://, rediss:// or redis+cluster://, got {self.redis_url!r}")
 

@@ -65,7 +65,7 @@ def test_serve_starts_on_the_embedded_default_and_stops_on_sigterm(tmp_path):
     assert code in (0, -signal.SIGTERM), proc.log()
     assert "auth is off, serving loopback only" in proc.log()
     assert not shm_segments(proc.proc.pid), "shared memory outlived the server"
-    assert (tmp_path / "data" / "nvme").is_dir()
+    assert (tmp_path / "data" / "nvme-log").is_dir()  # a new data dir: the log layout
 
 
 def test_bench_tiers_quick_measures_every_tier(tmp_path):

@@ -341,7 +341,9 @@ def check_disk(engine: Any, mounts: str = "/proc/self/mounts") -> Result:
         return Result("disk", OK, f"data dir {where}: {kind}, writable; the nvme tier is not configured")
     st = os.statvfs(base)
     free = st.f_bavail * st.f_frsize
-    stored, complete = _stored_bytes(os.path.join(data_dir, "nvme"))
+    from kvstore.engine.build import nvme_layout  # lazy, as the doctor's other kvstore imports
+
+    stored, complete = _stored_bytes(nvme_layout(engine)[1])  # the directory the tier will read
     held = f" + {'' if complete else 'at least '}{_size(stored)} the tier holds" if stored else ""
     found = (f"data dir {where}: {kind}, writable, {_size(free)} free{held} for the nvme tier's "
              f"{_size(engine.nvme_bytes)}; O_DIRECT {'ok' if direct is None else 'refused: ' + direct}")

@@ -13,7 +13,7 @@ from typing import Callable
 from kvstore.config import Settings
 from kvstore.tier import Tier
 
-__all__ = ["build_tiers"]
+__all__ = ["build_tiers", "nvme_layout"]
 
 
 def _memory(s: Settings) -> Tier:
@@ -49,14 +49,31 @@ def _redis(s: Settings) -> Tier:
     return RedisTier(s.redis_url, s.redis_bytes, keyspace=s.redis_keyspace)
 
 
+def nvme_layout(s: Settings) -> tuple[str, str]:
+    """(the nvme tier's layout, its directory) for ``s``: ``auto`` is ``files`` where the data dir
+    holds frames of that layout and none of the log's (an older data dir keeps its blocks), else
+    ``log``."""
+    files, log = os.path.join(s.data_dir, "nvme"), os.path.join(s.data_dir, "nvme-log")
+    layout = s.nvme_layout
+    if layout == "auto":
+        layout = "files" if not os.path.isdir(log) and _holds_a_file(files) else "log"
+    return layout, files if layout == "files" else log
+
+
+def _holds_a_file(path: str) -> bool:
+    """Whether any file lies under ``path`` (stops at the first)."""
+    return any(files for _, _, files in os.walk(path))
+
+
 def _nvme(s: Settings) -> Tier:
-    if s.nvme_layout == "log":
+    layout, path = nvme_layout(s)
+    if layout == "log":
         from tiers.nvme_log import LogTier
 
-        return LogTier(os.path.join(s.data_dir, "nvme-log"), s.nvme_bytes, sync_interval_s=s.nvme_sync_interval_s)
+        return LogTier(path, s.nvme_bytes, sync_interval_s=s.nvme_sync_interval_s)
     from tiers.nvme import NVMeTier
 
-    return NVMeTier(os.path.join(s.data_dir, "nvme"), s.nvme_bytes, sync_interval_s=s.nvme_sync_interval_s)
+    return NVMeTier(path, s.nvme_bytes, sync_interval_s=s.nvme_sync_interval_s)
 
 
 _BUILDERS: dict[str, Callable[[Settings], Tier]] = {

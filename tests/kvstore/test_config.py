@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvstore.engine.build import build_tiers
+from kvstore.engine.build import build_tiers, nvme_layout
 from kvstore.config import Settings
 from kvstore.errors import InvalidInput
 
@@ -51,7 +51,7 @@ def test_steady_state_settings_parse_and_refuse_bad_values(monkeypatch, tmp_path
     monkeypatch.setenv("KVSTORE_FULL_TOP_TIER", "evict")
     s = Settings.from_env()
     assert s.nvme_sync_interval_s == 0.25 and s.full_top_tier == "evict"
-    assert Settings().nvme_sync_interval_s == 0.0 and Settings().full_top_tier == "spill"
+    assert Settings().nvme_sync_interval_s == 0.1 and Settings().full_top_tier == "spill"
     for name, bad, says in (("KVSTORE_NVME_SYNC_INTERVAL_S", "soon", "KVSTORE_NVME_SYNC_INTERVAL_S"),
                             ("KVSTORE_NVME_SYNC_INTERVAL_S", "-1", "nvme_sync_interval_s"),
                             ("KVSTORE_FULL_TOP_TIER", "drop", "full_top_tier")):
@@ -69,7 +69,7 @@ def test_steady_state_settings_parse_and_refuse_bad_values(monkeypatch, tmp_path
 
 
 def test_the_nvme_layout_setting_picks_the_tier_and_its_directory(monkeypatch, tmp_path):
-    assert Settings().nvme_layout == "files"
+    assert Settings().nvme_layout == "auto"
     monkeypatch.setenv("KVSTORE_NVME_LAYOUT", "segments")
     with pytest.raises(InvalidInput, match="nvme_layout"):
         Settings.from_env()
@@ -101,3 +101,24 @@ def test_build_closes_what_it_built_when_a_later_tier_fails(monkeypatch):
         build_tiers(Settings(tiers="shm,redis", shm_bytes=MiB))  # redis named, but no URL
     assert made, "the shm arena was not built first"
     assert not [p for p in made if os.path.exists(p)], "the shm arena built first was not closed and unlinked"
+
+
+def test_auto_layout_is_the_log_but_an_older_data_dir_keeps_its_files(tmp_path):
+    key = b"k" * 32
+    old = Settings(tiers="nvme", data_dir=str(tmp_path / "old"), nvme_layout="files")
+    tier = build_tiers(old)[0]
+    tier.put(key, b"frame of the file layout")
+    tier.close()
+    for data_dir, layout, directory in ((tmp_path / "new", "log", "nvme-log"), (tmp_path / "old", "files", "nvme")):
+        s = Settings(tiers="nvme", data_dir=str(data_dir))
+        assert s.nvme_layout == "auto" and nvme_layout(s) == (layout, str(data_dir / directory))
+        tier = build_tiers(s)[0]
+        try:
+            assert tier.data_dir == str(data_dir / directory)
+            if layout == "files":
+                assert bytes(tier.get(key)) == b"frame of the file layout"  # the upgrade kept the block
+        finally:
+            tier.close()
+    # once a log exists beside it, the log wins: the layout a server last ran stays its layout
+    (tmp_path / "old" / "nvme-log").mkdir()
+    assert nvme_layout(Settings(data_dir=str(tmp_path / "old")))[0] == "log"

@@ -34,7 +34,7 @@ def test_default_stack_fills_top_down_and_serves_from_every_tier(tmp_path):
         got, n = store.get_kv(spec, tokens)
         assert n == len(tokens)
         assert_served(store, got, kv, cold="nvme")
-        assert os.path.isdir(tmp_path / "nvme")
+        assert os.path.isdir(tmp_path / "nvme-log")  # a new data dir: the log layout
         segments = [t.path for t in store.tiers if hasattr(t, "segment")]  # this store's own, not all of /dev/shm
         assert segments and all(os.path.exists(p) for p in segments)
     assert not [p for p in segments if os.path.exists(p)], "shm arena left behind"

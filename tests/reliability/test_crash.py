@@ -38,13 +38,14 @@ def _check(figures: dict, cycles: int) -> None:
 
 
 def test_durable_puts_survive_kill_9(tmp_path):
+    # The defaults: the log layout under a group commit. Segments appended through the page cache,
+    # a durable put's check waiting for the group commit that covers it; each restart cuts the
+    # open segment's torn tail and seals it.
     _check(run_crashes(tmp_path, cycles=3), 3)
 
 
-def test_durable_puts_survive_kill_9_on_the_log_layout_with_a_group_commit(tmp_path):
-    # Segments appended through the page cache, a durable put's check waiting for the group commit
-    # that covers it; each restart cuts the open segment's torn tail and seals it.
-    _check(run_crashes(tmp_path, cycles=3, seed=2, KVSTORE_NVME_LAYOUT="log", KVSTORE_NVME_SYNC_INTERVAL_S="0.05"), 3)
+def test_durable_puts_survive_kill_9_on_the_file_layout_each_put_synced(tmp_path):
+    _check(run_crashes(tmp_path, cycles=3, seed=2, KVSTORE_NVME_LAYOUT="files", KVSTORE_NVME_SYNC_INTERVAL_S="0"), 3)
 
 
 @pytest.mark.slow

@@ -148,7 +148,7 @@ def test_serve_flags_and_env(tmp_path):
         with KVClient(proc.url, token="admin-token-xyz-123") as c:
             tiers = c.admin.tiers()
         assert [t["name"] for t in tiers] == ["shm", "nvme"] and tiers[0]["capacity_bytes"] == 8 << 20
-        assert (tmp_path / "flag-data" / "nvme").is_dir() and not (tmp_path / "env-data" / "nvme").exists()
+        assert (tmp_path / "flag-data" / "nvme-log").is_dir() and not (tmp_path / "env-data" / "nvme-log").exists()
         assert "auth on" in proc.log()
     finally:
         proc.stop()
