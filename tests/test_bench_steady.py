@@ -26,6 +26,10 @@ def test_the_steady_bench_fills_two_stores_and_reports_every_row(tmp_path):
     assert scale["sizes"] == [2_000, 20_000] and scale["ratio"] > 0
     assert all(f["blocks"] >= 0.85 * n for n, f in zip(scale["sizes"], scale["filled"].values()))
     assert all(m["demoted"] >= 16 for m in scale["moves"].values())
+    writers = result["writers"]  # 1 and 4 writer threads in process, the store full: they spill
+    assert writers["threads"] == [1, 4] and all(v > 0 for v in writers["puts_per_s"].values())
+    assert writers["ratio"] > 0 and writers["blocks_by_tier"]["nvme"] > 0
+    assert writers["recode"]["spilled_raw_blocks"] > 0  # written raw below, re-encoded behind
     many = result["clients"]  # 1 and 8 client processes, each op and medium, on the full store
     assert {(r["op"], r["medium"], r["clients"]) for r in many["rows"]} == {
         (op, medium, n) for op in ("put", "get") for medium in ("co-located", "HTTP") for n in (1, 8)}
