@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from bench.report import header, publish
-from bench.serving import kvstore_serve
+from bench.serving import kvstore_serve, kvstore_server
 from bench.steady_clients import format_clients, run_clients
 from bench.steady_specs import block_spec
 from bench.steady_scale import format_scale, run_scale
@@ -186,7 +186,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
     # 1,460-1,550 alone (same machine, same minute), and the ratios meant nothing
     spill = run_spill(quick=quick)
     fresh = _Fresh(10_000_000)
-    with kvstore_serve("steady-empty", **env) as empty, kvstore_serve("steady-full", **env) as full, \
+    with kvstore_serve("steady-empty", **env) as empty, kvstore_server("steady-full", **env) as (full, full_proc), \
             kvstore_serve("steady-evict", **env, KVSTORE_FULL_TOP_TIER="evict") as evict:
         urls = {"empty": empty, "full": full, "full evict": evict}
         filled = {}
@@ -195,7 +195,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
             filled[store] = (fill(urls[store], fresh), time.perf_counter() - t0)
         before = {store: _moves(urls[store]) for store in filled}
         result = measure(urls, repeats, fresh)
-        result["clients"] = run_clients(full, window_s=2.0 if quick else 5.0)
+        result["clients"] = run_clients(full, window_s=2.0 if quick else 5.0, server_pid=full_proc.pid)
         result["full stores"] = {
             store: {"filled_mib": filled[store][0] / (1 << 20), "fill_s": filled[store][1],
                     "top_tier_used_mib": _top(urls[store])["used_bytes"] / (1 << 20),

@@ -17,6 +17,7 @@ one client's (issue 34's target >= 1.5x) and, for puts, p99 / p50 at 8 clients (
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,8 +35,22 @@ def _sequence(worker: int, i: int) -> list[int]:
     return [500_000_000 + worker * 10_000_000 + i] + [11] * (TOKENS - 1)
 
 
-def run_clients(url: str, *, window_s: float, clients: tuple[int, ...] = CLIENTS) -> dict:
-    """Rows of pooled throughput and latency for each op, medium and client count against ``url``."""
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) process ``pid`` has used; 0.0 without a pid or /proc."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def run_clients(url: str, *, window_s: float, clients: tuple[int, ...] = CLIENTS, server_pid: int | None = None) -> dict:
+    """Rows of pooled throughput and latency for each op, medium and client count against ``url``;
+    with ``server_pid``, the server's CPU time per op and the cores it kept busy (its own threads
+    included: the scrubber, the mover, the re-encoder), what docs/design.md's scaling model uses."""
     rows = []
     argvs = [["-m", "bench.steady_clients", "worker", url, str(w)] for w in range(max(clients))]
     with json_workers(argvs, "a steady client") as workers:
@@ -43,6 +58,7 @@ def run_clients(url: str, *, window_s: float, clients: tuple[int, ...] = CLIENTS
             for medium in MEDIA:
                 for n in clients:
                     start_at = time.time() + 0.5
+                    cpu0 = _cpu_s(server_pid)
                     for w in workers[:n]:
                         w.send(cmd=op, medium=medium, start_at=start_at, window_s=window_s)
                     latencies: list[float] = []
@@ -51,10 +67,13 @@ def run_clients(url: str, *, window_s: float, clients: tuple[int, ...] = CLIENTS
                         got = w.reply()
                         latencies.extend(got["latencies"])
                         rate += len(got["latencies"]) / got["elapsed_s"]
+                    cpu = _cpu_s(server_pid) - cpu0
                     latencies.sort()
                     rows.append({"op": op, "medium": medium, "clients": n, "ops": len(latencies),
                                  "ops_per_s": rate, "p50_ms": 1e3 * statistics.median(latencies),
-                                 "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]})
+                                 "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                                 **({"server_cpu_ms_per_op": 1e3 * cpu / len(latencies),
+                                     "server_cores": cpu / window_s} if server_pid else {})})
     by = {(r["op"], r["medium"], r["clients"]): r for r in rows}
     lo, hi = min(clients), max(clients)
     ratios = {f"{op} {medium}": {"aggregate": by[op, medium, hi]["ops_per_s"] / by[op, medium, lo]["ops_per_s"],
@@ -66,10 +85,12 @@ def run_clients(url: str, *, window_s: float, clients: tuple[int, ...] = CLIENTS
 def format_clients(result: dict) -> list[str]:
     lo, hi = min(result["clients"]), max(result["clients"])
     lines = ["", f"many clients on the full store: 1 MiB of 64 KiB blocks, {result['window_s']:g} s windows",
-             f"{'op':<5}{'medium':<12}{'clients':>8}{'ops/s':>9}{'p50 ms':>9}{'p99 ms':>9}"]
+             f"{'op':<5}{'medium':<12}{'clients':>8}{'ops/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+             f"{'server CPU ms/op':>18}{'server cores':>14}"]
     for r in result["rows"]:
         lines.append(f"{r['op']:<5}{r['medium']:<12}{r['clients']:>8}{r['ops_per_s']:>9.0f}"
-                     f"{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}")
+                     f"{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}{r.get('server_cpu_ms_per_op', 0):>18.2f}"
+                     f"{r.get('server_cores', 0):>14.2f}")
     for name, ratio in result["ratios"].items():
         lines.append(f"{name}: {hi} clients / {lo} aggregate {ratio['aggregate']:.2f}x (target >= 1.5x); "
                      f"p99 / p50 at {hi} {ratio['p99 / p50']:.1f}x" + (" (target <= 3x)" if name.startswith("put") else ""))
@@ -86,8 +107,11 @@ def _worker(url: str, worker: int) -> None:
     torch.set_num_threads(1)
     spec = block_spec("64 KiB")
     kv = torch.randn(spec.kv_shape(TOKENS), generator=torch.Generator().manual_seed(worker)).to(spec.torch_dtype)
-    clients = {medium: KVClient(url, namespace="steady-clients", colocated=medium == "co-located", plan=False)
-               for medium in MEDIA}
+    # One agent a worker, as an engine is one: two agent ids in one worker (a client per medium)
+    # made its reads of its own sequence look like hand-offs, and the server learned to prefetch
+    # every chain the worker put (thousands of promotions and demotions in a window).
+    clients = {medium: KVClient(url, namespace="steady-clients", colocated=medium == "co-located", plan=False,
+                                agent=f"steady-client-{worker}") for medium in MEDIA}
     mine = _sequence(worker, 0)
     clients["co-located"].put_kv(spec, mine, kv)
     for client in clients.values():
