@@ -34,7 +34,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Sequence
 
 import lz4.block
 import numpy as np
@@ -46,6 +46,7 @@ from kvstore.errors import CorruptFrame, InvalidInput, InvalidKV, UnsupportedFra
 from kvstore.spec import DTYPES
 
 __all__ = [
+    "encode_many",
     "transcode",
     "layout_prefix",
     "meta_starts_with",
@@ -349,6 +350,69 @@ def encode_into(
         layout, sid = _LAYOUT_KIVI, _SCALE_ID[scale_dtype]
 
     return _seal(mv, codec, dname, shape, len(meta), flags, layout, sid, scales_len, payload_len, raw_len)
+
+
+def encode_many(kvs: Sequence[torch.Tensor], metas: Sequence[bytes]) -> list[bytearray]:
+    """int8 frames of blocks of one shape and dtype, quantized in one batched pass: the very
+    frames ``encode(kv, Codec.INT8, meta=meta)`` makes, one per block (float32 scales).
+
+    Why: a small block is all per-op overhead one at a time (a 64 KiB block encodes at ~0.2
+    GB/s against ~1.9 for 32 MiB); the re-encoder (``kvstore.engine.recode``) batches the
+    blocks puts spilled raw.
+
+    Raises:
+        InvalidKV: shapes or dtypes differ, a shape int8 cannot hold, or a block holds values
+            int8 cannot represent (NaN, Inf, too large): nothing is returned; encode them one
+            by one to learn which.
+        InvalidInput: ``metas`` does not match ``kvs``, or a bad meta.
+    """
+    if len(kvs) != len(metas):
+        raise InvalidInput(f"{len(kvs)} blocks but {len(metas)} metas")
+    if not kvs:
+        return []
+    first = kvs[0]
+    if not all(isinstance(k, torch.Tensor) and k.shape == first.shape and k.dtype == first.dtype for k in kvs):
+        raise InvalidKV("encode_many takes tensors of one shape and dtype")
+    shape = _int8_shape(tuple(first.shape))
+    dname = _dtype_name(first.dtype)
+    _check_lossy_dtype(dname)
+    metas = [_check_meta(m) for m in metas]
+    x = torch.stack([k.detach().to("cpu") for k in kvs]).float()  # [N, L, 2, H, T, D]
+    k, v = x[:, :, 0], x[:, :, 1]  # [N, L, H, T, D]
+    # As _quantize, per block: K per channel over tokens, V per token over head_dim; absmax / 127
+    # with the same floor; x * (1 / scale), rounded. The same float32 ops give the same bytes.
+    k_s = torch.maximum(k.amax(dim=3, keepdim=True), k.amin(dim=3, keepdim=True).neg_())
+    v_s = torch.maximum(v.amax(dim=4, keepdim=True), v.amin(dim=4, keepdim=True).neg_())
+    k_s.div_(127.0).clamp_min_(_MIN_SCALE)
+    v_s.div_(127.0).clamp_min_(_MIN_SCALE)
+    for s in (k_s, v_s):
+        lo, hi = torch.aminmax(s)
+        if not (bool(lo >= 0) and bool(hi <= _MAX_SCALE)):  # NaN fails both
+            raise InvalidKV("int8 codec: a block of the batch holds NaN, Inf or values too large")
+    k.mul_(k_s.reciprocal())
+    v.mul_(v_s.reciprocal())
+    q = x.round_().to(torch.int8)
+    n_k, n_v = _scale_counts(shape)
+    scales_len = (n_k + n_v) * 4
+    numel = math.prod(shape)
+    frames = []
+    for i, meta in enumerate(metas):
+        out = bytearray(frame_size(shape, dname, Codec.INT8, meta_len=len(meta)))  # zeroed: its pads too
+        mv = memoryview(out)
+        meta_off = _header_len(len(shape))
+        scales_off = meta_off + _pad(len(meta))
+        payload_off = scales_off + _pad(scales_len)
+        mv[meta_off: meta_off + len(meta)] = meta
+        scales = _view(mv, torch.float32, scales_off, n_k + n_v)
+        scales[:n_k].copy_(k_s[i].reshape(-1))
+        scales[n_k:].copy_(v_s[i].reshape(-1))
+        _view(mv, torch.int8, payload_off, numel).view(shape).copy_(q[i])
+        n = _seal(mv, Codec.INT8, dname, shape, len(meta), 0, _LAYOUT_KIVI, _SCALE_ID["float32"], scales_len,
+                  numel, numel)
+        mv.release()
+        del out[n:]
+        frames.append(out)
+    return frames
 
 
 def _seal(mv: memoryview, codec: Codec, dname: str, shape: tuple[int, ...], meta_len: int, flags: int,

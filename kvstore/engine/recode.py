@@ -31,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
@@ -45,8 +46,28 @@ log = logging.getLogger("kvstore.engine.recode")
 QUIET_S = 0.05
 """Seconds without a new debt before the thread re-encodes, while the debt is under half its
 bound: a burst of puts runs alone on the CPU, the thread catches up in the gap after it."""
-ERROR_BACKOFF_S = 1.0
-"""Seconds the thread waits after an unexpected failure before it carries on."""
+BATCH = 64
+"""Debts paid at a time: read, quantized together where they are small and of one shape, then
+each written back under its own claim."""
+BATCH_BYTES = 8 << 20
+"""Raw bytes a batch takes on at most (it takes one debt, however large)."""
+BATCH_BLOCK_BYTES = 256 << 10
+"""Blocks of at most this many KV bytes are quantized in batches: a 64 KiB block encodes 3x faster
+in a batch of 32 (1.0 against 0.3 GB/s here), a 2 MiB block a quarter slower (one pass over a
+batch's float32 copy falls out of the cache where the one-block path works in L2-sized chunks)."""
+
+
+@dataclass(slots=True)
+class _Job:
+    """One debt being paid: the frame read, decoded, and (once encoded) its new frame."""
+
+    key: BlockHash
+    entry: Any
+    tier: Any
+    want: Codec
+    kv: Any
+    meta: bytes
+    new: Any = None
 
 
 @dataclass(slots=True)
@@ -152,6 +173,18 @@ class Recoder:
     def recode(self, key: BlockHash) -> str:
         """Re-encode ``key``'s raw frame in its tier's codec, in place: ``recoded``, ``dropped``
         (no longer owed: rewritten, moved or gone), ``kept_raw``, ``failed`` or ``damaged``."""
+        return self.recode_many([key])[0]
+
+    def recode_many(self, keys: list[BlockHash]) -> list[str]:
+        """``recode`` for each of ``keys``, small blocks of one shape quantized in one batched pass
+        (``codec.encode_many``); each written back under its own claim."""
+        jobs = [self._read(key) for key in keys]
+        todo = [job for job in jobs if isinstance(job, _Job)]
+        self._encode(todo)
+        return [job if isinstance(job, str) else self._commit(job) for job in jobs]
+
+    def _read(self, key: BlockHash) -> "_Job | str":
+        """The raw frame owed, read and checked to be the one indexed; or the debt's outcome."""
         core = self._core
         entry = core.entry(key)
         if (entry is None or entry.codec is not Codec.RAW or entry.tier == core.tier_names[0]
@@ -169,15 +202,46 @@ class Recoder:
         if frame is None:
             return "dropped"  # gone meanwhile; a reader drops the entry when it finds it so
         try:
-            if codec_mod.read_header(frame).body_checksum != entry.checksum:
+            header = codec_mod.read_header(frame)
+            if header.body_checksum != entry.checksum:
                 return "dropped"  # rewritten since we looked the entry up
-            new = codec_mod.transcode(frame, want)
-        except InvalidKV:
-            return "kept_raw"
+            kv = codec_mod.decode(frame, expect_checksum=entry.checksum)
+            meta = codec_mod.frame_meta(frame)
         except FrameError as exc:
             log.warning("re-encode of %s: frame in %s is damaged (%s); dropped", key.hex(), tier.name, exc)
             core.drop(entry, corrupt=True)
             return "damaged"
+        except InvalidKV:  # not KV the tier's codec takes (a frame of bytes): it stays as it is
+            return "kept_raw"
+        return _Job(key, entry, tier, want, kv, meta)
+
+    @staticmethod
+    def _encode(jobs: list["_Job"]) -> None:
+        """Each job's new frame (or ``kept_raw``): small int8 blocks of one shape in batches."""
+        groups: dict[tuple, list[_Job]] = {}
+        for job in jobs:
+            small = job.want is Codec.INT8 and job.kv.numel() * job.kv.element_size() <= BATCH_BLOCK_BYTES
+            groups.setdefault((tuple(job.kv.shape), job.kv.dtype) if small else (id(job),), []).append(job)
+        for group in groups.values():
+            if len(group) > 1:
+                try:
+                    for job, frame in zip(group, codec_mod.encode_many([j.kv for j in group], [j.meta for j in group])):
+                        job.new = frame
+                    continue
+                except InvalidKV:  # one of them cannot be int8: find which, one by one
+                    pass
+            for job in group:
+                try:
+                    job.new = codec_mod.encode(job.kv, job.want, meta=job.meta)
+                except InvalidKV:  # int8 cannot hold this block (NaN, Inf): it stays raw
+                    job.new = None
+
+    def _commit(self, job: "_Job") -> str:
+        """Under the key's claim, and only if its entry is still the one read: write the new frame
+        over the raw one, switch the index, tell placement."""
+        if job.new is None:
+            return "kept_raw"
+        core, key, entry, tier, new = self._core, job.key, job.entry, job.tier, job.new
         header = codec_mod.read_header(new)
         with core.claim(key):
             if core.entry(key) is not entry:  # rewritten, moved or deleted meanwhile: that wins
@@ -205,30 +269,41 @@ class Recoder:
         done = 0
         while limit is None or done < limit:
             with self._cond:
-                if not self._pending:
-                    break
-                key, nbytes = self._pending.popitem(last=False)
-            self._pay(key, nbytes)
-            done += 1
+                batch = self._take(BATCH if limit is None else min(BATCH, limit - done))
+            if not batch:
+                break
+            self._pay(batch)
+            done += len(batch)
         return done
 
-    def _pay(self, key: BlockHash, nbytes: int) -> None:
+    def _take(self, most: int) -> list[tuple[BlockHash, int]]:
+        """Under the lock: up to ``most`` debts, oldest first, within ``BATCH_BYTES``."""
+        batch: list[tuple[BlockHash, int]] = []
+        nbytes = 0
+        while self._pending and len(batch) < most and (not batch or nbytes < BATCH_BYTES):
+            key, n = self._pending.popitem(last=False)
+            batch.append((key, n))
+            nbytes += n
+        return batch
+
+    def _pay(self, batch: list[tuple[BlockHash, int]]) -> None:
         try:
-            outcome = self.recode(key)
-        except Exception:  # noqa: BLE001 - one block's failure must not end the thread
-            log.exception("re-encode of %s failed", key.hex())
-            outcome = "failed"
+            outcomes = self.recode_many([key for key, _ in batch])
+        except Exception:  # noqa: BLE001 - one batch's failure must not end the thread
+            log.exception("re-encode of %d blocks failed", len(batch))
+            outcomes = ["failed"] * len(batch)
         with self._cond:
-            self._stats.pending_bytes -= nbytes  # owed again meanwhile: that newer debt counts its own
+            for (_, nbytes), outcome in zip(batch, outcomes):
+                self._stats.pending_bytes -= nbytes  # owed again meanwhile: that newer debt counts its own
+                if outcome == "recoded":
+                    self._stats.recoded_blocks += 1
+                elif outcome in ("dropped", "damaged"):
+                    self._stats.dropped += 1
+                elif outcome == "kept_raw":
+                    self._stats.kept_raw += 1
+                else:
+                    self._stats.failed += 1
             self._stats.pending_blocks = len(self._pending)
-            if outcome == "recoded":
-                self._stats.recoded_blocks += 1
-            elif outcome in ("dropped", "damaged"):
-                self._stats.dropped += 1
-            elif outcome == "kept_raw":
-                self._stats.kept_raw += 1
-            else:
-                self._stats.failed += 1
 
     def idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until nothing is owed (tests and benches); False on timeout."""
@@ -250,14 +325,14 @@ class Recoder:
             self._thread.start()
             self.owe_recovered()
 
-    def _next(self) -> tuple[BlockHash, int] | None:
-        """The oldest debt, once it is time to pay it; None once closed."""
+    def _next(self) -> list[tuple[BlockHash, int]] | None:
+        """The oldest debts (a batch), once it is time to pay them; None once closed."""
         with self._cond:
             while not self._closed:
                 if self._pending:
                     wait = self._last_owed + QUIET_S - time.monotonic()
                     if wait <= 0 or self._stats.pending_bytes * 2 >= self._stats.backlog_bytes:
-                        return self._pending.popitem(last=False)
+                        return self._take(BATCH)
                     self._cond.wait(wait)
                 else:
                     self._cond.notify_all()  # idle() waiters
@@ -266,10 +341,10 @@ class Recoder:
 
     def _loop(self) -> None:
         while True:
-            job = self._next()
-            if job is None or self._core.closed:
+            batch = self._next()
+            if batch is None or self._core.closed:
                 return
-            self._pay(*job)
+            self._pay(batch)
             with self._cond:
                 self._cond.notify_all()
 

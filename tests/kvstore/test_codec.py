@@ -396,3 +396,35 @@ def test_a_bytes_frame_is_raw_only_and_sealed_around_a_payload_in_place():
     with pytest.raises(InvalidKV):
         codec.seal_raw(bytearray(at + 10), "uint8", (len(payload),), meta)  # too small
     assert codec.seal_raw(bytearray(at), "uint8", (0,), b"") == codec.raw_payload_offset(1, 0)
+
+
+def test_encode_many_makes_the_frames_encode_makes_byte_for_byte():
+    from kvstore.codec import encode_many
+
+    for shape, dtype in (((8, 2, 2, 16, 64), torch.float16), ((2, 2, 3, 5, 7), torch.bfloat16),
+                         ((1, 2, 1, 1, 1), torch.float32)):
+        gen = torch.Generator().manual_seed(len(shape) + shape[0])
+        kvs = [torch.randn(shape, generator=gen).to(dtype) * (10.0 ** i) for i in range(-3, 4)]
+        kvs.append(torch.zeros(shape, dtype=dtype))  # all-zero channels: the scale's floor
+        kvs.append(torch.randn((shape[0], shape[1], shape[3], shape[2], shape[4]), generator=gen).to(dtype)
+                   .transpose(2, 3))  # a strided view
+        metas = [f"block {i}".encode() * i for i in range(len(kvs))]
+        many = encode_many(kvs, metas)
+        assert [bytes(f) for f in many] == [bytes(encode(k, "int8", meta=m)) for k, m in zip(kvs, metas)]
+
+
+def test_encode_many_refuses_what_encode_refuses():
+    from kvstore.codec import encode_many
+
+    good = torch.randn(2, 2, 2, 4, 8).half()
+    bad = good.clone()
+    bad[1, 0, 1, 2, 3] = float("inf")
+    with pytest.raises(InvalidKV):
+        encode_many([good, bad], [b"", b""])
+    with pytest.raises(InvalidKV, match="one shape"):
+        encode_many([good, torch.randn(2, 2, 2, 5, 8).half()], [b"", b""])
+    with pytest.raises(InvalidKV):
+        encode_many([torch.randn(4, 8).half()] * 2, [b"", b""])
+    with pytest.raises(InvalidInput):
+        encode_many([good], [])
+    assert encode_many([], []) == []

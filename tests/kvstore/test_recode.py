@@ -244,3 +244,25 @@ def test_a_block_read_by_key_waits_out_a_rewrite_between_its_write_and_switch(tm
             gate.set()
         reader.join(10)
         assert got == [(Codec.INT8, Codec.INT8)]
+
+
+def test_a_block_int8_cannot_hold_stays_raw_and_its_batch_is_recoded(tmp_path):
+    from tiers.memory import MemoryTier
+
+    tokens = list(range(16 * 64))
+    kv = make_kv(SPEC, len(tokens), seed=10)
+    kv[0, 1, 0, 60 * 16 + 3, 5] = float("inf")  # block 60: raw KV keeps it, int8 cannot
+    # Both upper tiers raw: the put does not refuse Inf (it would where a put lands in int8)
+    with KVStore([ShmTier(1 * MiB), MemoryTier(MiB // 2, name="warm"), NVMeTier(tmp_path / "n", 256 * MiB)]) as store:
+        assert store.put_kv(SPEC, tokens, kv) == len(tokens)
+        assert store.recoder.idle(20)
+        nvme = {e.depth: e for e in _nvme_entries(store)}
+        assert 60 in nvme and len(nvme) > 8
+        assert nvme[60].codec is Codec.RAW
+        assert all(e.codec is Codec.INT8 for d, e in nvme.items() if d != 60)
+        st = store.stats().recode
+        assert st["kept_raw"] == 1 and st["recoded_blocks"] == len(nvme) - 1, st
+        got, n = store.get_kv(SPEC, tokens)
+        assert n == len(tokens)
+        part = slice(60 * 16, 61 * 16)
+        assert torch.equal(got[:, :, :, part].view(torch.int16), kv[:, :, :, part].view(torch.int16))
