@@ -16,11 +16,12 @@ from tiers.nvme import NVMeTier
 from tiers.shm import ShmTier
 
 MiB = 1 << 20
-SPEC = make_spec(num_layers=4, num_kv_heads=2, head_dim=64)  # 32 KiB blocks of 16 tokens
-BLOCK = 32 * 1024
+SPEC = make_spec(num_layers=16, num_kv_heads=8, head_dim=64)  # 512 KiB blocks of 16 tokens: re-encoded behind
+BLOCK = 512 * 1024
+SMALL = make_spec(num_layers=4, num_kv_heads=2, head_dim=64)  # 32 KiB blocks: quantized on the put's path
 
 
-def _store(path, *, backlog=64 * MiB, top=1 * MiB, **kw) -> KVStore:
+def _store(path, *, backlog=64 * MiB, top=16 * MiB, **kw) -> KVStore:
     return KVStore([ShmTier(top), NVMeTier(path, 256 * MiB)], recode_backlog_bytes=backlog, **kw)
 
 
@@ -49,7 +50,7 @@ def _nvme_entries(store):
 
 
 def test_a_full_store_spills_raw_and_the_recoder_makes_it_int8(tmp_path):
-    tokens = list(range(16 * 64))  # 2 MiB of KV into a 1 MiB top tier
+    tokens = list(range(16 * 64))  # 32 MiB of KV into a 16 MiB top tier
     kv = make_kv(SPEC, len(tokens), seed=1)
     with _store(tmp_path / "nvme") as store:
         assert store.put_kv(SPEC, tokens, kv) == len(tokens)
@@ -184,7 +185,7 @@ def test_no_rewrite_in_place_where_an_overwrite_could_lose_a_durable_frame(tmp_p
     for cold, spills in ((NVMeTier(tmp_path / "f", 256 * MiB, sync_interval_s=0.1), False),
                          (LogTier(tmp_path / "l", 256 * MiB, sync_interval_s=0.1), True)):
         assert cold.overwrite_keeps_durable is spills
-        with KVStore([ShmTier(1 * MiB), cold]) as store:
+        with KVStore([ShmTier(16 * MiB), cold]) as store:
             store.put_kv(SPEC, list(range(16 * 64)), make_kv(SPEC, 16 * 64, seed=7))
             assert (store.stats().recode["spilled_raw_blocks"] > 0) is spills
             assert store.recoder.idle(20)
@@ -253,7 +254,7 @@ def test_a_block_int8_cannot_hold_stays_raw_and_its_batch_is_recoded(tmp_path):
     kv = make_kv(SPEC, len(tokens), seed=10)
     kv[0, 1, 0, 60 * 16 + 3, 5] = float("inf")  # block 60: raw KV keeps it, int8 cannot
     # Both upper tiers raw: the put does not refuse Inf (it would where a put lands in int8)
-    with KVStore([ShmTier(1 * MiB), MemoryTier(MiB // 2, name="warm"), NVMeTier(tmp_path / "n", 256 * MiB)]) as store:
+    with KVStore([ShmTier(16 * MiB), MemoryTier(8 * MiB, name="warm"), NVMeTier(tmp_path / "n", 256 * MiB)]) as store:
         assert store.put_kv(SPEC, tokens, kv) == len(tokens)
         assert store.recoder.idle(20)
         nvme = {e.depth: e for e in _nvme_entries(store)}
@@ -266,3 +267,34 @@ def test_a_block_int8_cannot_hold_stays_raw_and_its_batch_is_recoded(tmp_path):
         assert n == len(tokens)
         part = slice(60 * 16, 61 * 16)
         assert torch.equal(got[:, :, :, part].view(torch.int16), kv[:, :, :, part].view(torch.int16))
+
+
+def test_small_blocks_are_quantized_with_their_chain_on_the_puts_path(tmp_path):
+    tokens = list(range(16 * 64))  # 2 MiB of 32 KiB blocks into a 1 MiB top tier
+    kv = make_kv(SMALL, len(tokens), seed=11)
+    with _store(tmp_path / "nvme", top=1 * MiB) as store:
+        assert store.put_kv(SMALL, tokens, kv) == len(tokens)
+        nvme = _nvme_entries(store)  # no waiting: int8 as the put returns
+        assert len(nvme) > 16 and all(e.codec is Codec.INT8 for e in nvme)
+        assert store.stats().recode["spilled_raw_blocks"] == 0
+        from kvstore.keys import block_meta
+
+        for e in nvme[:4]:  # the frames one-at-a-time encoding makes, byte for byte
+            block = kv[:, :, :, e.depth * 16:(e.depth + 1) * 16]
+            meta = block_meta(e.namespace, e.spec_fp, e.depth)
+            assert bytes(store.tiers[1].get(e.key)) == bytes(codec.encode(block, "int8", meta=meta))
+        got, n = store.get_kv(SMALL, tokens)
+        assert n == len(tokens) and _close_enough(got, kv)
+
+
+def test_a_small_block_int8_cannot_hold_is_kept_raw_and_the_rest_int8(tmp_path):
+    from tiers.memory import MemoryTier
+
+    tokens = list(range(16 * 64))
+    kv = make_kv(SMALL, len(tokens), seed=12)
+    kv[1, 0, 1, 60 * 16 + 2, 9] = float("nan")
+    with KVStore([ShmTier(1 * MiB), MemoryTier(MiB // 2, name="warm"), NVMeTier(tmp_path / "n", 64 * MiB)]) as store:
+        assert store.put_kv(SMALL, tokens, kv) == len(tokens)
+        nvme = {e.depth: e for e in _nvme_entries(store)}
+        assert 60 in nvme and nvme[60].codec is Codec.RAW and store.stats().counters.blocks_kept_raw == 1
+        assert all(e.codec is Codec.INT8 for d, e in nvme.items() if d != 60)
