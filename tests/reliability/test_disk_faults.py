@@ -24,8 +24,10 @@ TOKENS = list(range(7_000, 7_064))  # four blocks of 16
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    # The file layout: these damage one block's file (the log layout's damage is
+    # tests/tiers/test_nvme_log.py's).
     env.update(KVSTORE_DATA_DIR=str(tmp_path / "data"), KVSTORE_TIERS="nvme", KVSTORE_TIER_CODECS="nvme=raw",
-               KVSTORE_LOG_LEVEL="warning")
+               KVSTORE_NVME_LAYOUT="files", KVSTORE_LOG_LEVEL="warning")
     return env
 
 

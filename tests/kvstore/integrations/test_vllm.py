@@ -317,7 +317,8 @@ def test_the_four_figures_agree_with_what_vllm_counts(python, model, work, serve
 
 @pytest.fixture(scope="module")
 def disk_env(work) -> dict[str, str]:
-    return small_env(work / "b", KVSTORE_TIERS="nvme", KVSTORE_TIER_CODECS="nvme=raw")
+    # the file layout: the damage test rewrites one block's file
+    return small_env(work / "b", KVSTORE_TIERS="nvme", KVSTORE_TIER_CODECS="nvme=raw", KVSTORE_NVME_LAYOUT="files")
 
 
 @pytest.fixture(scope="module")
