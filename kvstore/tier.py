@@ -160,6 +160,12 @@ class Tier(ABC):
         used. Arena tiers override this to hand out their own memory, so an
         encoder writes straight into the slot with no staging copy.
 
+        A tier that knows its capacity refuses a frame that cannot fit before
+        ``writer`` runs (TierFull, ``writer`` not called): a caller receiving the
+        frame off a socket can then make room and try again, its bytes unspent.
+        This default runs ``writer`` first; a tier whose capacity is only known at
+        the write (Redis, shared with other stores) keeps it and says so.
+
         Returns:
             The stored frame's length.
         """

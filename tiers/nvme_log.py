@@ -35,7 +35,7 @@ from typing import Iterator
 
 from kvstore.errors import InvalidInput, StoreClosed, TierFull, TierIOError
 from kvstore.keys import BlockHash, check_key
-from kvstore.tier import Buffer, Tier, TierCounters, TierStats, writable_bytes
+from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats, writable_bytes
 from tiers.group_commit import GroupCommit
 from tiers.nvme_file import NO_SPACE, byte_view, fsync_dir
 from tiers.nvme_log_format import (
@@ -158,23 +158,62 @@ class LogTier(Compaction, Tier):
         key = check_key(key)
         view = byte_view(frame)
         checksum = frame_checksum(view)  # outside every lock: the one pass over the bytes
+        self._reserve(key, len(view))
+        self._append_frame(key, view, checksum, len(view))
+
+    def put_with(self, key: BlockHash, size: int, writer: FrameWriter) -> int:
+        """Let ``writer`` fill a buffer of ``size`` bytes, then append what it wrote.
+
+        Capacity is held before ``writer`` runs, so a full tier refuses with nothing spent:
+        a caller receiving the frame off a socket can still make room and try again.
+
+        Returns:
+            The stored frame's length.
+
+        Raises:
+            As ``put``; InvalidInput when ``writer`` reports more than ``size`` bytes.
+        """
+        key = check_key(key)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidInput(f"size must be a non-negative int, got {size!r}")
+        self._reserve(key, size)
+        try:
+            buf = bytearray(size)
+            with memoryview(buf) as view:
+                n = writer(view)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= size:
+                raise InvalidInput(f"writer reported {n!r} bytes written into {size}")
+        except BaseException:
+            with self._lock:
+                self._pending -= size
+                self._landed(key)
+            raise
+        with memoryview(buf)[:n] as view:
+            self._append_frame(key, view, frame_checksum(view), size)
+        return n
+
+    def _reserve(self, key: bytes, size: int) -> None:
+        """Hold ``size`` bytes of capacity for a put of ``key`` on its way; TierFull if they do not fit."""
         with self._lock:
             self._check_open()
-            if self._used - self._length(key) + self._pending + len(view) > self.capacity_bytes:
+            if self._used - self._length(key) + self._pending + size > self.capacity_bytes:
                 self._counters.errors += 1
-                raise TierFull(f"tier {self.name!r}: a {len(view)}-byte frame does not fit ({self._used} of "
+                raise TierFull(f"tier {self.name!r}: a {size}-byte frame does not fit ({self._used} of "
                                f"{self.capacity_bytes} bytes used, {self._pending} reserved)", tier=self.name)
-            self._pending += len(view)
+            self._pending += size
             self._inflight[key] = self._inflight.get(key, 0) + 1
+
+    def _append_frame(self, key: bytes, view: memoryview, checksum: int, held: int) -> None:
+        """Append ``view`` for ``key`` and publish it, releasing the ``held`` bytes ``_reserve`` took."""
         try:
             seg, offset, seq = self._write(FRAME, key, view, checksum, None)
         except BaseException:
             with self._lock:
-                self._pending -= len(view)
+                self._pending -= held
                 self._landed(key)
             raise
         with self._lock:
-            self._pending -= len(view)
+            self._pending -= held
             self._publish(key, seg, offset, len(view), seq, None)
             self._landed(key)
             self._counters.puts += 1

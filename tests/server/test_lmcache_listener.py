@@ -21,6 +21,7 @@ from tests.server import lmwire as lm
 from tests.server.conftest import ADMIN, TOKENS
 from tiers.memory import MemoryTier
 from tiers.nvme import NVMeTier
+from tiers.nvme_log import LogTier
 from tiers.shm import ShmTier
 
 MiB = 1 << 20
@@ -120,9 +121,12 @@ def test_chunks_are_entries_like_any_other(lmserver):
     sock.close()
 
 
-def test_demotion_into_an_int8_tier_keeps_chunks_exact_and_the_last_tier_evicts(lmserver, tmp_path):
-    """nvme holds int8 frames by default; a chunk is opaque bytes, never quantized."""
-    store = KVStore([ShmTier(3 * MiB), NVMeTier(str(tmp_path / "nvme"), 8 * MiB)], background=False)
+@pytest.mark.parametrize("layout", [NVMeTier, LogTier])
+def test_demotion_into_an_int8_tier_keeps_chunks_exact_and_the_last_tier_evicts(lmserver, tmp_path, layout):
+    """nvme holds int8 frames by default; a chunk is opaque bytes, never quantized. Both nvme
+    layouts: a full log must refuse a chunk before its bytes are read off the socket, or
+    they are spent and room can no longer be made for them (a chunk lost, in CI once)."""
+    store = KVStore([ShmTier(3 * MiB), layout(str(tmp_path / "nvme"), 8 * MiB)], background=False)
     srv = lmserver(store)
     sock = lm.connect(srv.lm_port)
     chunks = {f"m@1@0@{i:x}@bfloat16": chunk(MiB, i) for i in range(12)}  # 12 MiB into 11 MiB of tiers

@@ -139,6 +139,15 @@ class TierContract:
         assert bytes(tier.get(key(1))) == b"hello"
         assert tier.stats().used_bytes == 5
 
+    def test_put_with_refuses_a_full_tier_before_writing(self, make_tier):
+        tier = make_tier(capacity_bytes=1 * MiB)
+        tier.put(key(1), payload(600 * 1024, 1))
+        calls = []
+        with pytest.raises(TierFull):
+            tier.put_with(key(2), 600 * 1024, lambda view: calls.append(1) or 0)
+        assert calls == []  # nothing was spent: the caller may make room and try again
+        assert tier.get(key(2)) is None and tier.stats().used_bytes == 600 * 1024
+
     def test_get_into_reused_buffer(self, tier):
         out = bytearray(8192)
         tier.put(key(1), payload(5000, 1))

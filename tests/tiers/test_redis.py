@@ -85,6 +85,21 @@ class _RedisContract(TierContract):
         yield lambda capacity_bytes: _tier(self.mode, capacity_bytes)
         _server(self.mode).flushall()  # the conformance tests' 16 MiB frames add up
 
+    def test_put_with_refuses_a_full_tier_before_writing(self, make_tier):
+        """The one exception to the contract: a shared keyspace's capacity is known only at the
+        write (Redis reserves it atomically there), so a frame that does not fit is refused after
+        ``writer`` ran, and nothing is stored."""
+        tier = make_tier(capacity_bytes=1 * MiB)
+        tier.put(key(1), payload(600 * 1024, 1))
+
+        def writer(view: memoryview) -> int:
+            view[:] = payload(600 * 1024, 2)
+            return len(view)
+
+        with pytest.raises(TierFull):
+            tier.put_with(key(2), 600 * 1024, writer)
+        assert tier.get(key(2)) is None and tier.stats().used_bytes == 600 * 1024
+
 
 class TestRedisStandalone(_RedisContract):
     mode = "standalone"
