@@ -257,6 +257,10 @@ class Arena:
         self.pool = SlotPool()
         self.pooled_puts = reserved_puts
         """The server lends pool slots (one request a put); off once it answers that it does not."""
+        self.no_room_until = 0.0
+        """``time.monotonic()`` before which puts go straight through staging: the server last
+        answered that its top tier has no room for new blocks (a full store places them lower), and
+        asking for slots on every put would cost two requests a put that both come back empty."""
         self.verified = VerifiedSlots()
         self.accesses = AccessLog()
         self._idle: list[dict] = []

@@ -29,6 +29,11 @@ __all__ = ["put_flow", "pooled_put_flow", "reserved_put_flow", "put_blocks_flow"
 
 T = TypeVar("T")
 
+NO_ROOM_RETRY_S = 1.0
+"""How long puts skip asking for top-tier slots after the server had no room for them: a full
+store stays full (new blocks spill one tier down until reads or deletes change that), and each
+ask costs two requests that come back empty; a staged put lands wherever placement says."""
+
 
 def staged_flow(colo: Colocation, arena: Arena, nbytes: int, write: Callable[[dict], Copy],
                 commit: Callable[[dict, Any], Call[T]], stats: c.ClientStats) -> Flow[T | None]:
@@ -83,12 +88,14 @@ def _stored_tokens(body: bytes) -> int:
 def put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.Tensor,
              stats: c.ClientStats, namespace: str) -> Flow[int | None]:
     """A co-located put of ``kv`` (not empty): into pool slots (one request), else slots the server
-    reserved, where it offers them; else through a staging lease; None: go over HTTP instead."""
-    if arena.pooled_puts and spec.full_blocks(len(toks)):
+    reserved, where it offers them; else through a staging lease; None: go over HTTP instead.
+    For ``NO_ROOM_RETRY_S`` after the server said its top tier has no room, straight to staging."""
+    slots = spec.full_blocks(len(toks)) and time.monotonic() >= arena.no_room_until
+    if arena.pooled_puts and slots:
         got = yield from pooled_put_flow(colo, arena, spec, toks, kv, stats, namespace)
         if got is not None or colo.current() is not arena:
             return got
-    if arena.reserved_puts and spec.full_blocks(len(toks)):
+    if arena.reserved_puts and slots:
         got = yield from reserved_put_flow(colo, arena, spec, toks, kv, stats)
         if got is not None or colo.current() is not arena:  # stored, or the server restarted: HTTP
             return got
@@ -190,6 +197,8 @@ def reserved_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, k
     if res.get("reservation") is None:
         if res.get("reason") != RESERVE_NO_ROOM:
             arena.reserved_puts = False  # the server takes none: stop asking
+        else:  # a full store: its placement puts new blocks below the top tier for now
+            arena.no_room_until = time.monotonic() + NO_ROOM_RETRY_S
         return None
     if colo.changed(arena, res.get("segment"), "segment"):
         with contextlib.suppress(KVStoreError):

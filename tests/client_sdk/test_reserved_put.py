@@ -294,3 +294,44 @@ def test_bad_pooled_puts_are_4xx_naming_the_field_and_store_nothing(server, spec
         assert server.store.lookup(spec, tokens) == 0
         assert http.delete(f"/v1/kv/pool?pid={os.getpid()}&pool=t1").json() == {"released": 2}
     assert server.store.reservations.pools.lent_bytes() == 0 and _details(server)["reserved_bytes"] == "0"
+
+
+def test_a_full_top_tier_sends_puts_straight_to_staging_with_one_request(serve_app, spec, monkeypatch):
+    """A full store places new blocks one tier down: asking for top-tier slots on every put would
+    cost two requests that come back empty. After one "no room", puts go through staging (one
+    request) for ``NO_ROOM_RETRY_S``, then ask again, and take slots once there is room."""
+    from client_sdk import colocated_puts
+
+    later = [0.0]  # seconds the client's clock is ahead of the real one
+    monkeypatch.setattr(colocated_puts, "time", type("T", (), {"monotonic": staticmethod(
+        lambda: time.monotonic() + later[0])}))
+    srv = serve_app(make_store(shm_bytes=1 << 20))
+    top = srv.store.placement.tiers[0]
+    n = 0
+    while srv.store.placement.usage()[top.name] < top.high_watermark_frac * top.capacity_bytes - (16 << 10):
+        srv.store.put_kv(spec, list(range(900_000 + n * 64, 900_064 + n * 64)), make_kv(spec, 64, seed=n))
+        n += 1  # the top tier fills to its high watermark: new blocks go one tier down from here
+    with KVClient(srv.url, plan=False) as c:
+        seqs = [list(range(40_000 + 1000 * i, 40_064 + 1000 * i)) for i in range(5)]
+        assert c.put_kv(spec, seqs[0], make_kv(spec, 64, seed=0)) == 64  # asks, hears "no room", stages
+        for i in range(1, 4):
+            before = _requests_by_route(srv.url)
+            assert c.put_kv(spec, seqs[i], make_kv(spec, 64, seed=i)) == 64
+            after = _requests_by_route(srv.url)
+            made = {r: after[r] - before.get(r, 0) for r in after if after[r] != before.get(r, 0)}
+            assert made == {"/v1/kv/put-staged/{lease_id}": 1}, made
+        assert {e.tier for s in seqs[:4] for e in srv.store.entries() if e.key in set(_keys(spec, s))} == {"memory"}
+        srv.store.delete_blocks([e.key for e in srv.store.entries() if e.tier == top.name])  # room again
+        later[0] += colocated_puts.NO_ROOM_RETRY_S
+        assert c.put_kv(spec, seqs[4], make_kv(spec, 64, seed=4)) == 64
+        assert {e.tier for e in srv.store.entries() if e.key in set(_keys(spec, seqs[4]))} == {top.name}
+        for i, s in enumerate(seqs):
+            got, n_got = c.get_kv(spec, s)
+            assert n_got == 64 and torch.equal(got, make_kv(spec, 64, seed=i))
+        assert c.stats.shm_puts == 5 and c.stats.http_puts == 0
+
+
+def _keys(spec, tokens) -> list[bytes]:
+    from kvstore.keys import block_hashes
+
+    return block_hashes(spec, tokens, "default")
