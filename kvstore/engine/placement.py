@@ -16,6 +16,10 @@ Rules, in the order ``plan`` applies them:
 2. **Demotion.** A tier above ``high_watermark_frac`` sends its coldest
    entries one tier down until it is under ``low_watermark_frac``; the last tier
    evicts. ``make_room`` does the same at once, for a put that found the tier full.
+   Above its low watermark, the top tier (with ``full_top="spill"``) also sends
+   down residents that a block read once now would beat by the margin: the room
+   new blocks need, made ahead of them (past the high watermark ``place_new``
+   puts them one tier down, so that a put never waits for a demotion).
    ``hold_room`` also counts the put's bytes as on their way in until the put is
    done, and keeps the entries it sends down from being picked again meanwhile:
    concurrent puts into a full tier then each make room of their own instead of
@@ -357,13 +361,23 @@ class PlacementManager:
                 orders += self._promotions(now, projected, ordered)
             for i, tier in enumerate(self.tiers):
                 high = tier.high_watermark_frac * tier.capacity_bytes
+                target = tier.low_watermark_frac * tier.capacity_bytes
                 if projected[i] > high:
                     frac = projected[i] / tier.capacity_bytes
-                    target = tier.low_watermark_frac * tier.capacity_bytes
                     reason = (f"demoted: {tier.name} above high watermark {tier.high_watermark_frac:.2f} "
                               f"({frac:.2f})")
                     orders += self._room.demote(i, projected[i] - target, now, projected, ordered, reason,
                                                 respect_residency=True)
+                elif i == 0 and projected[0] > target and len(self.tiers) > 1 and self.config.full_top == "spill":
+                    # Room for new blocks, made here and not on a put's path: puts past the high
+                    # watermark go one tier down (``place_new``), so residents that a block read
+                    # once now would beat go down first, to the low watermark, and later puts land
+                    # in the room they leave.
+                    probe = Heat()
+                    self.scorer.touch(probe, now)
+                    orders += self._room.demote(0, projected[0] - target, now, projected, ordered,
+                                                f"demoted: {tier.name} holds blocks colder than a new one",
+                                                respect_residency=True, colder_than=probe.score)
             if hold:
                 self._leaving.update(order.key for order in orders)
             return orders
@@ -378,25 +392,18 @@ class PlacementManager:
 
         The top tier while it has room under its high watermark; past that, with
         ``full_top="evict"``, the top tier still (the coldest residents are dropped to make
-        room); with ``spill``, only when a block read once just now would beat the coldest
-        resident there by the margin.
-        Otherwise the block starts one tier down and earns its way up with a second read
+        room), and with ``spill`` one tier down: the block earns its way up with a second read
         (admission filtering: one-off blocks such as a scan do not push out what is being
-        reused, nor a prefetched context waiting for its reader).
+        reused, nor a prefetched context waiting for its reader). A put never waits for a
+        demotion: where the top tier holds blocks colder than a new one, the mover sends them
+        down (``plan``) and later puts land in the room they leave.
         """
         if not self.config.admission or len(self.tiers) == 1:
             return self.tiers[0].name
-        now = self.clock()
         with self._lock:
             top = self.tiers[0]
             if (self._used[0] + self._incoming[0] + nbytes <= top.high_watermark_frac * top.capacity_bytes
                     or self.config.full_top == "evict"):
-                return top.name
-            probe = Heat()
-            self.scorer.touch(probe, now)
-            coldest = next((score for score, _, r in self._room.coldest(0, ())
-                            if not r.held(now) and not r.retained(now)), None)
-            if coldest is None or self._room.beats(probe.score, coldest):
                 return top.name
             return self.tiers[1].name
 

@@ -234,7 +234,7 @@ class Puts:
         raise failure
 
 
-SMALL_BLOCK_BYTES = 256 << 10
+SMALL_BLOCK_BYTES = codec_mod.MANY_PAYS_BELOW
 """Blocks of at most this many KV bytes going into an int8 tier are quantized with the rest of
 their chain in one pass (``Int8Ahead``), on the put's path; larger ones are written raw and
 re-encoded behind the put (``kvstore.engine.recode``), where the recoder takes them. Measured
