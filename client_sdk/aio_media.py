@@ -20,7 +20,7 @@ from client_sdk.arena import Arena
 from client_sdk import calls
 from client_sdk.blockwise import Place, place_flow, place_from_tensor
 from client_sdk.colocated import Colocation, adrive, blocks_exist_flow, cached_get, get_blocks_into_flow, get_flow
-from client_sdk.colocated_puts import pooled_put_flow, put_blocks_flow, put_flow
+from client_sdk.colocated_puts import asking_for_slots, pooled_put_flow, put_blocks_flow, put_flow
 from client_sdk.media import Throttled
 from client_sdk.rest_media import shm_probe
 from client_sdk.transport import AsyncHttpTransport
@@ -159,7 +159,7 @@ class AsyncShmPath:
     async def put_kv_blocks(self, spec: KVSpec, toks: Any, fill: c.BlockFill) -> int | None:
         """``ShmPath.put_kv_blocks``, awaited."""
         arena = await self.arena()
-        if arena is None or not arena.pooled_puts or not spec.full_blocks(len(toks)):
+        if arena is None or not arena.pooled_puts or not spec.full_blocks(len(toks)) or not asking_for_slots(arena):
             return None
         return await self.run(pooled_put_flow(self.colocation, arena, spec, toks, fill, self.stats, self.namespace))
 

@@ -24,8 +24,8 @@ from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.spec import KVSpec
 from kvstore.wire.rest import KV_MEDIA, RESERVE_NO_ROOM, RESERVE_OFF
 
-__all__ = ["put_flow", "pooled_put_flow", "reserved_put_flow", "put_blocks_flow", "pooled_blocks_flow",
-           "filled_kv", "pool_slot_bytes", "staged_flow"]
+__all__ = ["put_flow", "asking_for_slots", "pooled_put_flow", "reserved_put_flow", "put_blocks_flow",
+           "pooled_blocks_flow", "filled_kv", "pool_slot_bytes", "staged_flow"]
 
 T = TypeVar("T")
 
@@ -81,6 +81,12 @@ def staged_flow(colo: Colocation, arena: Arena, nbytes: int, write: Callable[[di
     return None
 
 
+def asking_for_slots(arena: Arena) -> bool:
+    """Whether a put should ask for top-tier slots (pooled or reserved): not for ``NO_ROOM_RETRY_S``
+    after the server said it has no room for them (then: straight through staging)."""
+    return time.monotonic() >= arena.no_room_until
+
+
 def _stored_tokens(body: bytes) -> int:
     return int(json.loads(body)["stored_tokens"])
 
@@ -90,7 +96,7 @@ def put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: torch.
     """A co-located put of ``kv`` (not empty): into pool slots (one request), else slots the server
     reserved, where it offers them; else through a staging lease; None: go over HTTP instead.
     For ``NO_ROOM_RETRY_S`` after the server said its top tier has no room, straight to staging."""
-    slots = spec.full_blocks(len(toks)) and time.monotonic() >= arena.no_room_until
+    slots = spec.full_blocks(len(toks)) and asking_for_slots(arena)
     if arena.pooled_puts and slots:
         got = yield from pooled_put_flow(colo, arena, spec, toks, kv, stats, namespace)
         if got is not None or colo.current() is not arena:

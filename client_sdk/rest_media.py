@@ -27,7 +27,7 @@ from client_sdk import calls
 from client_sdk.blockwise import Place, place_flow, place_from_tensor
 from client_sdk.colocated import (Colocation, blocks_exist_flow, cached_get, drive, frames_flow, get_blocks_into_flow,
                                   get_flow)
-from client_sdk.colocated_puts import pooled_put_flow, put_blocks_flow, put_flow
+from client_sdk.colocated_puts import asking_for_slots, pooled_put_flow, put_blocks_flow, put_flow
 from client_sdk.media import Medium, RestPuts
 from client_sdk.transport import HttpTransport
 from kvstore.errors import KVStoreError, ServiceError
@@ -143,7 +143,7 @@ class ShmPath:
         """A pooled put whose new blocks ``fill`` writes into their slots; None when the server
         lends no pool slots here (the caller fills a tensor and puts that)."""
         arena = self.arena()
-        if arena is None or not arena.pooled_puts or not spec.full_blocks(len(toks)):
+        if arena is None or not arena.pooled_puts or not spec.full_blocks(len(toks)) or not asking_for_slots(arena):
             return None
         return drive(pooled_put_flow(self.colocation, arena, spec, toks, fill, self.stats, self.namespace),
                      self.http.run)

@@ -183,13 +183,14 @@ class LogTier(Compaction, Tier):
                 n = writer(view)
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= size:
                 raise InvalidInput(f"writer reported {n!r} bytes written into {size}")
+            view = memoryview(buf)[:n]
+            checksum = frame_checksum(view)
         except BaseException:
             with self._lock:
                 self._pending -= size
                 self._landed(key)
             raise
-        with memoryview(buf)[:n] as view:
-            self._append_frame(key, view, frame_checksum(view), size)
+        self._append_frame(key, view, checksum, size)  # releases what _reserve held, however it ends
         return n
 
     def _reserve(self, key: bytes, size: int) -> None:

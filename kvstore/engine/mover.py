@@ -221,12 +221,15 @@ class Mover:
         done = 0
         orders = self._placement.plan(hold=True)
         ahead: dict[bytes, _Ahead] = {}
+        looked: set[bytes] = set()  # orders a batch has considered: each once
         try:
             for i, order in enumerate(orders):
                 if order.size > self._tokens and done:
                     break  # out of budget: the next round re-plans from fresh heat
-                if order.key not in ahead:
-                    ahead = self._encode_ahead(orders[i:i + AHEAD_MOVES], self._tokens)
+                if order.key not in looked:
+                    window = orders[i:i + AHEAD_MOVES]
+                    looked.update(o.key for o in window)
+                    ahead.update(self._encode_ahead(window, self._tokens))
                 if self.execute(order, ahead=ahead.pop(order.key, None)):
                     done += 1
                     self._tokens -= order.size
@@ -236,34 +239,40 @@ class Mover:
 
     def _encode_ahead(self, orders: list[MoveOrder], budget: float) -> dict[bytes, "_Ahead"]:
         """int8 frames for the demotions among ``orders`` (within ``budget`` bytes) that take a small
-        raw block into an int8 tier, quantized in one batched pass (``codec.encode_many``): one at
-        a time, a 64 KiB block is mostly per-op overhead (a third of the speed), and a full store's
-        demotions were most of the mover's time. Empty when fewer than two qualify, or when the
-        batch fails (a block int8 cannot hold, a damaged frame): each is then moved alone, as
-        ``execute`` does."""
+        raw block into an int8 tier, quantized in batches of one shape and dtype
+        (``codec.encode_many``): one at a time, a 64 KiB block is mostly per-op overhead (a third
+        of the speed), and a full store's demotions were most of the mover's time. A block left
+        out (alone of its shape, unreadable, damaged, or in a batch int8 cannot hold) is moved
+        alone, as ``execute`` does, which finds out which and drops a damaged frame."""
         core = self._core
-        picked = []
+        groups: dict[tuple, list[tuple]] = {}  # (shape, dtype) -> (order, entry, frame, kv)
         for order in orders:
             budget -= order.size
-            if budget < 0 and picked:
+            if budget < 0:
                 break
             entry = core.entry(order.key)
             if (order.dst is None or entry is None or entry.tier != order.src or entry.codec is not Codec.RAW
                     or core.codec_of(order.dst) is not Codec.INT8 or order.size > codec_mod.MANY_PAYS_BELOW
                     or (self._shared is not None and order.dst == self._shared.name)):
                 continue
-            picked.append((order, entry))
-        if len(picked) < 2:
-            return {}
-        try:
-            frames = [core.tier(order.src).get(order.key) for order, _ in picked]
-            kept = [(o, e, f) for (o, e), f in zip(picked, frames) if f is not None]
-            kvs = [codec_mod.decode(f) for _, _, f in kept]
-            new = codec_mod.encode_many(kvs, [codec_mod.frame_meta(f) for _, _, f in kept])
-        except (FrameError, InvalidKV, TierError):
-            return {}  # one at a time then: ``execute`` finds which, and drops a damaged frame
-        return {o.key: _Ahead(e, frame, codec_mod.read_header(frame).body_checksum)
-                for (o, e, _), frame in zip(kept, new)}
+            try:
+                frame = core.tier(order.src).get(order.key)
+                kv = codec_mod.decode(frame) if frame is not None else None
+            except (FrameError, InvalidKV, TierError):
+                continue
+            if kv is not None:
+                groups.setdefault((tuple(kv.shape), kv.dtype), []).append((order, entry, frame, kv))
+        out: dict[bytes, _Ahead] = {}
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            try:
+                new = codec_mod.encode_many([kv for *_, kv in group], [codec_mod.frame_meta(f) for _, _, f, _ in group])
+            except InvalidKV:
+                continue
+            for (order, entry, _, _), frame in zip(group, new):
+                out[order.key] = _Ahead(entry, frame, codec_mod.read_header(frame).body_checksum)
+        return out
 
     def start(self) -> None:
         if self._thread is None:

@@ -51,12 +51,14 @@ class PlacementConfig:
     long_max_count: float = 16.0
     """Decayed accesses at which the long memory saturates."""
     admission: bool = True
-    """New blocks enter the top tier only past a colder resident (``place_new``); else one tier down."""
+    """New blocks enter the top tier while it has room under its high watermark, else one tier down
+    (``place_new``); False: always the top tier, room made there on the put's path."""
     full_top: str = "spill"
-    """What a put does when the top tier has no free room left (puts outran the mover's demotions):
-    ``spill``: admission as above, room made by demoting the coldest on the put's path, nothing
-    dropped; ``evict``: the block enters the top tier and the coldest residents there are dropped
-    to make room (no lower-tier write on the put's path; the mover still demotes ahead of puts)."""
+    """What a put does when the top tier is past its high watermark: ``spill``: the block is written
+    one tier down (admission as above; nothing dropped, no demotion on the put's path: the mover
+    sends residents colder than a new block down behind the puts, to the low watermark, and later
+    puts land in that room); ``evict``: the block enters the top tier and the coldest residents
+    there are dropped to make room (no lower-tier write on the put's path)."""
     margin_frac: float = 0.2
     """A promotion needs this much more heat than the resident it displaces."""
     min_residency_s: float = 5.0

@@ -100,6 +100,7 @@ def test_demotions_of_small_blocks_are_reencoded_together_into_the_same_frames(t
         raw = {k: bytes(top.get(k)) for k in keys}
         moved = store.run_placement()
         assert moved >= 2 and batches and max(batches) >= 2  # at least one batch of several
+        assert sum(batches) <= moved  # no block read and encoded twice
         down = [k for k in keys if store.entry(k).tier == "nvme"]
         assert len(down) == moved
         nvme = store.core.tier("nvme")
@@ -146,3 +147,34 @@ def test_a_block_changed_while_its_batch_is_encoded_keeps_the_change(tmp_path, m
             kv, got = store.get_kv(SPEC, tokens_of[victim[0]])
             new, old = make_kv(SPEC, 16, seed=99).float(), make_kv(SPEC, 16, seed=keys.index(victim[0])).float()
             assert got == 16 and (kv.float() - new).abs().max() < 0.05 < (kv.float() - old).abs().max()
+
+
+def test_blocks_of_two_shapes_are_batched_apart_never_failing_together(tmp_path, monkeypatch):
+    """Two models' 64 KiB blocks side by side: one batch per shape (``encode_many`` refuses mixed ones)."""
+    other = make_spec(num_layers=16, head_dim=32, model_id="other")  # the same bytes a block, another shape
+    calls: list[tuple] = []
+    many = codec_mod.encode_many
+
+    def recording(kvs, metas):
+        try:
+            out = many(kvs, metas)
+        except Exception as exc:  # noqa: BLE001 - recorded, then raised as before
+            calls.append(("failed", type(exc).__name__))
+            raise
+        calls.append((tuple(kvs[0].shape), len(kvs)))
+        return out
+
+    monkeypatch.setattr(codec_mod, "encode_many", recording)
+    clock = FakeClock()
+    top = ShmTier(8 * MiB)  # six blocks between the watermarks
+    with KVStore([top, LogTier(str(tmp_path / "nvme"), 64 * MiB)], background=False, clock=clock) as store:
+        n = 0
+        while store.placement.place_new(64 << 10) == top.name:
+            spec = (SPEC, other)[n % 2]
+            store.put_kv(spec, list(range(n * 16, n * 16 + 16)), make_kv(spec, 16, seed=n))
+            n += 1
+        clock.advance(600)
+        moved = store.run_placement()
+        assert moved >= 4
+        assert [c for c in calls if c[0] == "failed"] == []
+        assert {c[0] for c in calls} == {tuple(SPEC.kv_shape(16)), tuple(other.kv_shape(16))}
