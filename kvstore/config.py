@@ -112,9 +112,10 @@ class Settings:
     redis_keyspace: str = "default"
     """Key prefix part, so several deployments can share one Redis (KVSTORE_REDIS_KEYSPACE)."""
     full_top_tier: str = "spill"
-    """What a put does when the top tier has no free room (puts outran the background demotions):
-    ``spill`` writes it, or the coldest it displaces, one tier down on the put's path (nothing
-    dropped); ``evict`` drops the coldest top-tier blocks instead (KVSTORE_FULL_TOP_TIER)."""
+    """What a put does when the top tier is past its high watermark (puts outran the background
+    demotions): ``spill`` writes it one tier down on the put's path (nothing dropped; the mover
+    sends colder residents down behind the puts); ``evict`` drops the coldest top-tier blocks
+    instead (KVSTORE_FULL_TOP_TIER)."""
     scrub_bytes_per_s: int = SCRUB_BYTES_PER_S
     """How fast the background scrub re-hashes the shm and cxl arenas, bytes per second (e.g.
     256MiB); 0 turns it off. Damage at rest is found within arena bytes / rate seconds
