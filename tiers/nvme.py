@@ -55,6 +55,8 @@ from kvstore.errors import InvalidInput, StoreClosed, TierFull, TierIOError, Tie
 from kvstore.keys import BlockHash, check_key
 from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats, writable_bytes
 from tiers.nvme_file import (
+    check_size,
+    fill_staged,
     DATA_OFFSET,
     FORMAT,
     NO_SPACE,
@@ -191,14 +193,9 @@ class NVMeTier(Tier):
             As ``put``; InvalidInput when ``writer`` reports more than ``size`` bytes.
         """
         key = check_key(key)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise InvalidInput(f"size must be a non-negative int, got {size!r}")
+        check_size(size)
         with self._reserving(key, size):  # refuse early: do not encode a frame that cannot fit
-            staged = memoryview(self._pool.get(DATA_OFFSET + size))
-            with staged[DATA_OFFSET : DATA_OFFSET + size] as view:
-                n = writer(view)
-            if not 0 <= n <= size:
-                raise InvalidInput(f"writer reported {n} bytes for a {size}-byte buffer")
+            staged, n = fill_staged(self._pool, DATA_OFFSET, size, writer)
             self._persist(key, staged[DATA_OFFSET : DATA_OFFSET + n], staged)
         return n
 

@@ -21,10 +21,11 @@ import xxhash
 from kvstore import codec as codec_mod
 from kvstore.errors import InvalidInput
 from kvstore.memory.buffers import Scratch
-from kvstore.tier import Buffer
+from kvstore.tier import Buffer, FrameWriter
 
 __all__ = [
-    "FORMAT", "DATA_OFFSET", "NO_SPACE", "Corrupt", "FileHeader", "staging_pool", "file_header", "load", "read_prefix",
+    "FORMAT", "DATA_OFFSET", "NO_SPACE", "Corrupt", "FileHeader", "staging_pool", "check_size",
+    "fill_staged", "file_header", "load", "read_prefix",
     "write_direct", "write_all", "byte_view", "fsync_dir", "unlink_quietly",
 ]
 
@@ -62,6 +63,31 @@ def staging_pool() -> Scratch[mmap.mmap]:
     """One page-aligned buffer per thread (O_DIRECT needs the alignment), reused across puts:
     a fresh 32 MiB allocation costs ~15 ms of page faults here, more than the write."""
     return Scratch(_anonymous_map, len, round_to=ALIGN, max_kept=MAX_POOLED_BYTES)
+
+
+def check_size(size: object) -> None:
+    """A ``put_with``'s ``size``, checked before capacity is held for it.
+
+    Raises:
+        InvalidInput: not a non-negative int.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise InvalidInput(f"size must be a non-negative int, got {size!r}")
+
+
+def fill_staged(pool: Scratch[mmap.mmap], at: int, size: int, writer: FrameWriter) -> tuple[memoryview, int]:
+    """A ``put_with``'s frame: ``writer`` fills ``size`` bytes at ``at`` of this thread's staging
+    buffer (reused across puts, none allocated); (the whole buffer, the length it reported).
+
+    Raises:
+        InvalidInput: ``writer`` reported more than ``size`` bytes.
+    """
+    staged = memoryview(pool.get(at + size))
+    with staged[at:at + size] as view:
+        n = writer(view)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= size:
+        raise InvalidInput(f"writer reported {n!r} bytes for a {size}-byte buffer")
+    return staged, n
 
 
 def _anonymous_map(size: int) -> mmap.mmap:

@@ -37,7 +37,7 @@ from kvstore.errors import InvalidInput, StoreClosed, TierFull, TierIOError
 from kvstore.keys import BlockHash, check_key
 from kvstore.tier import Buffer, FrameWriter, Tier, TierCounters, TierStats, writable_bytes
 from tiers.group_commit import GroupCommit
-from tiers.nvme_file import NO_SPACE, byte_view, fsync_dir
+from tiers.nvme_file import NO_SPACE, byte_view, check_size, fill_staged, fsync_dir, staging_pool
 from tiers.nvme_log_format import (
     FRAME, HEADER, TOMBSTONE, encode_header, frame_checksum, parse_header, record_size,
 )
@@ -125,6 +125,7 @@ class LogTier(Compaction, Tier):
                        "damaged_segments": 0}
         self._lock = threading.Lock()  # the index, the segments' accounting
         self._append = threading.Lock()  # the active segment's tail and the seq: one append at a time
+        self._staging = staging_pool()  # put_with's frames, one reused buffer a thread
         self._closed = False
         self._wake = threading.Condition(self._lock)
         self._lock_fd = lock_dir(self.data_dir, self._seg_dir, name)
@@ -174,16 +175,11 @@ class LogTier(Compaction, Tier):
             As ``put``; InvalidInput when ``writer`` reports more than ``size`` bytes.
         """
         key = check_key(key)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise InvalidInput(f"size must be a non-negative int, got {size!r}")
+        check_size(size)
         self._reserve(key, size)
         try:
-            buf = bytearray(size)
-            with memoryview(buf) as view:
-                n = writer(view)
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= size:
-                raise InvalidInput(f"writer reported {n!r} bytes written into {size}")
-            view = memoryview(buf)[:n]
+            staged, n = fill_staged(self._staging, 0, size, writer)
+            view = staged[:n]
             checksum = frame_checksum(view)
         except BaseException:
             with self._lock:
@@ -323,6 +319,7 @@ class LogTier(Compaction, Tier):
         with self._append, self._lock:
             self._index.clear()
             self._used = 0
+            self._staging = staging_pool()  # drop this thread's staging buffer
             self._close_fds()
             os.close(self._lock_fd)
 
