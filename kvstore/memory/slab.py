@@ -9,10 +9,16 @@ The allocator hands out offsets only; it never touches memory, so the same code
 serves a ``/dev/shm`` mapping, a hugepage mapping and a CUDA tensor.
 
 Free ranges sit in segregated bins, two-level like TLSF: a power of two split
-into four sub-classes. ``alloc`` looks first in the smallest bin whose every
-range fits (constant time), then scans the request's own bin, so it fails only
-when no free range is large enough. ``alloc_high`` takes ranges from the top
-instead, for those that stay long and cannot move. When free space is enough in total but
+into four sub-classes, each bin's ranges kept in address order. ``alloc`` takes the
+lowest range of the smallest bin whose every range fits, then looks in the request's
+own bin, so it fails only when no free range is large enough. ``alloc_high`` takes
+the highest range that fits instead, for those that stay long and cannot move. Both
+cost O(log n) in the free ranges, plus a look at each non-empty bin (a few hundred at
+most), and a scan of the request's own bin only when no larger bin has a range. A full
+arena after churn holds a free range for every scattered block demoted or deleted (90k
+in one of 1M frames with a tenth freed); scanning them, as this allocator did, cost
+0.64 ms an ``alloc`` and 20 ms an ``alloc_high`` there (``bench/steady_scale.py``,
+the arena row; docs/benchmarks.md). When free space is enough in total but
 split up, ``compact`` packs allocations towards offset 0 and returns the moves
 for the owner to carry out; allocations the owner cannot move (a reader holds
 them) stay where they are.
@@ -23,6 +29,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from typing import Iterable
+
+from sortedcontainers import SortedList
 
 from kvstore.errors import InvalidInput
 
@@ -114,7 +122,7 @@ class SlabAllocator:
         twin._allocs = dict(self._allocs)
         twin._free_start = dict(self._free_start)
         twin._free_end = dict(self._free_end)
-        twin._bins = {b: set(members) for b, members in self._bins.items()}
+        twin._bins = {b: SortedList(members) for b, members in self._bins.items()}
         return twin
 
     # -- alloc / free ---------------------------------------------------------------
@@ -138,10 +146,10 @@ class SlabAllocator:
 
         For ranges that stay allocated a long time and cannot be moved (a writer's pool of
         reserved slots): ``compact`` packs the rest towards 0, so such ranges kept at the high
-        end do not split the space it frees. Linear in the number of free ranges.
+        end do not split the space it frees.
         """
         need = self.rounded(n)
-        start = max((s for s, length in self._free_start.items() if length >= need), default=None)
+        start = self._take_high(need)
         if start is None:
             return None
         length = self._free_start[start]
@@ -239,7 +247,7 @@ class SlabAllocator:
     def _reset_free(self, ranges: list[tuple[int, int]]) -> None:
         self._free_start: dict[int, int] = {}
         self._free_end: dict[int, int] = {}
-        self._bins: dict[int, set[int]] = {}
+        self._bins: dict[int, SortedList] = {}  # bin -> starts of its free ranges, ascending
         for start, length in ranges:
             self._add_free(start, length)
 
@@ -256,14 +264,17 @@ class SlabAllocator:
     def _add_free(self, start: int, length: int) -> None:
         self._free_start[start] = length
         self._free_end[start + length] = start
-        self._bins.setdefault(_bin(length), set()).add(start)
+        members = self._bins.get(_bin(length))
+        if members is None:
+            members = self._bins[_bin(length)] = SortedList()
+        members.add(start)
 
     def _remove_free(self, start: int, length: int) -> None:
         del self._free_start[start]
         del self._free_end[start + length]
         b = _bin(length)
         members = self._bins[b]
-        members.discard(start)
+        members.remove(start)
         if not members:
             del self._bins[b]
 
@@ -273,8 +284,21 @@ class SlabAllocator:
         # Any range in a bin at or above ``first`` fits; prefer the smallest such bin.
         best = min((b for b in self._bins if b >= first), default=None)
         if best is not None:
-            return min(self._bins[best])
+            return self._bins[best][0]
         for start in self._bins.get(own, ()):
             if self._free_start[start] >= need:
                 return start
         return None
+
+    def _take_high(self, need: int) -> int | None:
+        """The start of the highest free range of at least ``need`` bytes: the highest of each bin
+        whose every range fits, and the highest fitting one of ``need``'s own bin."""
+        own = _bin(need)
+        first = own if _bin_floor(own) == need else own + 1
+        best = max((self._bins[b][-1] for b in self._bins if b >= first), default=None)
+        for start in reversed(self._bins.get(own, ())):
+            if best is not None and start < best:
+                break
+            if self._free_start[start] >= need:
+                return start
+        return best

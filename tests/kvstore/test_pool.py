@@ -81,13 +81,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 20000))
     def alloc(self, n):
+        need = self.a.rounded(n)
+        # first choice: the lowest range of the smallest bin whose every range fits
+        fits = [(_bin(length), start) for start, length in self.a._gaps() if _bin(length) > _bin(need)
+                or (_bin(length) == _bin(need) and _bin_floor(_bin(need)) == need)]
         off = self.a.alloc(n)
         gaps = self.a._gaps() if off is None else None
         if off is None:
-            assert all(length < self.a.rounded(n) for _, length in gaps)
+            assert all(length < need for _, length in gaps)
         else:
-            assert off % 64 == 0 and off + self.a.rounded(n) <= self.SIZE
-            self.live[off] = self.a.rounded(n)
+            assert off % 64 == 0 and off + need <= self.SIZE
+            assert not fits or off == min(fits)[1]
+            self.live[off] = need
 
     @rule(n=st.integers(0, 20000))
     def alloc_high(self, n):
@@ -131,6 +136,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
         free_total = sum(self.a._free_start.values())
         assert free_total == self.SIZE - self.a.used_bytes
+        # each free range in its size's bin, once, and each bin in address order
+        binned = [(b, start) for b, members in self.a._bins.items() for start in members]
+        assert sorted(binned) == sorted((_bin(n), start) for start, n in self.a._free_start.items())
+        assert all(list(members) == sorted(members) and members for members in self.a._bins.values())
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
