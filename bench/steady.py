@@ -48,7 +48,7 @@ from bench.report import header, publish
 from bench.serving import kvstore_serve, kvstore_server
 from bench.steady_clients import format_clients, run_clients
 from bench.steady_specs import block_spec
-from bench.steady_scale import format_scale, run_scale
+from bench.steady_scale import format_scale, run_arena_scale, run_scale
 from bench.steady_writers import format_writers, run_writers
 from bench.steady_spill import format_spill, run_spill
 
@@ -204,6 +204,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
                                                  if v != before[store].get(k, 0.0)}}
             for store in filled}
     result["scale"] = run_scale(quick=quick)
+    result["arena_scale"] = run_arena_scale(quick=quick)
     result["writers"] = run_writers(quick=quick)
     result["spill"] = spill
     result["nvme_layout"] = env["KVSTORE_NVME_LAYOUT"]
@@ -232,7 +233,7 @@ def format_table(result: dict) -> str:
     if "clients" in result:
         lines += format_clients(result["clients"])
     if "scale" in result:
-        lines += format_scale(result["scale"])
+        lines += format_scale(result["scale"], result.get("arena_scale"))
     if "writers" in result:
         lines += format_writers(result["writers"])
     if "spill" in result:

@@ -10,6 +10,12 @@ the coldest, admission, the index.
 
 The background mover is off (``background=False``) so that every sample's room is made on its
 own path, the worst case; the lower tier is large enough never to fill.
+
+A second row isolates the arena tiers' allocator (``kvstore.memory.slab``), which memory tiers do
+not use: an arena of ``N`` frames of a 64 KiB block, full, then a tenth freed at random (a full
+arena at its low watermark after demotions of scattered cold blocks leaves that many holes); each
+sample frees a random frame and allocates one (a put's slot), and allocates one from the top (a
+pool slot). The row is the median time of an allocation at each size and their ratio.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["run_scale", "SCALES", "QUICK_SCALES"]
+__all__ = ["run_scale", "run_arena_scale", "SCALES", "QUICK_SCALES"]
 
 SCALES = (10_000, 1_000_000)
 QUICK_SCALES = (2_000, 20_000)
@@ -109,8 +115,54 @@ def run_scale(*, quick: bool = False, repeats: int = 21) -> dict[str, Any]:
             "moves": {str(n): where[n] for n in sizes}}
 
 
-def format_scale(scale: dict[str, Any]) -> list[str]:
+ARENA_FRAME = (64 << 10) + 512
+"""A 64 KiB block's frame (header and metadata included), as the arena allocates it."""
+
+
+def run_arena_scale(*, quick: bool = False, samples: int = 2000) -> dict[str, Any]:
+    """The allocator row: median ``alloc`` and ``alloc_high`` time in a full, churned arena at each size."""
+    import random
+
+    from kvstore.memory.slab import SlabAllocator
+
+    sizes = QUICK_SCALES if quick else SCALES
+    times: dict[int, dict[str, list[float]]] = {n: {"alloc": [], "alloc_high": []} for n in sizes}
+    arenas, live, holes = {}, {}, {}
+    rng = random.Random(34)
+    for n in sizes:
+        arena = SlabAllocator(n * ARENA_FRAME)
+        frames = [arena.alloc(ARENA_FRAME) for _ in range(n)]
+        rng.shuffle(frames)
+        for off in frames[:n // 10]:
+            arena.free(off)
+        arenas[n], live[n] = arena, frames[n // 10:]
+        holes[n] = len(arena._free_start)
+    for r in range(samples):
+        for n in (sizes if r % 2 == 0 else sizes[::-1]):
+            for how in ("alloc", "alloc_high"):
+                i = rng.randrange(len(live[n]))
+                arenas[n].free(live[n][i])
+                take = getattr(arenas[n], how)
+                t0 = time.perf_counter()
+                live[n][i] = take(ARENA_FRAME)
+                times[n][how].append(time.perf_counter() - t0)
+    med = {n: {how: statistics.median(ts) for how, ts in times[n].items()} for n in sizes}
+    small, large = sizes
+    return {"sizes": list(sizes), "free_ranges": {str(n): holes[n] for n in sizes},
+            "median_us": {str(n): {how: round(1e6 * t, 2) for how, t in med[n].items()} for n in sizes},
+            "ratio": {how: round(med[large][how] / med[small][how], 2) for how in ("alloc", "alloc_high")}}
+
+
+def format_scale(scale: dict[str, Any], arena: dict[str, Any] | None = None) -> list[str]:
     small, large = scale["sizes"]
     ms = scale["median_ms"]
-    return [f"full top tier of {large:,} blocks vs {small:,}: a {scale['put_blocks']}-block put (room made on its path) "
-            f"{ms[str(large)]:.2f} vs {ms[str(small)]:.2f} ms median, {scale['ratio']:.2f}x (target <= 1.2x)"]
+    lines = [f"full top tier of {large:,} blocks vs {small:,}: a {scale['put_blocks']}-block put (room made on its path) "
+             f"{ms[str(large)]:.2f} vs {ms[str(small)]:.2f} ms median, {scale['ratio']:.2f}x (target <= 1.2x)"]
+    if arena is not None:
+        small, large = arena["sizes"]
+        us, holes = arena["median_us"], arena["free_ranges"]
+        lines.append(f"full arena of {large:,} frames vs {small:,} ({holes[str(large)]:,} vs {holes[str(small)]:,} free "
+                     f"ranges): alloc {us[str(large)]['alloc']:.1f} vs {us[str(small)]['alloc']:.1f} us, "
+                     f"{arena['ratio']['alloc']:.2f}x; from the top (pool slots) {us[str(large)]['alloc_high']:.1f} vs "
+                     f"{us[str(small)]['alloc_high']:.1f} us, {arena['ratio']['alloc_high']:.2f}x")
+    return lines

@@ -26,6 +26,9 @@ def test_the_steady_bench_fills_two_stores_and_reports_every_row(tmp_path):
     assert scale["sizes"] == [2_000, 20_000] and scale["ratio"] > 0
     assert all(f["blocks"] >= 0.85 * n for n, f in zip(scale["sizes"], scale["filled"].values()))
     assert all(m["demoted"] >= 16 for m in scale["moves"].values())
+    arena = result["arena_scale"]  # the arena allocator, full and churned: 20k frames against 2k
+    assert arena["sizes"] == [2_000, 20_000] and all(r > 0 for r in arena["ratio"].values())
+    assert arena["free_ranges"]["20000"] > 5 * arena["free_ranges"]["2000"]  # the holes grow with the arena
     writers = result["writers"]  # 1 and 4 writer threads in process, the store full: they spill
     assert writers["threads"] == [1, 4] and all(v > 0 for v in writers["puts_per_s"].values())
     assert writers["ratio"] > 0 and writers["blocks_by_tier"]["nvme"] > 0
