@@ -104,8 +104,11 @@ class SlabAllocator:
         return self.size - self._used
 
     def largest_free(self) -> int:
-        """The largest single allocation that would succeed without compaction."""
-        return max(self._free_start.values(), default=0)
+        """The largest single allocation that would succeed without compaction: the longest range
+        of the highest bin (the tier's ``stats``, which a pooled put's grant reads, calls this)."""
+        if not self._bins:
+            return 0
+        return max(self._free_start[start] for start in self._bins[max(self._bins)])
 
     def rounded(self, n: int) -> int:
         """What an ``n``-byte request costs; zero-byte requests still take one unit."""

@@ -134,6 +134,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.a.used_bytes == sum(self.live.values())
         spans = sorted((o, o + s) for o, s in self.live.items())
         assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        assert self.a.largest_free() == max(self.a._free_start.values(), default=0)
         free_total = sum(self.a._free_start.values())
         assert free_total == self.SIZE - self.a.used_bytes
         # each free range in its size's bin, once, and each bin in address order
