@@ -11,7 +11,12 @@ the coldest, admission, the index.
 The background mover is off (``background=False``) so that every sample's room is made on its
 own path, the worst case; the lower tier is large enough never to fill.
 
-A second row isolates the arena tiers' allocator (``kvstore.memory.slab``), which memory tiers do
+A second row, on the same two stores with a placement round every ``interval_s`` (as a server's
+mover runs them, on the store being sampled only): put and get p50 and p99, each sample a put of
+16 fresh blocks and a get of an earlier one, the sizes taking turns in blocks (issue 34's target:
+p99 at 1M <= 2x p99 at 10k).
+
+A third row isolates the arena tiers' allocator (``kvstore.memory.slab``), which memory tiers do
 not use: an arena of ``N`` frames of a 64 KiB block, full, then a tenth freed at random (a full
 arena at its low watermark after demotions of scattered cold blocks leaves that many holes); each
 sample frees a random frame and allocates one (a put's slot), and allocates one from the top (a
@@ -105,6 +110,7 @@ def run_scale(*, quick: bool = False, repeats: int = 21) -> dict[str, Any]:
                 stores[n].put_kv(spec, tokens, kv)
                 times[n].append(time.perf_counter() - t0)
         where = {n: stores[n].placement.counters() for n in sizes}
+        latency = _latencies(stores, cursors, sizes, kv, LATENCY_SAMPLES[quick])
     finally:
         for store in stores.values():
             store.close()
@@ -112,7 +118,64 @@ def run_scale(*, quick: bool = False, repeats: int = 21) -> dict[str, Any]:
     med = {n: statistics.median(times[n]) for n in sizes}
     return {"sizes": list(sizes), "put_blocks": PUT_BLOCKS, "median_ms": {str(n): round(1e3 * med[n], 3) for n in sizes},
             "ratio": round(med[large] / med[small], 2), "filled": {str(n): filled[n] for n in sizes},
-            "moves": {str(n): where[n] for n in sizes}}
+            "moves": {str(n): where[n] for n in sizes}, "latency": latency}
+
+
+LATENCY_SAMPLES = {False: 1500, True: 200}
+"""Samples of the latency row at each size (``quick``: True)."""
+
+
+def _latencies(stores: dict, cursors: dict, sizes: tuple, kv: torch.Tensor, samples: int) -> dict[str, Any]:
+    """Put and get p50 / p99 at each size with placement running, as a server's mover runs it.
+
+    A thread runs a placement round every ``interval_s`` on the store being sampled (what its
+    background mover does; the stores were built without one so that the row above makes its room
+    on the put's path), and only on it: one process holds both stores, and a round of the large one
+    would otherwise stall the small one's samples for the GIL. The sizes take turns in blocks of
+    ``samples // 6``; each sample, a put of 16 fresh blocks, then a get of one of the sequences put
+    before it (random), both timed.
+    """
+    import random
+    import threading
+
+    spec, rng = _spec(), random.Random(34)
+    puts: dict[int, list[float]] = {n: [] for n in sizes}
+    gets: dict[int, list[float]] = {n: [] for n in sizes}
+    put_seqs: dict[int, list[list[int]]] = {n: [] for n in sizes}
+    block = max(1, samples // 6)
+    for turn in range(2 * (samples // block)):
+        n = sizes[turn % 2] if turn % 4 < 2 else sizes[1 - turn % 2]
+        store, stop = stores[n], threading.Event()
+
+        def rounds(store=store, stop=stop) -> None:
+            while not stop.wait(store.placement.config.interval_s):
+                store.run_placement()
+        mover = threading.Thread(target=rounds, name="bench-scale-placement", daemon=True)
+        mover.start()
+        try:
+            for _ in range(block):
+                tokens = list(range(cursors[n], cursors[n] + PUT_BLOCKS * spec.block_tokens))
+                cursors[n] += len(tokens)
+                t0 = time.perf_counter()
+                store.put_kv(spec, tokens, kv)
+                puts[n].append(time.perf_counter() - t0)
+                put_seqs[n].append(tokens)
+                again = rng.choice(put_seqs[n])
+                t0 = time.perf_counter()
+                store.get_kv(spec, again)
+                gets[n].append(time.perf_counter() - t0)
+        finally:
+            stop.set()
+            mover.join()
+
+    def pct(ts: list[float], q: float) -> float:
+        return round(1e3 * sorted(ts)[min(len(ts) - 1, int(q * len(ts)))], 3)
+    small, large = sizes
+    out: dict[str, Any] = {"samples": samples}
+    for op, ts in (("put", puts), ("get", gets)):
+        out[op] = {str(n): {"p50_ms": pct(ts[n], 0.5), "p99_ms": pct(ts[n], 0.99)} for n in sizes}
+        out[op]["p99_ratio"] = round(out[op][str(large)]["p99_ms"] / out[op][str(small)]["p99_ms"], 2)
+    return out
 
 
 ARENA_FRAME = (64 << 10) + 512
@@ -158,6 +221,12 @@ def format_scale(scale: dict[str, Any], arena: dict[str, Any] | None = None) -> 
     ms = scale["median_ms"]
     lines = [f"full top tier of {large:,} blocks vs {small:,}: a {scale['put_blocks']}-block put (room made on its path) "
              f"{ms[str(large)]:.2f} vs {ms[str(small)]:.2f} ms median, {scale['ratio']:.2f}x (target <= 1.2x)"]
+    lat = scale.get("latency")
+    if lat is not None:
+        lines.append("  with placement rounds running: " + "; ".join(
+            f"{op} p50 {lat[op][str(large)]['p50_ms']:.2f} vs {lat[op][str(small)]['p50_ms']:.2f} ms, p99 "
+            f"{lat[op][str(large)]['p99_ms']:.2f} vs {lat[op][str(small)]['p99_ms']:.2f} ms, {lat[op]['p99_ratio']:.2f}x"
+            for op in ("put", "get")) + " (p99 target <= 2x)")
     if arena is not None:
         small, large = arena["sizes"]
         us, holes = arena["median_us"], arena["free_ranges"]
