@@ -139,6 +139,7 @@ class PlacementManager:
         self._used = [0] * len(self.tiers)
         self._incoming = [0] * len(self.tiers)  # bytes of held writes not yet indexed (``hold_room``)
         self._leaving: set[bytes] = set()  # ordered by a held make_room or plan, not moved yet: not picked again
+        self._draining: set[int] = set()  # tiers past their high watermark, not yet down to their low one
         self._candidates: dict[bytes, None] = {}  # an ordered set
         self._log: deque[MoveRecord] = deque(maxlen=self.config.store_log)
         self._moved = {"promoted": 0, "demoted": 0, "evicted": 0}
@@ -371,12 +372,22 @@ class PlacementManager:
             for i, tier in enumerate(self.tiers):
                 high = tier.high_watermark_frac * tier.capacity_bytes
                 target = tier.low_watermark_frac * tier.capacity_bytes
-                if projected[i] > high:
+                if projected[i] <= target:
+                    self._draining.discard(i)
+                if projected[i] > high or i in self._draining:
+                    # Past the high watermark a tier drains to its low one, over as many rounds as
+                    # PLAN_DEMOTIONS takes (each round's orders are planned under the lock).
                     frac = projected[i] / tier.capacity_bytes
                     reason = (f"demoted: {tier.name} above high watermark {tier.high_watermark_frac:.2f} "
+                              f"({frac:.2f})" if projected[i] > high else
+                              f"demoted: {tier.name} draining to low watermark {tier.low_watermark_frac:.2f} "
                               f"({frac:.2f})")
                     orders += self._room.demote(i, projected[i] - target, now, projected, ordered, reason,
                                                 respect_residency=True, limit=PLAN_DEMOTIONS)
+                    if projected[i] > target:
+                        self._draining.add(i)
+                    else:
+                        self._draining.discard(i)
                 elif i == 0 and projected[0] > target and len(self.tiers) > 1 and self.config.full_top == "spill":
                     # Room for new blocks, made here and not on a put's path: puts past the high
                     # watermark go one tier down (``place_new``), so residents that a block read
