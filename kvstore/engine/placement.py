@@ -91,15 +91,6 @@ def default_scorer(config: PlacementConfig) -> Scorer:
     return AdaptiveRate(short, DecayedRate(config.long_half_life_s, config.margin_frac, config.long_max_count))
 
 
-PLAN_DEMOTIONS = 2048
-"""Demotions one tier's watermark orders in a round, at most: ``plan`` holds the manager's lock,
-which every put and read takes, and the mover moves a round's orders within its byte budget
-anyway (128 MiB a round by default: 2,048 blocks of 64 KiB). Without it, a top tier of 1M small
-blocks planned 5% of itself (50k orders) in one round: a put waited up to 1.5 s for the lock, p99
-49 ms against 4 ms at 10k blocks (``bench/steady_scale.py``, the latency row). The next round
-plans the rest from fresh heat."""
-
-
 class _Heats:
     """Every entry's heat, iterable more than once (for ``Scorer.calibrate``)."""
 
@@ -139,7 +130,6 @@ class PlacementManager:
         self._used = [0] * len(self.tiers)
         self._incoming = [0] * len(self.tiers)  # bytes of held writes not yet indexed (``hold_room``)
         self._leaving: set[bytes] = set()  # ordered by a held make_room or plan, not moved yet: not picked again
-        self._draining: set[int] = set()  # tiers past their high watermark, not yet down to their low one
         self._candidates: dict[bytes, None] = {}  # an ordered set
         self._log: deque[MoveRecord] = deque(maxlen=self.config.store_log)
         self._moved = {"promoted": 0, "demoted": 0, "evicted": 0}
@@ -372,22 +362,12 @@ class PlacementManager:
             for i, tier in enumerate(self.tiers):
                 high = tier.high_watermark_frac * tier.capacity_bytes
                 target = tier.low_watermark_frac * tier.capacity_bytes
-                if projected[i] <= target:
-                    self._draining.discard(i)
-                if projected[i] > high or i in self._draining:
-                    # Past the high watermark a tier drains to its low one, over as many rounds as
-                    # PLAN_DEMOTIONS takes (each round's orders are planned under the lock).
+                if projected[i] > high:
                     frac = projected[i] / tier.capacity_bytes
                     reason = (f"demoted: {tier.name} above high watermark {tier.high_watermark_frac:.2f} "
-                              f"({frac:.2f})" if projected[i] > high else
-                              f"demoted: {tier.name} draining to low watermark {tier.low_watermark_frac:.2f} "
                               f"({frac:.2f})")
                     orders += self._room.demote(i, projected[i] - target, now, projected, ordered, reason,
-                                                respect_residency=True, limit=PLAN_DEMOTIONS)
-                    if projected[i] > target:
-                        self._draining.add(i)
-                    else:
-                        self._draining.discard(i)
+                                                respect_residency=True)
                 elif i == 0 and projected[0] > target and len(self.tiers) > 1 and self.config.full_top == "spill":
                     # Room for new blocks, made here and not on a put's path: puts past the high
                     # watermark go one tier down (``place_new``), so residents that a block read
@@ -397,8 +377,7 @@ class PlacementManager:
                     self.scorer.touch(probe, now)
                     orders += self._room.demote(0, projected[0] - target, now, projected, ordered,
                                                 f"demoted: {tier.name} holds blocks colder than a new one",
-                                                respect_residency=True, colder_than=probe.score,
-                                                limit=PLAN_DEMOTIONS)
+                                                respect_residency=True, colder_than=probe.score)
             if hold:
                 self._leaving.update(order.key for order in orders)
             return orders

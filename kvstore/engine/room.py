@@ -133,16 +133,15 @@ class RoomMaker:
 
     def demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],
                reason: str, *, respect_residency: bool, evict: bool = False,
-               colder_than: float | None = None, limit: int | None = None) -> list[MoveOrder]:
+               colder_than: float | None = None) -> list[MoveOrder]:
         """The coldest residents of tier ``i`` sent one tier down (or out) until ``need`` bytes are
-        freed; with ``colder_than``, only residents that score beats by the margin; at most ``limit``."""
+        freed; with ``colder_than``, only residents that score beats by the margin."""
         dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) and not evict else None
         why = reason if dst else reason.replace("demoted:", "evicted:", 1)
         orders = []
         freed = 0
         for score, key, r in self.coldest(i, ordered):
-            if (freed >= need or (colder_than is not None and not self.beats(colder_than, score))
-                    or (limit is not None and len(orders) >= limit)):
+            if freed >= need or (colder_than is not None and not self.beats(colder_than, score)):
                 break
             if r.held(now) or r.retained(now):
                 continue  # pinned, leased or retained: look past it

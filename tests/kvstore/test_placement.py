@@ -417,23 +417,3 @@ def test_force_frees_room_the_accounting_says_is_free():
         m.admitted(key(i), "top", B)
     assert m.make_room("top", B) == []
     assert [o.key for o in m.make_room("top", B, force=True)] == [key(0)]
-
-
-def test_a_round_plans_a_bounded_number_of_demotions_and_the_next_goes_on(monkeypatch):
-    """``plan`` holds the lock every put takes: past the watermark by more than a round's share,
-    each round orders at most ``PLAN_DEMOTIONS``, coldest first, and later rounds reach the mark."""
-    import kvstore.engine.placement as placement_mod
-
-    monkeypatch.setattr(placement_mod, "PLAN_DEMOTIONS", 8)
-    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5)
-    for i in range(95):  # 95% full, no reads: 45 must go down to reach the low watermark
-        clock.now += 0.01
-        m.admitted(key(i), "top", B)
-    rounds = []
-    while orders := m.plan():
-        assert len(orders) <= 8 and all(o.src == "top" and o.dst == "low" for o in orders)
-        rounds.append([o.key for o in orders])
-        apply(m, orders)
-    moved = [k for r in rounds for k in r]
-    assert len(rounds) >= 2 and moved == [key(i) for i in range(len(moved))]  # the oldest (coldest) first
-    assert sum(1 for i in range(95) if m.tier_of(key(i)) == "top") <= 50
