@@ -143,13 +143,21 @@ def _latencies(stores: dict, cursors: dict, sizes: tuple, kv: torch.Tensor, samp
     gets: dict[int, list[float]] = {n: [] for n in sizes}
     put_seqs: dict[int, list[list[int]]] = {n: [] for n in sizes}
     block = max(1, samples // 6)
+    rounds_run = {n: 0 for n in sizes}
+    failed: list[BaseException] = []
     for turn in range(2 * (samples // block)):
         n = sizes[turn % 2] if turn % 4 < 2 else sizes[1 - turn % 2]
         store, stop = stores[n], threading.Event()
 
-        def rounds(store=store, stop=stop) -> None:
-            while not stop.wait(store.placement.config.interval_s):
-                store.run_placement()
+        def rounds(store=store, stop=stop, n=n) -> None:
+            try:
+                while True:  # a round at once: a quick run's turn is shorter than the interval
+                    store.run_placement()
+                    rounds_run[n] += 1
+                    if stop.wait(store.placement.config.interval_s):
+                        return
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the sampling thread below
+                failed.append(exc)
         mover = threading.Thread(target=rounds, name="bench-scale-placement", daemon=True)
         mover.start()
         try:
@@ -167,11 +175,13 @@ def _latencies(stores: dict, cursors: dict, sizes: tuple, kv: torch.Tensor, samp
         finally:
             stop.set()
             mover.join()
+        if failed:
+            raise failed[0]
 
     def pct(ts: list[float], q: float) -> float:
         return round(1e3 * sorted(ts)[min(len(ts) - 1, int(q * len(ts)))], 3)
     small, large = sizes
-    out: dict[str, Any] = {"samples": samples}
+    out: dict[str, Any] = {"samples": samples, "placement_rounds": {str(n): rounds_run[n] for n in sizes}}
     for op, ts in (("put", puts), ("get", gets)):
         out[op] = {str(n): {"p50_ms": pct(ts[n], 0.5), "p99_ms": pct(ts[n], 0.99)} for n in sizes}
         out[op]["p99_ratio"] = round(out[op][str(large)]["p99_ms"] / out[op][str(small)]["p99_ms"], 2)

@@ -26,6 +26,10 @@ def test_the_steady_bench_fills_two_stores_and_reports_every_row(tmp_path):
     assert scale["sizes"] == [2_000, 20_000] and scale["ratio"] > 0
     assert all(f["blocks"] >= 0.85 * n for n, f in zip(scale["sizes"], scale["filled"].values()))
     assert all(m["demoted"] >= 16 for m in scale["moves"].values())
+    latency = scale["latency"]  # the same stores with placement rounds running: put and get p50, p99
+    assert all(latency[op][str(n)]["p99_ms"] >= latency[op][str(n)]["p50_ms"] > 0
+               for op in ("put", "get") for n in scale["sizes"])
+    assert all(latency["placement_rounds"][str(n)] >= 2 for n in scale["sizes"])  # a round each turn at least
     arena = result["arena_scale"]  # the arena allocator, full and churned: 20k frames against 2k
     assert arena["sizes"] == [2_000, 20_000] and all(r > 0 for r in arena["ratio"].values())
     assert arena["free_ranges"]["20000"] > 5 * arena["free_ranges"]["2000"]  # the holes grow with the arena

@@ -14,7 +14,9 @@ lowest range of the smallest bin whose every range fits, then looks in the reque
 own bin, so it fails only when no free range is large enough. ``alloc_high`` takes
 the highest range that fits instead, for those that stay long and cannot move. Both
 cost O(log n) in the free ranges, plus a look at each non-empty bin (a few hundred at
-most), and a scan of the request's own bin only when no larger bin has a range. A full
+most); a request whose size is not its bin's floor also looks through its own bin, from the
+lowest (``alloc``, when no larger bin has a range) or the highest (``alloc_high``, down to the
+best range of the larger bins), past ranges too short for it. A full
 arena after churn holds a free range for every scattered block demoted or deleted (90k
 in one of 1M frames with a tenth freed); scanning them, as this allocator did, cost
 0.64 ms an ``alloc`` and 20 ms an ``alloc_high`` there (``bench/steady_scale.py``,
@@ -104,11 +106,9 @@ class SlabAllocator:
         return self.size - self._used
 
     def largest_free(self) -> int:
-        """The largest single allocation that would succeed without compaction: the longest range
-        of the highest bin (the tier's ``stats``, which a pooled put's grant reads, calls this)."""
-        if not self._bins:
-            return 0
-        return max(self._free_start[start] for start in self._bins[max(self._bins)])
+        """The largest single allocation that would succeed without compaction, in O(1) (the tier's
+        ``stats``, which a pooled put's grant reads, calls this)."""
+        return self._lengths[-1] if self._lengths else 0
 
     def rounded(self, n: int) -> int:
         """What an ``n``-byte request costs; zero-byte requests still take one unit."""
@@ -126,6 +126,7 @@ class SlabAllocator:
         twin._free_start = dict(self._free_start)
         twin._free_end = dict(self._free_end)
         twin._bins = {b: SortedList(members) for b, members in self._bins.items()}
+        twin._lengths = SortedList(self._lengths)
         return twin
 
     # -- alloc / free ---------------------------------------------------------------
@@ -251,6 +252,7 @@ class SlabAllocator:
         self._free_start: dict[int, int] = {}
         self._free_end: dict[int, int] = {}
         self._bins: dict[int, SortedList] = {}  # bin -> starts of its free ranges, ascending
+        self._lengths = SortedList()  # every free range's length: the longest is the last
         for start, length in ranges:
             self._add_free(start, length)
 
@@ -271,6 +273,7 @@ class SlabAllocator:
         if members is None:
             members = self._bins[_bin(length)] = SortedList()
         members.add(start)
+        self._lengths.add(length)
 
     def _remove_free(self, start: int, length: int) -> None:
         del self._free_start[start]
@@ -278,6 +281,7 @@ class SlabAllocator:
         b = _bin(length)
         members = self._bins[b]
         members.remove(start)
+        self._lengths.remove(length)
         if not members:
             del self._bins[b]
 
