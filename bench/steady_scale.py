@@ -209,7 +209,7 @@ def run_arena_scale(*, quick: bool = False, samples: int = 2000) -> dict[str, An
         for off in frames[:n // 10]:
             arena.free(off)
         arenas[n], live[n] = arena, frames[n // 10:]
-        holes[n] = len(arena._free_start)
+        holes[n] = arena.free_ranges()
     for r in range(samples):
         for n in (sizes if r % 2 == 0 else sizes[::-1]):
             for how in ("alloc", "alloc_high"):

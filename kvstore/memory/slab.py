@@ -105,6 +105,10 @@ class SlabAllocator:
     def free_bytes(self) -> int:
         return self.size - self._used
 
+    def free_ranges(self) -> int:
+        """How many free ranges the free space is split into."""
+        return len(self._free_start)
+
     def largest_free(self) -> int:
         """The largest single allocation that would succeed without compaction, in O(1) (the tier's
         ``stats``, which a pooled put's grant reads, calls this)."""
