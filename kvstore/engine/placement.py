@@ -156,7 +156,7 @@ class PlacementManager:
         with self._lock:
             r = self._res.get(key)
             if r is None:
-                r = self._res[key] = Resident(self._pos[tier], size, now)
+                r = self._res[key] = Resident(tier=self._pos[tier], size=size, since_s=now)
             else:
                 self._leave(key, r)
                 r.tier, r.size, r.since_s, r.came = self._pos[tier], size, now, 0
@@ -216,9 +216,9 @@ class PlacementManager:
             self._members[r.tier][order.key] = r
             self._order[r.tier].put(order.key, r.heat.score, r.depth)
             self._used[r.tier] += r.size
+            if r.moves is None:  # made on the first move: most entries never move, and a deque
+                r.moves = deque(maxlen=self.config.entry_log)  # each was one more object for the collector
             r.moves.append(record)
-            while len(r.moves) > self.config.entry_log:
-                r.moves.popleft()
 
     def resized(self, key: bytes, size: int) -> None:
         """``key``'s frame was rewritten in place at ``size`` bytes (re-encoded): same tier, heat."""
@@ -509,7 +509,7 @@ class PlacementManager:
                     "expires_in_s": r.retained_until - now},
                 "scorer": self.scorer.name,
                 "heat_memories": list(r.heat.parts),
-                "moves": [m.to_dict(now) for m in r.moves],
+                "moves": [m.to_dict(now) for m in r.moves or ()],
             }
 
     def heat_rates(self, sample: int = 100_000) -> tuple[list[tuple[str, float]], int]:

@@ -9,7 +9,7 @@ re-exports all but ``Resident`` (placement's own bookkeeping).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.errors import InvalidInput
 from kvstore.engine.heat import Heat
@@ -113,9 +113,13 @@ class MoveRecord:
         return out
 
 
-@dataclass(slots=True)
-class Resident:
-    """What placement knows of one entry; one per key, shared by the manager and its parts."""
+@dataclass(slots=True, kw_only=True)
+class Resident(Heat):
+    """What placement knows of one entry; one per key, shared by the manager and its parts.
+
+    It is its own ``Heat`` (``heat`` returns itself): a store of a million blocks keeps a million
+    of these, and every object per block is one more the collector walks in a full collection
+    (1.65 s at a million blocks with a separate ``Heat`` and a ``deque`` each)."""
 
     tier: int
     size: int
@@ -123,16 +127,21 @@ class Resident:
     """When it arrived in its current tier (residency starts here)."""
     came: int = 0
     """How it arrived: +1 promoted, -1 demoted, 0 written. Residency only blocks going back."""
-    heat: Heat = field(default_factory=Heat)
     pinned_until: float = 0.0
     leases: int = 0
-    moves: deque = field(default_factory=deque)
+    moves: deque | None = None
+    """Its latest moves, for ``explain`` (None until it first moves)."""
     depth: int = 0
     """Position in its chain: breaks ties between equally hot blocks, deepest first."""
     retained_until: float = 0.0
     """Retained (a soft pin) until then; 0: not retained."""
     retain_priority: int = 0
     retain_owner: str | None = None
+
+    @property
+    def heat(self) -> Heat:
+        """The entry's access history, as its scorer keeps it: this record itself."""
+        return self
 
     def held(self, now: float) -> bool:
         """Pinned or leased: it must not go down or out."""
