@@ -152,7 +152,7 @@ def _latencies(stores: dict, cursors: dict, sizes: tuple, kv: torch.Tensor, samp
         def rounds(store=store, stop=stop, n=n) -> None:
             try:
                 while True:  # a round at once: a quick run's turn is shorter than the interval
-                    store.run_placement()
+                    store.run_placement(bounded=True)
                     rounds_run[n] += 1
                     if stop.wait(store.placement.config.interval_s):
                         return

@@ -60,3 +60,14 @@ class HeatOrder:
         """(score, key), coldest first."""
         for score, _, key in self._items:
             yield score, key
+
+    def position(self, key: bytes) -> tuple | None:
+        """Where ``key`` ranks now, for ``walk(after=...)`` (None: not here)."""
+        return self._at.get(key)
+
+    def walk(self, after: tuple | None = None) -> Iterator[tuple[float, bytes]]:
+        """(score, key), coldest first, from just past the position ``after`` (the start: None).
+        A position is a rank, not a key: it holds when its key has moved or gone since."""
+        items = self._items if after is None else self._items.irange(after, inclusive=(False, True))
+        for score, _, key in items:
+            yield score, key

@@ -16,14 +16,16 @@ copy is re-indexed at the next start (``kvstore/engine/recovery.py``). A reader 
 looked the entry up before step 3 may find the source gone; it looks again
 (``KVStore.get_kv`` re-reads the index once on a miss).
 
-The background thread plans every ``interval_s`` and spends at most
-``move_bytes_per_s`` (a token bucket), so placement never starves the data path.
+The background thread plans every ``interval_s`` and spends at most ``move_bytes_per_s`` (a
+token bucket) and ``move_cpu_frac`` of the interval's CPU time, so placement never starves the
+data path: a tier far above its watermark drains over several rounds.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -40,6 +42,18 @@ log = logging.getLogger("kvstore.engine.mover")
 
 AHEAD_MOVES = 32
 """Orders looked at, at a time, for demotions to re-encode together."""
+
+MOVE_CPU_S = 50e-6
+"""A first guess at one move's CPU time (a small frame between memory tiers), until rounds measure it."""
+
+YIELD_EVERY_S = 1e-3
+"""CPU time the mover works between two hand-overs of the GIL."""
+
+YIELD_S = 1e-4
+"""How long a hand-over sleeps: long enough for a waiting thread to wake and take the GIL."""
+
+PLAN_MIN = 64
+"""Orders planned per tier in a round, at least, however dear a move has been."""
 
 
 @dataclass(slots=True)
@@ -70,6 +84,7 @@ class Mover:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tokens = float(self._placement.config.move_bytes_per_s)
+        self._move_cpu_s = MOVE_CPU_S  # a move's CPU time, as rounds measure it
 
     # -- one move ----------------------------------------------------------------
 
@@ -214,17 +229,31 @@ class Mover:
 
     # -- the background loop ---------------------------------------------------------
 
-    def run_once(self) -> int:
-        """Plan and execute within the byte budget; returns how many moves happened."""
+    def run_once(self, *, bounded: bool = False) -> int:
+        """Plan and execute within the byte budget; returns how many moves happened.
+
+        Args:
+            bounded: as the background thread runs it: the round also ends once this thread has
+                used ``move_cpu_frac`` of the interval's CPU time, and plans no more than that
+                share carries out. Bytes alone do not bound a round: a move of a small frame costs
+                tens of microseconds of Python whatever its size (a budget of 128 MiB is 100k of
+                them), and a round holds the GIL that puts and gets need. CPU time, not wall time:
+                waits for a disk do not count. Unbounded (a round on demand), it plans and moves
+                all the byte budget allows.
+        """
         cfg = self._placement.config
         self._tokens = min(self._tokens + cfg.move_bytes_per_s * cfg.interval_s, float(cfg.move_bytes_per_s))
+        slice_s = cfg.move_cpu_frac * cfg.interval_s if bounded else float("inf")
+        limit = max(PLAN_MIN, int(1.5 * slice_s / self._move_cpu_s)) if bounded else None
+        started = yielded = time.thread_time()
         done = 0
-        orders = self._placement.plan(hold=True)
+        orders = self._placement.plan(hold=True, limit=limit)
+        planned = time.thread_time()
         ahead: dict[bytes, _Ahead] = {}
         looked: set[bytes] = set()  # orders a batch has considered: each once
         try:
             for i, order in enumerate(orders):
-                if order.size > self._tokens and done:
+                if (done and order.size > self._tokens) or (i and time.thread_time() - started > slice_s):
                     break  # out of budget: the next round re-plans from fresh heat
                 if order.key not in looked:
                     window = orders[i:i + AHEAD_MOVES]
@@ -233,8 +262,17 @@ class Mover:
                 if self.execute(order, ahead=ahead.pop(order.key, None)):
                     done += 1
                     self._tokens -= order.size
+                if bounded and time.thread_time() - yielded > YIELD_EVERY_S:
+                    # A thread that let the GIL go (for a copy, a lock, a socket) waits up to the
+                    # switch interval (5 ms) to have it back from a busy mover: a get of a few
+                    # blocks would take ten times its time. A short sleep hands it over.
+                    time.sleep(YIELD_S)
+                    yielded = time.thread_time()
         finally:
             self._placement.settle(orders)
+        if done and bounded:  # what a move costs here, for the next round's plan
+            per_move = (time.thread_time() - planned) / done
+            self._move_cpu_s = max(1e-6, 0.8 * self._move_cpu_s + 0.2 * per_move)
         return done
 
     def _encode_ahead(self, orders: list[MoveOrder], budget: float) -> dict[bytes, "_Ahead"]:
@@ -283,7 +321,7 @@ class Mover:
         interval = self._placement.config.interval_s
         while not self._stop.wait(interval):
             try:
-                self.run_once()
+                self.run_once(bounded=True)
             except Exception:  # keep moving next round; a bug here must not kill placement
                 log.exception("placement round failed")
             # a store that closed mid-round has cleared its index; nothing more to do

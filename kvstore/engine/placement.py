@@ -15,7 +15,11 @@ Rules, in the order ``plan`` applies them:
    the promotion so that a mover frees the room first.
 2. **Demotion.** A tier above ``high_watermark_frac`` sends its coldest
    entries one tier down until it is under ``low_watermark_frac``; the last tier
-   evicts. ``make_room`` does the same at once, for a put that found the tier full.
+   evicts. A mover's plan is bounded (``plan(limit=)``), so the tier drains over
+   as many rounds as it takes: it stays draining until its real use is under the
+   low watermark, and meanwhile new blocks (``place_new``) and promotions into
+   free room get only the room under it; a pass over the whole tier that finds
+   nothing that can go ends the drain. ``make_room`` does the same at once, for a put that found the tier full.
    Above its low watermark, the top tier (with ``full_top="spill"``) also sends
    down residents that a block read once now would beat by the margin: the room
    new blocks need, made ahead of them (past the high watermark ``place_new``
@@ -139,6 +143,9 @@ class PlacementManager:
         self._order = [HeatOrder() for _ in self.tiers]  # each tier's members, coldest first
         self._used = [0] * len(self.tiers)
         self._incoming = [0] * len(self.tiers)  # bytes of held writes not yet indexed (``hold_room``)
+        # Above its high watermark a tier drains to its low one, over as many rounds as a bounded
+        # plan needs: it stays draining until its real use (not a plan's projection) is down there.
+        self._draining = [False] * len(self.tiers)
         self._leaving: set[bytes] = set()  # ordered by a held make_room or plan, not moved yet: not picked again
         self._candidates: dict[bytes, None] = {}  # an ordered set
         self._log: deque[MoveRecord] = deque(maxlen=self.config.store_log)
@@ -347,13 +354,19 @@ class PlacementManager:
 
     # -- decisions -------------------------------------------------------------------
 
-    def plan(self, *, hold: bool = False) -> list[MoveOrder]:
+    def plan(self, *, hold: bool = False, limit: int | None = None) -> list[MoveOrder]:
         """Promotions (each after the demotion that makes its room), then demotions
-        for every tier above its high watermark. A mover carries them out in order.
+        for every tier above its high watermark, or still draining to its low one.
+        A mover carries them out in order.
 
         Args:
             hold: keep the ordered entries from a put's ``make_room`` until ``settle(orders)``,
                 so that the room a put counts on is not the room this round frees anyway.
+            limit: the most demotions planned for each tier (and about four times as many
+                residents looked at). A mover that carries out a round's worth passes it: a
+                full tier of a million small blocks has tens of thousands in excess, and
+                planning them all each round would be work thrown away under the lock. A tier
+                left above its low watermark goes on draining next round.
         """
         now = self.clock()
         with self._lock:
@@ -363,6 +376,12 @@ class PlacementManager:
                 for members, order in zip(self._members, self._order):
                     order.rebuild((key, r.heat.score, r.depth) for key, r in members.items())
             projected = list(self._used)
+            for i, tier in enumerate(self.tiers):  # from real use: never from a plan's projection
+                if projected[i] <= tier.low_watermark_frac * tier.capacity_bytes:
+                    self._draining[i] = False
+                    self._room.forget_walk(i)
+                elif projected[i] > tier.high_watermark_frac * tier.capacity_bytes:
+                    self._draining[i] = True
             orders: list[MoveOrder] = []
             ordered: set[bytes] = set(self._leaving)  # a held put's make_room is moving these now
             if self.config.promote:
@@ -372,12 +391,17 @@ class PlacementManager:
             for i, tier in enumerate(self.tiers):
                 high = tier.high_watermark_frac * tier.capacity_bytes
                 target = tier.low_watermark_frac * tier.capacity_bytes
-                if projected[i] > high:
+                if projected[i] > high or (self._draining[i] and projected[i] > target):
                     frac = projected[i] / tier.capacity_bytes
                     reason = (f"demoted: {tier.name} above high watermark {tier.high_watermark_frac:.2f} "
+                              f"({frac:.2f})" if projected[i] > high else
+                              f"demoted: {tier.name} draining to low watermark {tier.low_watermark_frac:.2f} "
                               f"({frac:.2f})")
-                    orders += self._room.demote(i, projected[i] - target, now, projected, ordered, reason,
-                                                respect_residency=True)
+                    down = self._room.demote(i, projected[i] - target, now, projected, ordered, reason,
+                                             respect_residency=True, limit=limit)
+                    if not down and self._room.walked_all[i]:
+                        self._draining[i] = False  # nothing left to move (pinned, retained): stop draining
+                    orders += down
                 elif i == 0 and projected[0] > target and len(self.tiers) > 1 and self.config.full_top == "spill":
                     # Room for new blocks, made here and not on a put's path: puts past the high
                     # watermark go one tier down (``place_new``), so residents that a block read
@@ -387,7 +411,7 @@ class PlacementManager:
                     self.scorer.touch(probe, now)
                     orders += self._room.demote(0, projected[0] - target, now, projected, ordered,
                                                 f"demoted: {tier.name} holds blocks colder than a new one",
-                                                respect_residency=True, colder_than=probe.score)
+                                                respect_residency=True, colder_than=probe.score, limit=limit)
             if hold:
                 self._leaving.update(order.key for order in orders)
             return orders
@@ -412,7 +436,10 @@ class PlacementManager:
             return self.tiers[0].name
         with self._lock:
             top = self.tiers[0]
-            if (self._used[0] + self._incoming[0] + nbytes <= top.high_watermark_frac * top.capacity_bytes
+            # A draining top tier takes new blocks under its low watermark only: room above it is
+            # what the drain is making, and blocks put there would go down again next round.
+            mark = top.low_watermark_frac if self._draining[0] else top.high_watermark_frac
+            if (self._used[0] + self._incoming[0] + nbytes <= mark * top.capacity_bytes
                     or self.config.full_top == "evict"):
                 return top.name
             return self.tiers[1].name
@@ -440,6 +467,11 @@ class PlacementManager:
         else in exchange for colder residents (demoted first, so the mover has the room)."""
         top = self.tiers[0]
         room = top.high_watermark_frac * top.capacity_bytes - projected[0]
+        # A draining top tier lends as free only its room under the low watermark: room between
+        # the two is what the drain is making, and filling it would trade residents for candidates
+        # without the scorer's margin. Exchanges (by the margin) still count from the high one.
+        reserve = ((top.high_watermark_frac - top.low_watermark_frac) * top.capacity_bytes
+                   if self._draining[0] else 0)
         candidates = []
         for key in self._candidates:
             r = self._res.get(key)
@@ -458,7 +490,7 @@ class PlacementManager:
         for kept, _, score, key, r in candidates:
             if kept and retained_failed:
                 continue
-            if r.size <= room:
+            if r.size <= max(0, room - reserve):
                 room -= r.size
                 reason = f"promoted: {top.name} has room ({projected[0] / top.capacity_bytes:.2f} full)"
                 if kept:
@@ -472,7 +504,8 @@ class PlacementManager:
                 room += displaced[1] - r.size
                 reason = f"promoted: retained by {r.retain_owner!r} (soft pin, ahead of heat)"
             else:
-                displaced = self._room.displace(score, r.size - room, victims, now, projected, ordered)
+                displaced = self._room.displace(score, r.size - max(0, room - reserve), victims, now, projected,
+                                                ordered)
                 if displaced is None:
                     break  # later candidates are colder and the residents left hotter: none would win
                 orders += displaced[0]

@@ -70,6 +70,9 @@ class PlacementConfig:
     """Budget of the background mover."""
     interval_s: float = 0.25
     """How often the background mover plans."""
+    move_cpu_frac: float = 0.25
+    """Share of each interval the mover's thread may spend on the CPU (mostly holding the GIL,
+    which puts and gets need too): a round ends there and leaves the rest to the next."""
     entry_log: int = 8
     """Moves remembered per entry, for explain."""
 
@@ -79,6 +82,8 @@ class PlacementConfig:
     def __post_init__(self) -> None:
         if self.full_top not in ("spill", "evict"):
             raise InvalidInput(f"full_top must be spill or evict, got {self.full_top!r}")
+        if not 0 < self.move_cpu_frac <= 1:
+            raise InvalidInput(f"move_cpu_frac must be in (0, 1], got {self.move_cpu_frac!r}")
 
 
 @dataclass(frozen=True, slots=True)

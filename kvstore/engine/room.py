@@ -20,7 +20,10 @@ from kvstore.engine.heat import Scorer
 from kvstore.engine.heat_order import HeatOrder
 from kvstore.engine.placement_types import MoveOrder, PlacementConfig, Resident, TierPolicy
 
-__all__ = ["RoomHold", "RoomMaker"]
+__all__ = ["RoomHold", "RoomMaker", "LOOK_PER_ORDER"]
+
+LOOK_PER_ORDER = 4
+"""A bounded demotion looks at up to this many residents per order it may place."""
 
 
 class RoomHold:
@@ -66,7 +69,7 @@ class RoomMaker:
     """
 
     __slots__ = ("tiers", "config", "scorer", "clock", "lock", "pos", "members", "order", "used", "incoming",
-                 "leaving")
+                 "leaving", "resume", "walked_all", "pass_found")
 
     def __init__(self, tiers: Sequence[TierPolicy], config: PlacementConfig, scorer: Scorer,
                  clock: Callable[[], float], lock: threading.Lock, *, members: list[dict[bytes, Resident]],
@@ -82,6 +85,14 @@ class RoomMaker:
         self.used = used
         self.incoming = incoming
         self.leaving = leaving
+        self.resume: list[tuple | None] = [None] * len(tiers)
+        """Per tier, where the next bounded demotion starts walking (None: at the coldest): past
+        a run of residents that could not go (pinned, leased, retained) that used up a walk."""
+        self.walked_all = [False] * len(tiers)
+        """Per tier, whether the last demotion ended a pass over every resident, coldest to
+        hottest (in one walk or, bounded, several) that found none that could go."""
+        self.pass_found = [False] * len(tiers)
+        """Per tier, whether the bounded pass under way has ordered any resident down."""
 
     def make(self, tier: str, nbytes: int, *, force: bool, hold: bool) -> RoomHold:
         """Room for ``nbytes`` in ``tier``, as ``PlacementManager.hold_room`` makes it; without ``hold``,
@@ -123,32 +134,70 @@ class RoomMaker:
     def beats(self, a: float, b: float) -> bool:
         return self.scorer.beats(a, b) if self.config.hysteresis else a > b
 
-    def coldest(self, i: int, ordered: Container[bytes]) -> Iterator[tuple[float, bytes, Resident]]:
-        """Residents of tier ``i`` not yet ordered, coldest first: read off the tier's kept order, so
-        the k coldest cost O(k) plus the ordered ones skipped, not a sort of the tier."""
+    def coldest(self, i: int, ordered: Container[bytes], after: tuple | None = None,
+                ) -> Iterator[tuple[float, bytes, Resident]]:
+        """Residents of tier ``i`` not yet ordered, coldest first (those ranked after ``after``, a
+        position from ``HeatOrder.position``, when given): read off the tier's kept order, so the k
+        coldest cost O(k) plus the ordered ones skipped, not a sort of the tier."""
         members = self.members[i]
-        for score, key in self.order[i]:
+        for score, key in self.order[i].walk(after):
             if key not in ordered:
                 yield score, key, members[key]
 
+    def forget_walk(self, i: int) -> None:
+        """Tier ``i`` is under its low watermark: its next bounded demotion starts at the coldest."""
+        self.resume[i] = None
+        self.walked_all[i] = self.pass_found[i] = False
+
     def demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],
                reason: str, *, respect_residency: bool, evict: bool = False,
-               colder_than: float | None = None) -> list[MoveOrder]:
+               colder_than: float | None = None, limit: int | None = None) -> list[MoveOrder]:
         """The coldest residents of tier ``i`` sent one tier down (or out) until ``need`` bytes are
-        freed; with ``colder_than``, only residents that score beats by the margin."""
+        freed; with ``colder_than``, only residents that score beats by the margin; with
+        ``limit``, at most that many orders, from at most ``LOOK_PER_ORDER`` times as many
+        residents looked at (a tier whose coldest are pinned is not walked whole each round)."""
         dst = self.tiers[i + 1].name if i + 1 < len(self.tiers) and not evict else None
         why = reason if dst else reason.replace("demoted:", "evicted:", 1)
-        orders = []
+        orders: list[MoveOrder] = []
         freed = 0
-        for score, key, r in self.coldest(i, ordered):
+        if limit is None:
+            walk = self.coldest(i, ordered)
+        else:
+            # Bounded: a walk that spent its looks on residents that cannot go resumes past them
+            # next round, so a run of pinned or retained cold residents longer than one round's
+            # looks is crossed over rounds, not walked again from the coldest each time.
+            from_coldest = self.resume[i] is None
+            if from_coldest:
+                self.pass_found[i] = False
+            walk, looks, stuck = self.coldest(i, ordered, self.resume[i]), LOOK_PER_ORDER * limit, None
+        self.walked_all[i] = False
+        for score, key, r in walk:
             if freed >= need or (colder_than is not None and not self.beats(colder_than, score)):
                 break
+            if limit is not None:
+                if len(orders) >= limit or looks <= 0:
+                    break
+                looks -= 1
             if r.held(now) or r.retained(now):
+                if limit is not None and not orders:
+                    stuck = self.order[i].position(key)
                 continue  # pinned, leased or retained: look past it
             if respect_residency and self.settling(r, now, up=False):
                 break  # the coldest must stay a while: sending hotter ones down instead would be worse
             orders.append(self.order_down(i, key, r, why, projected, ordered, evict=evict))
             freed += r.size
+        else:  # walked to the hottest: a pass (over one round or several) is over
+            if limit is None:
+                self.walked_all[i] = not orders
+                return orders
+            self.pass_found[i] = self.pass_found[i] or bool(orders)
+            self.walked_all[i] = not self.pass_found[i]
+            self.resume[i] = None  # the next walk starts at the coldest again
+            return orders
+        if limit is not None:
+            self.pass_found[i] = self.pass_found[i] or bool(orders)
+            if stuck is not None:
+                self.resume[i] = stuck
         return orders
 
     def order_down(self, i: int, key: bytes, r: Resident, reason: str, projected: list[int],

@@ -503,10 +503,10 @@ class KVStore:
         now = self.placement.clock()
         return [m.to_dict(now) for m in self.placement.log(limit)]
 
-    def run_placement(self) -> int:
-        """One placement round now (what the background mover does); returns moves made."""
+    def run_placement(self, *, bounded: bool = False) -> int:
+        """One placement round now, as ``Mover.run_once(bounded=)`` makes it; returns moves made."""
         self._check_open()
-        return self._mover.run_once()
+        return self._mover.run_once(bounded=bounded)
 
     def _current_keys(self, spec: KVSpec, tokens: Any, namespace: str) -> list[BlockHash]:
         self._check_open()

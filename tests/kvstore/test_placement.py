@@ -417,3 +417,125 @@ def test_force_frees_room_the_accounting_says_is_free():
         m.admitted(key(i), "top", B)
     assert m.make_room("top", B) == []
     assert [o.key for o in m.make_room("top", B, force=True)] == [key(0)]
+
+
+def test_a_bounded_plan_drains_a_tier_over_rounds_to_its_low_watermark_and_stops_there():
+    # full_top="evict": no spill rule sends cold residents down below the high watermark, so only
+    # the drain carries the tier from there to the low one.
+    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
+    for i in range(100):
+        m.admitted(key(i), "top", B)
+    planned = m.plan(limit=8)
+    assert len(planned) == 8 and m.plan(limit=8) == planned  # not carried out: planned again
+    rounds = 0
+    while orders := m.plan(limit=8):
+        assert len(orders) <= 8 and all(o.src == "top" for o in orders)
+        apply(m, orders)
+        rounds += 1
+        assert rounds < 20
+    assert m.usage()["top"] == 50 * B and rounds == 7  # 100 -> 50: past the high watermark, 8 a round
+    for i in range(100, 120):
+        m.admitted(key(i), "top", B)  # back inside the band: it holds, the drain is over
+    assert m.plan(limit=8) == []
+
+
+def test_a_draining_top_tier_lends_no_room_between_its_watermarks():
+    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
+    for i in range(95):
+        m.admitted(key(i), "top", B)
+    touch(m, clock, [key(i) for i in range(95)], times=20)  # in use: a candidate read once a round never beats them
+    m.admitted(key(500), "low", B)
+    promoted = []
+    while True:
+        touch(m, clock, [key(500)])  # read once: not hot enough to displace a resident by the margin
+        orders = m.plan(limit=8)
+        if any(o.key == key(500) for o in orders):
+            promoted.append((m.usage()["top"], orders))
+        if not orders:
+            break
+        apply(m, orders)
+    assert len(promoted) == 1 and m.tier_of(key(500)) == "top"
+    used, orders = promoted[0]
+    assert used <= 50 * B and orders == [o for o in orders if o.key == key(500)]  # only once drained, by itself
+    assert "has room" in orders[0].reason
+
+
+def test_a_bounded_plan_crosses_a_run_of_pinned_residents_over_rounds():
+    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
+    for i in range(100):
+        m.admitted(key(i), "top", B)
+    for i in range(40):  # the 40 coldest are pinned: more than a round of 8 orders looks at (32)
+        assert m.pin(key(i))
+    assert m.plan(limit=8) == []  # 32 looked at, none can go
+    rounds = 1
+    while orders := m.plan(limit=8):  # resumed past them: the drain goes on
+        apply(m, orders)
+        rounds += 1
+        assert rounds < 20
+    assert m.usage()["top"] == 50 * B and {m.tier_of(key(i)) for i in range(40)} == {"top"}
+
+
+def test_a_drain_ends_on_real_use_not_on_what_a_round_planned():
+    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
+    for i in range(100):
+        m.admitted(key(i), "top", B)
+    orders = m.plan()  # unbounded: all 50 planned at once, the projection at the low watermark
+    assert len(orders) == 50
+    apply(m, orders[:20])  # a mover's budget carried out 20
+    assert m.usage()["top"] == 80 * B  # inside the band, but the drain is not over
+    assert {o.key for o in m.plan()} == {o.key for o in orders[20:]}
+
+
+def test_a_draining_top_tier_sends_new_blocks_down_until_it_is_drained():
+    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0)
+    for i in range(95):
+        m.admitted(key(i), "top", B)
+    m.plan(limit=8)  # above the high watermark: draining
+    for i in range(85, 95):
+        m.removed(key(i))
+    assert m.usage()["top"] == 85 * B and m.place_new(B) == "low"  # the band is the drain's room
+    while orders := m.plan(limit=8):
+        apply(m, orders)
+    assert m.usage()["top"] <= 50 * B and m.place_new(B) == "top"
+
+
+def test_planned_demotions_into_a_tier_do_not_set_it_draining():
+    clock = Clock()
+    tiers = [TierPolicy(name, 100 * B, high_watermark_frac=0.9, low_watermark_frac=0.5) for name in "abc"]
+    m = PlacementManager(tiers, config=PlacementConfig(min_residency_s=0, full_top="evict"), clock=clock)
+    for i in range(95):
+        m.admitted(key(i), "a", B)
+    for i, name in ((100, "b"), (200, "c")):
+        for j in range(80):
+            m.admitted(key(i + j), name, B)
+    assert {o.src for o in m.plan(limit=64)} >= {"a", "b"}  # b's projection passed its high watermark
+    for i in range(95):
+        m.removed(key(i))  # none of it was carried out, and a is empty now
+    assert m.plan(limit=64) == []  # b and c never went past their high watermarks: nothing drains
+
+
+def test_a_drain_that_only_pinned_residents_hold_up_stops_and_lends_its_room():
+    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
+    for i in range(95):
+        m.admitted(key(i), "top", B)
+    for i in range(70):
+        assert m.pin(key(i))
+    for _ in range(12):  # each round looks at 32: the first ones find only pinned residents
+        apply(m, m.plan(limit=8))
+    assert m.usage()["top"] == 70 * B  # the drain moved every block it could
+    m.admitted(key(500), "low", B)
+    touch(m, clock, [key(500)])
+    for _ in range(5):  # a pass over the pinned residents, a few rounds, finds none that can go
+        orders = m.plan(limit=8)
+        if orders:
+            break
+    assert [(o.key, o.dst) for o in orders] == [(key(500), "top")] and "has room" in orders[0].reason
+
+
+def test_a_zero_byte_candidate_is_promoted_into_a_draining_tier_without_a_search():
+    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
+    for i in range(95):
+        m.admitted(key(i), "top", B)
+    m.admitted(key(500), "low", 0)
+    touch(m, clock, [key(500)])
+    assert key(500) in {o.key for o in m.plan(limit=8)}

@@ -240,3 +240,49 @@ def test_recovered_blocks_explain_and_sort_before_any_access(tmp_path):
         assert infos[0]["heat_score"] is not None
         json.dumps(infos, allow_nan=False, default=str)
         assert [e.depth for e in coldest_first(s, s.entries())][-1] == 0
+
+
+def test_a_round_ends_at_its_cpu_share_and_later_rounds_finish_the_drain():
+    # A move of a small frame costs tens of microseconds whatever its bytes: a round is bounded by
+    # the mover thread's CPU time too. With a share of almost nothing, each round moves one block.
+    hot, cold = MemoryTier(2 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    config = PlacementConfig(min_residency_s=0.0, admission=False, move_cpu_frac=1e-9)
+    policies = {"hot": {"high_watermark_frac": 0.9, "low_watermark_frac": 0.5}}
+    with KVStore([hot, cold], placement=config, tier_policies=policies, background=False) as store:
+        kvs = {i: make_kv(SPEC, 16 * 5, seed=i) for i in range(6)}
+        for i, kv in kvs.items():
+            store.put_kv(SPEC, chain(i, 5), kv)  # 30 blocks of 64 KiB, admission off: all in the top tier
+        policy = store.placement.tiers[0]
+        assert hot.stats().used_bytes > policy.high_watermark_frac * policy.capacity_bytes
+        firsts = [store.run_placement(bounded=True) for _ in range(3)]
+        assert firsts == [1, 1, 1]
+        rounds = 3
+        while store.run_placement(bounded=True):
+            rounds += 1
+            assert rounds < 100
+        assert hot.stats().used_bytes <= policy.low_watermark_frac * policy.capacity_bytes  # drained
+        for i, kv in kvs.items():  # nothing lost on the way
+            got, n = store.get_kv(SPEC, chain(i, 5))
+            assert n == 80 and torch.equal(got, kv)
+
+
+def test_a_bounded_round_whose_moves_all_fail_still_ends_at_its_cpu_share(monkeypatch):
+    from kvstore.errors import TierFull
+
+    hot, cold = MemoryTier(2 * MiB, name="hot"), MemoryTier(64 * MiB, name="cold")
+    config = PlacementConfig(min_residency_s=0.0, admission=False, move_cpu_frac=1e-9)
+    policies = {"hot": {"high_watermark_frac": 0.9, "low_watermark_frac": 0.5}}
+    with KVStore([hot, cold], placement=config, tier_policies=policies, background=False) as store:
+        for i in range(6):
+            store.put_kv(SPEC, chain(i, 5), make_kv(SPEC, 16 * 5, seed=i))
+        tried = []
+
+        def refusing(key, frame):  # the fault: the lower tier refuses every write
+            tried.append(key)
+            raise TierFull("cold refuses")
+
+        monkeypatch.setattr(cold, "put", refusing)
+        assert store.run_placement(bounded=True) == 0
+        assert len(tried) == 1  # one try, then the round's share was spent: not the whole plan
+        monkeypatch.undo()
+        assert store.run_placement() > 0  # the blocks are all there to move once it takes them
