@@ -373,8 +373,9 @@ class PlacementManager:
             switches = getattr(self.scorer, "switches", 0)
             self.scorer.calibrate(_Heats(self._res), len(self._members[0]), len(self._res), now)
             if getattr(self.scorer, "switches", 0) != switches:  # every score changed: rank afresh
-                for members, order in zip(self._members, self._order):
+                for i, (members, order) in enumerate(zip(self._members, self._order)):
                     order.rebuild((key, r.heat.score, r.depth) for key, r in members.items())
+                    self._room.forget_walk(i)  # a place in the old order means nothing in the new
             projected = list(self._used)
             for i, tier in enumerate(self.tiers):  # from real use: never from a plan's projection
                 if projected[i] <= tier.low_watermark_frac * tier.capacity_bytes:
@@ -496,7 +497,8 @@ class PlacementManager:
                 if kept:
                     reason = f"promoted: retained by {r.retain_owner!r}; {top.name} has room"
             elif kept:
-                displaced = self._room.displace_for_retained(r, r.size - room, now, projected, ordered)
+                displaced = self._room.displace_for_retained(r, r.size - max(0, room - reserve), now, projected,
+                                                             ordered)
                 if displaced is None:
                     retained_failed = True  # nothing left to give way; keep it where it is
                     continue

@@ -85,14 +85,17 @@ class RoomMaker:
         self.used = used
         self.incoming = incoming
         self.leaving = leaving
-        self.resume: list[tuple | None] = [None] * len(tiers)
-        """Per tier, where the next bounded demotion starts walking (None: at the coldest): past
-        a run of residents that could not go (pinned, leased, retained) that used up a walk."""
+        self.resume: dict[tuple[int, bool], tuple] = {}
+        """Where the next bounded walk of a tier starts (absent: at the coldest), per tier and kind
+        of walk (a drain, or the spill's "colder than a new block"): set only by a walk that spent
+        all its looks on residents that could not go (pinned, leased, retained) and ordered none,
+        just past the last of them, and used by one walk only: the walk after starts at the
+        coldest again, so a resident passed over that can go now waits a round at most."""
         self.walked_all = [False] * len(tiers)
         """Per tier, whether the last demotion ended a pass over every resident, coldest to
-        hottest (in one walk or, bounded, several) that found none that could go."""
-        self.pass_found = [False] * len(tiers)
-        """Per tier, whether the bounded pass under way has ordered any resident down."""
+        hottest (in one walk or, bounded, several) that ordered none down."""
+        self.pass_found: dict[tuple[int, bool], bool] = {}
+        """Per tier and kind of walk, whether the bounded pass under way has ordered any down."""
 
     def make(self, tier: str, nbytes: int, *, force: bool, hold: bool) -> RoomHold:
         """Room for ``nbytes`` in ``tier``, as ``PlacementManager.hold_room`` makes it; without ``hold``,
@@ -145,9 +148,12 @@ class RoomMaker:
                 yield score, key, members[key]
 
     def forget_walk(self, i: int) -> None:
-        """Tier ``i`` is under its low watermark: its next bounded demotion starts at the coldest."""
-        self.resume[i] = None
-        self.walked_all[i] = self.pass_found[i] = False
+        """Tier ``i``'s next bounded walks start at the coldest: it is under its low watermark, or
+        its order was rebuilt on another scale (a scorer that switched memories)."""
+        for drain in (True, False):
+            self.resume.pop((i, drain), None)
+            self.pass_found.pop((i, drain), None)
+        self.walked_all[i] = False
 
     def demote(self, i: int, need: float, now: float, projected: list[int], ordered: set[bytes],
                reason: str, *, respect_residency: bool, evict: bool = False,
@@ -163,41 +169,42 @@ class RoomMaker:
         if limit is None:
             walk = self.coldest(i, ordered)
         else:
-            # Bounded: a walk that spent its looks on residents that cannot go resumes past them
-            # next round, so a run of pinned or retained cold residents longer than one round's
-            # looks is crossed over rounds, not walked again from the coldest each time.
-            from_coldest = self.resume[i] is None
-            if from_coldest:
-                self.pass_found[i] = False
-            walk, looks, stuck = self.coldest(i, ordered, self.resume[i]), LOOK_PER_ORDER * limit, None
+            # Bounded: a walk that spends its looks on residents that cannot go leaves the next one
+            # a place to start past them, so a run of pinned or retained cold residents longer than
+            # one round's looks is crossed over rounds, not walked again from the coldest each time.
+            cursor = (i, colder_than is None)
+            after = self.resume.pop(cursor, None)
+            if after is None:
+                self.pass_found[cursor] = False
+            walk, looks, last = self.coldest(i, ordered, after), LOOK_PER_ORDER * limit, None
         self.walked_all[i] = False
         for score, key, r in walk:
             if freed >= need or (colder_than is not None and not self.beats(colder_than, score)):
                 break
             if limit is not None:
-                if len(orders) >= limit or looks <= 0:
+                if len(orders) >= limit:
+                    break
+                if looks <= 0:
+                    if not orders:
+                        self.resume[cursor] = self.order[i].position(last)
                     break
                 looks -= 1
+                last = key
             if r.held(now) or r.retained(now):
-                if limit is not None and not orders:
-                    stuck = self.order[i].position(key)
                 continue  # pinned, leased or retained: look past it
             if respect_residency and self.settling(r, now, up=False):
                 break  # the coldest must stay a while: sending hotter ones down instead would be worse
             orders.append(self.order_down(i, key, r, why, projected, ordered, evict=evict))
             freed += r.size
-        else:  # walked to the hottest: a pass (over one round or several) is over
+        else:  # walked to the hottest: a pass (in one walk or, bounded, several) is over
             if limit is None:
                 self.walked_all[i] = not orders
-                return orders
-            self.pass_found[i] = self.pass_found[i] or bool(orders)
-            self.walked_all[i] = not self.pass_found[i]
-            self.resume[i] = None  # the next walk starts at the coldest again
+            else:
+                self.walked_all[i] = not (self.pass_found[cursor] or orders)
+                self.pass_found.pop(cursor, None)
             return orders
-        if limit is not None:
-            self.pass_found[i] = self.pass_found[i] or bool(orders)
-            if stuck is not None:
-                self.resume[i] = stuck
+        if limit is not None and orders:
+            self.pass_found[cursor] = True
         return orders
 
     def order_down(self, i: int, key: bytes, r: Resident, reason: str, projected: list[int],

@@ -467,12 +467,25 @@ def test_a_bounded_plan_crosses_a_run_of_pinned_residents_over_rounds():
     for i in range(40):  # the 40 coldest are pinned: more than a round of 8 orders looks at (32)
         assert m.pin(key(i))
     assert m.plan(limit=8) == []  # 32 looked at, none can go
-    rounds = 1
-    while orders := m.plan(limit=8):  # resumed past them: the drain goes on
-        apply(m, orders)
-        rounds += 1
-        assert rounds < 20
+    orders = m.plan(limit=8)  # this walk starts past them: the drain goes on
+    assert [o.key for o in orders] == [key(i) for i in range(40, 48)]
+    apply(m, orders)
+    for _ in range(20):  # the walk after starts at the coldest again: a round in two moves blocks
+        apply(m, m.plan(limit=8))
     assert m.usage()["top"] == 50 * B and {m.tier_of(key(i)) for i in range(40)} == {"top"}
+    assert m.plan(limit=8) == []
+
+
+def test_a_resident_passed_over_that_can_go_now_waits_a_round_at_most():
+    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
+    for i in range(100):
+        m.admitted(key(i), "top", B)
+    for i in range(40):
+        assert m.pin(key(i))
+    assert m.plan(limit=8) == []
+    apply(m, m.plan(limit=8))  # from past the pinned run
+    m.unpin(key(0))
+    assert key(0) in {o.key for o in m.plan(limit=8)}  # the walk after starts at the coldest
 
 
 def test_a_drain_ends_on_real_use_not_on_what_a_round_planned():
@@ -524,8 +537,8 @@ def test_a_drain_that_only_pinned_residents_hold_up_stops_and_lends_its_room():
         apply(m, m.plan(limit=8))
     assert m.usage()["top"] == 70 * B  # the drain moved every block it could
     m.admitted(key(500), "low", B)
-    touch(m, clock, [key(500)])
     for _ in range(5):  # a pass over the pinned residents, a few rounds, finds none that can go
+        touch(m, clock, [key(500)])  # read again each round: a candidate not promoted is forgotten
         orders = m.plan(limit=8)
         if orders:
             break
