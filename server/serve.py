@@ -20,6 +20,7 @@ import uvicorn
 from kvstore.config import Settings
 from kvstore.engine.store import EmbeddedStore
 from server.app import create_app
+from server.collector import Collector
 from server.config import ServerSettings, is_loopback, parse_tier_codecs
 
 __all__ = ["serve", "effective_host"]
@@ -55,6 +56,7 @@ def serve(settings: ServerSettings, engine: Settings, *, err: TextIO = sys.stder
     tiers = ", ".join(f"{t.name}" for t in store.tiers)
     print(f"kvstore serve: http://{host}:{settings.port} tiers: {tiers}; data dir {engine.data_dir}; "
           f"auth {'on' if settings.auth_enabled else 'off'}", file=err, flush=True)
+    uninstall = Collector(settings.gc_freeze_after_s).install()  # this process is the server's own
     config = uvicorn.Config(app, host=host, port=settings.port, loop="auto", http="auto", lifespan="on",
                             timeout_graceful_shutdown=settings.graceful_timeout_s, access_log=False,
                             log_level=settings.log_level.lower(), server_header=False)
@@ -64,5 +66,6 @@ def serve(settings: ServerSettings, engine: Settings, *, err: TextIO = sys.stder
     except KeyboardInterrupt:  # uvicorn re-raised SIGINT after a clean shutdown
         return 130
     finally:
+        uninstall()
         store.close()  # idempotent; the app's shutdown normally did it already
     return 0 if server.started else 1

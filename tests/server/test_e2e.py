@@ -137,6 +137,7 @@ def test_sigint_stops_the_server_too(tmp_path):
     # too), and uvicorn re-raises the signal under the disposition it found: the server exits 0
     assert code == (0 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 130), proc.log()
     assert "Application shutdown complete" in proc.log() and "Traceback" not in proc.log()
+    assert "froze" in proc.log() and "(at start)" in proc.log()  # server.collector: its start kept out of gc walks
     assert mine and not shm_segments(proc.proc.pid)
 
 
@@ -158,3 +159,6 @@ def test_serve_flags_and_env(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--tokens-file", str(tmp_path / "none.json")],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "tokens file" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve"], env={**env, "KVSTORE_GC_FREEZE_AFTER_S": "-1"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "gc_freeze_after_s" in bad.stderr
