@@ -97,8 +97,7 @@ def default_scorer(config: PlacementConfig) -> Scorer:
 
 
 class _Heats(Sequence):
-    """Every entry's heat, iterable more than once, and sliceable (for ``Scorer.calibrate``:
-    a slice copies the residents' references in C, then picks, instead of a walk in Python)."""
+    """Every entry's heat, iterable more than once, and sliced in C (for ``Scorer.calibrate``)."""
 
     __slots__ = ("_res",)
 
@@ -418,9 +417,14 @@ class PlacementManager:
             return orders
 
     def settle(self, orders: Iterable[MoveOrder]) -> None:
-        """The held ``orders`` were carried out or given up: their entries may be picked again."""
+        """The held ``orders`` were carried out or given up: their entries may be picked again. A
+        promotion given up (a round's share ran out, or the top tier refused) stays a candidate."""
         with self._lock:
-            self._leaving.difference_update(order.key for order in orders)
+            for order in orders:
+                self._leaving.discard(order.key)
+                r = self._res.get(order.key) if order.dst == self.tiers[0].name else None
+                if r is not None and r.tier and r.tier == self._pos[order.src] and self.config.promote:
+                    self._candidates[order.key] = None
 
     def place_new(self, nbytes: int) -> str:
         """The tier a new block should be written to.

@@ -552,3 +552,18 @@ def test_a_zero_byte_candidate_is_promoted_into_a_draining_tier_without_a_search
     m.admitted(key(500), "low", 0)
     touch(m, clock, [key(500)])
     assert key(500) in {o.key for o in m.plan(limit=8)}
+
+
+def test_a_promotion_a_round_gave_up_stays_a_candidate():
+    m, clock = manager(top_blocks=10, low_blocks=100, high=0.9, low=0.5)
+    m.admitted(key(99), "low", B)
+    touch(m, clock, [key(99)], times=3)
+    orders = m.plan(hold=True)
+    assert [o.key for o in orders] == [key(99)]
+    m.settle(orders)  # the mover's share ran out before it
+    assert [o.key for o in m.plan(hold=True)] == [key(99)]  # planned again without another read
+    m.settle([])
+    apply(m, orders)
+    assert m.tier_of(key(99)) == "top"
+    m.settle(orders)  # carried out: nothing to ask again
+    assert m.plan() == []
