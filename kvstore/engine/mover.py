@@ -234,8 +234,8 @@ class Mover:
 
         Args:
             bounded: as the background thread runs it: the round also ends once this thread has
-                used ``move_cpu_frac`` of the interval's CPU time, and plans no more than that
-                share carries out. Bytes alone do not bound a round: a move of a small frame costs
+                used ``move_cpu_frac`` of the interval's CPU time, and plans about what that share
+                carries out (1.5 times the moves it paid for lately). Bytes alone do not bound a round: a move of a small frame costs
                 tens of microseconds of Python whatever its size (a budget of 128 MiB is 100k of
                 them), and a round holds the GIL that puts and gets need. CPU time, not wall time:
                 waits for a disk do not count. Unbounded (a round on demand), it plans and moves
