@@ -419,12 +419,19 @@ def test_force_frees_room_the_accounting_says_is_free():
     assert [o.key for o in m.make_room("top", B, force=True)] == [key(0)]
 
 
-def test_a_bounded_plan_drains_a_tier_over_rounds_to_its_low_watermark_and_stops_there():
-    # full_top="evict": no spill rule sends cold residents down below the high watermark, so only
-    # the drain carries the tier from there to the low one.
+def _drain_case(blocks: int, *, pinned: int = 0):
+    """A top tier of 100 blocks (watermarks 0.9 / 0.5) holding ``blocks``, the ``pinned`` coldest
+    pinned; ``evict``: no spill rule sends residents down, only the drain does."""
     m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
-    for i in range(100):
+    for i in range(blocks):
         m.admitted(key(i), "top", B)
+    for i in range(pinned):
+        assert m.pin(key(i))
+    return m, clock
+
+
+def test_a_bounded_plan_drains_a_tier_over_rounds_to_its_low_watermark_and_stops_there():
+    m, clock = _drain_case(100)
     planned = m.plan(limit=8)
     assert len(planned) == 8 and m.plan(limit=8) == planned  # not carried out: planned again
     rounds = 0
@@ -440,9 +447,7 @@ def test_a_bounded_plan_drains_a_tier_over_rounds_to_its_low_watermark_and_stops
 
 
 def test_a_draining_top_tier_lends_no_room_between_its_watermarks():
-    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
-    for i in range(95):
-        m.admitted(key(i), "top", B)
+    m, clock = _drain_case(95)
     touch(m, clock, [key(i) for i in range(95)], times=20)  # in use: a candidate read once a round never beats them
     m.admitted(key(500), "low", B)
     promoted = []
@@ -461,11 +466,7 @@ def test_a_draining_top_tier_lends_no_room_between_its_watermarks():
 
 
 def test_a_bounded_plan_crosses_a_run_of_pinned_residents_over_rounds():
-    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
-    for i in range(100):
-        m.admitted(key(i), "top", B)
-    for i in range(40):  # the 40 coldest are pinned: more than a round of 8 orders looks at (32)
-        assert m.pin(key(i))
+    m, clock = _drain_case(100, pinned=40)  # more pinned than a round of 8 orders looks at (32)
     assert m.plan(limit=8) == []  # 32 looked at, none can go
     orders = m.plan(limit=8)  # this walk starts past them: the drain goes on
     assert [o.key for o in orders] == [key(i) for i in range(40, 48)]
@@ -477,11 +478,7 @@ def test_a_bounded_plan_crosses_a_run_of_pinned_residents_over_rounds():
 
 
 def test_a_resident_passed_over_that_can_go_now_waits_a_round_at_most():
-    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
-    for i in range(100):
-        m.admitted(key(i), "top", B)
-    for i in range(40):
-        assert m.pin(key(i))
+    m, clock = _drain_case(100, pinned=40)
     assert m.plan(limit=8) == []
     apply(m, m.plan(limit=8))  # from past the pinned run
     m.unpin(key(0))
@@ -489,9 +486,7 @@ def test_a_resident_passed_over_that_can_go_now_waits_a_round_at_most():
 
 
 def test_a_drain_ends_on_real_use_not_on_what_a_round_planned():
-    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
-    for i in range(100):
-        m.admitted(key(i), "top", B)
+    m, clock = _drain_case(100)
     orders = m.plan()  # unbounded: all 50 planned at once, the projection at the low watermark
     assert len(orders) == 50
     apply(m, orders[:20])  # a mover's budget carried out 20
@@ -528,11 +523,7 @@ def test_planned_demotions_into_a_tier_do_not_set_it_draining():
 
 
 def test_a_drain_that_only_pinned_residents_hold_up_stops_and_lends_its_room():
-    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
-    for i in range(95):
-        m.admitted(key(i), "top", B)
-    for i in range(70):
-        assert m.pin(key(i))
+    m, clock = _drain_case(95, pinned=70)
     for _ in range(12):  # each round looks at 32: the first ones find only pinned residents
         apply(m, m.plan(limit=8))
     assert m.usage()["top"] == 70 * B  # the drain moved every block it could
@@ -546,9 +537,7 @@ def test_a_drain_that_only_pinned_residents_hold_up_stops_and_lends_its_room():
 
 
 def test_a_zero_byte_candidate_is_promoted_into_a_draining_tier_without_a_search():
-    m, clock = manager(top_blocks=100, low_blocks=1000, high=0.9, low=0.5, min_residency_s=0, full_top="evict")
-    for i in range(95):
-        m.admitted(key(i), "top", B)
+    m, clock = _drain_case(95)
     m.admitted(key(500), "low", 0)
     touch(m, clock, [key(500)])
     assert key(500) in {o.key for o in m.plan(limit=8)}
