@@ -67,7 +67,8 @@ def test_a_quick_full_collection_freezes_nothing_more(unfrozen):
         frozen = gc.get_freeze_count()
         gc.collect(1)  # not a full collection: not timed
         gc.collect()
-        assert collector.freezes == 1 and collector.last_full_s == 1.0 and gc.get_freeze_count() == frozen
+        # no freeze: the frozen count can only fall (frozen objects freed by their reference counts)
+        assert collector.freezes == 1 and collector.last_full_s == 1.0 and gc.get_freeze_count() <= frozen
     finally:
         uninstall()
 
