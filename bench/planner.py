@@ -28,7 +28,8 @@ margin behind the best, so with a wider margin than the tie, hysteresis alone wo
 disagreement. Prediction error:
 the median of |actual / predicted - 1| over the recorded fetches, predicted for the bytes that
 moved. The same run also measures Flight against HTTP for 32 MiB batches (``bench.flight``) and
-time-to-first-layer against time-to-full-KV on the remote path (``bench.layers``).
+time-to-first-layer against time-to-full-KV on the remote path (``bench.layers``), and the
+prediction error of a mixed co-located session, against fresh servers (``bench.planner_session``).
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
         repeats: oracle rounds per point (default 5); a round times a burst of each option.
         torch_threads: torch intra-op threads in this (client) process; 0 keeps torch's default.
     """
-    from bench import flight, layers
+    from bench import flight, layers, planner_session
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -223,9 +224,10 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
         points = _sweep(url, payloads, bandwidths, prompts, repeats, 3 if quick else 6, 2 if quick else 3, progress)
         flight_row = flight.measure(url, flight_port, repeats=repeats if quick else 5)
         layer_row = layers.measure(url, 256, repeats if quick else 5)
+    session_row = planner_session.measure(1 if quick else 3)  # each against a fresh server
     result = header("planner", repeats=repeats, prefill_tokens_per_s=PREFILL_TPS, link_latency_s=LINK_LATENCY_S,
                     tie_frac=TIE_FRAC, targets=TARGETS, summary=_summary(points), points=points,
-                    flight=flight_row, layers=layer_row, wall_s=round(time.perf_counter() - started, 1),
+                    flight=flight_row, layers=layer_row, session=session_row, wall_s=round(time.perf_counter() - started, 1),
                     client_torch_threads=torch.get_num_threads())
     result["machine"]["cpus"] = os.cpu_count()
     publish(result, format_table, out_dir)
@@ -260,4 +262,10 @@ def format_table(result: dict) -> str:
     lines += ["", f"layer-wise, remote, {lay['tokens']} tokens (ms, median):"]
     for name, t in lay["ms"].items():
         lines.append(f"  {name:<38} {t['median']:8.2f}")
+    ses = result["session"]
+    lines += ["", f"co-located mixed session ({ses['transfers']} puts and gets of 64 KiB-4 MiB), "
+                  f"{ses['sessions']} fresh servers:",
+              f"  prediction error {ses['median']:.3f} median ("
+              + ", ".join(f"{e:.3f}" for e in ses["prediction_error"]) + f"; target < {ses['target']})",
+              "  within 2x from each estimate's 5th transfer: " + ", ".join(f"{w:.0%}" for w in ses["within_2x"])]
     return "\n".join(lines)

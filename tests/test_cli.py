@@ -190,7 +190,9 @@ def test_bench_planner_quick_sweeps_and_scores_against_the_oracle(tmp_path):
     assert slow["oracle_s"]["http"] > slow["oracle_s"]["recompute"] > slow["oracle_s"]["http+int8"]
     assert 0 <= result["summary"]["agreement"] <= 1 and result["summary"]["median_abs_error"] is not None
     assert result["flight"]["ratios"] and result["layers"]["ms"]
-    assert "agreement with the oracle" in res.stdout
+    ses = result["session"]
+    assert ses["sessions"] == 1 and len(ses["prediction_error"]) == 1 and 0 < ses["median"] < 10
+    assert "agreement with the oracle" in res.stdout and "co-located mixed session" in res.stdout
 
 
 def test_bench_paged_quick_loads_and_saves_both_ways(tmp_path):
