@@ -26,7 +26,7 @@ from kvstore.errors import BodyTimeout, PayloadTooLarge
 from kvstore._version import __version__
 from kvstore.errors import KVStoreError
 from kvstore.engine.store import KVStore
-from server import admin, blocks, connectors, dashboard, data, events, layers, locality, ops, planning
+from server import admin, blocks, connectors, dashboard, data, events, layers, locality, ops, planning, pooled
 from server.config import ServerSettings
 from server.errors import install_error_handlers, send_error, store_error, unexpected_error
 from server.inflight import InflightCap
@@ -246,6 +246,7 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     store.policy_for = planning.prefetch_policy(svc)
     install_error_handlers(app)
     app.include_router(data.router)
+    app.include_router(pooled.router)
     app.include_router(blocks.router)
     app.include_router(admin.router)
     app.include_router(dashboard.router)
@@ -255,8 +256,8 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
     app.include_router(connectors.router)
     app.include_router(events.router)
     app.include_router(locality.router)
-    hot = {(m, r.path): r for r in data.router.routes if isinstance(r, APIRoute) for m in r.methods
-           if (m, r.path) in HOT_ROUTES}
+    hot = {(m, r.path): r for r in (*data.router.routes, *pooled.router.routes) if isinstance(r, APIRoute)
+           for m in r.methods if (m, r.path) in HOT_ROUTES}
     if len(hot) != len(HOT_ROUTES):
         raise RuntimeError(f"hot routes missing from the app: {sorted(set(HOT_ROUTES) - set(hot))}")
     app.add_middleware(_Direct, routes=hot)

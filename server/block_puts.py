@@ -45,7 +45,7 @@ async def put_blocks(request: Any, svc: Service, p: Principal, ns: str, *, reser
     """Store a block-major put's full blocks: (tokens covered, KV bytes received).
 
     Args:
-        reserving: the server takes reserved puts (``server.data``'s switch and the engine's say).
+        reserving: the server takes reserved puts (``Service.reservations_off`` says none is off).
         put: the token-major put, run in the pool, for a body that goes the buffered way.
 
     Raises:

@@ -16,16 +16,15 @@ from starlette.background import BackgroundTask
 
 from kvstore._version import __version__
 from kvstore.engine.evict import EvictionQuery, evict
-from kvstore.engine.pools import SLOT_SLACK
 from kvstore.errors import InvalidInput, InvalidKV, MalformedRequest, PayloadTooLarge
 from kvstore.wire.rest import (H_DTYPE, H_HINT, H_MEDIUM, H_SHAPE, H_TOKENS, KV_BLOCKS_MEDIA, KV_MEDIA, MAX_TOUCH_KEYS,
                                PUT_MEDIA, RESERVE_NO_ROOM, RESERVE_OFF, parse_kv_head)
 from server.auth import Principal
 from server.block_puts import put_blocks
 from server.colocated import handle_json
-from server.errors import field_error
-from server.requests import (agent_of, authenticate, caller, charge_blocks, head_tokens, media_of, parse_key,
-                             parse_keys, spec_and_tokens)
+from server.errors import field_error, raise_named
+from server.requests import (agent_of, authenticate, caller, charge_blocks, head_tokens, media_of, parse_keys,
+                             spec_and_tokens)
 from server.service import Service, json_body, kv_view, parse_spec, parse_tokens, released, require
 
 __all__ = ["router", "eviction_query", "eviction_answer"]
@@ -41,7 +40,7 @@ async def info(request: Request) -> dict:
     if svc.staging is not None and svc.shm is not None:
         colocated = {"host_id": svc.host_id, "segment": svc.shm.segment, "tier": svc.shm.name,
                      "staging_segment": svc.staging.segment,
-                     "reserved_puts": _reservations_off(svc) is None}
+                     "reserved_puts": svc.reservations_off() is None}
     return {"service": "kvstore", "version": __version__, "host_id": svc.host_id, "colocated": colocated,
             "tiers": [t.name for t in svc.store.tiers], "auth": svc.auth.enabled, "tenant": p.name,
             "namespaces": None if p.namespaces is None else sorted(p.namespaces),
@@ -56,7 +55,7 @@ async def kv_put(request: Request) -> JSONResponse:
     svc, p, ns = caller(request)
     media = media_of(request)
     if media == KV_BLOCKS_MEDIA:  # straight into reserved slots where the top tier takes them
-        stored, nbytes = await put_blocks(request, svc, p, ns, reserving=_reservations_off(svc) is None, put=_put)
+        stored, nbytes = await put_blocks(request, svc, p, ns, reserving=svc.reservations_off() is None, put=_put)
         svc.metrics.transfer.labels("in", "http").inc(nbytes)
         return JSONResponse({"stored_tokens": stored})
     if media != KV_MEDIA:
@@ -350,7 +349,7 @@ async def kv_reserve(request: Request) -> JSONResponse:
         raise field_error(InvalidInput(f"must be a process id, got {pid!r}"), "pid")
     tokens = head_tokens(svc, raw, head)
     spec = parse_spec(head.spec)
-    why = _reservations_off(svc)
+    why = svc.reservations_off()
     if why is not None:
         return JSONResponse({"reservation": None, "reason": RESERVE_OFF, "why": why})
     res = await svc.run(_reserve, svc, p, ns, spec, tokens, None if pid is None else int(pid))
@@ -360,26 +359,13 @@ async def kv_reserve(request: Request) -> JSONResponse:
     return JSONResponse({**res.to_dict(), "segment": svc.shm.segment})
 
 
-def _reservations_off(svc: Service) -> str | None:
-    if not svc.settings.reserved_puts:
-        return "reserved puts are off on this server (KVSTORE_RESERVED_PUTS=0)"
-    return svc.store.reservations.unavailable()
-
-
 def _reserve(svc: Service, p: Principal, ns: str, spec, tokens, pid: int | None):
     charge_blocks(svc, p, ns, spec, tokens)
     try:
         return svc.store.reserve_put(spec, tokens, ns, owner=p.name, pid=pid)
     except InvalidInput as exc:  # no such process: the engine says "pid: ..."
-        _raise_named(exc, "pid")
+        raise_named(exc, "pid")
         raise
-
-
-def _raise_named(exc: InvalidInput, field: str) -> None:
-    """Raise ``exc`` with ``field`` set when the engine's message starts with it (the engine's
-    errors name the argument they are about that way); return when it does not."""
-    if exc.field is None and str(exc).startswith(f"{field}:"):
-        raise field_error(exc, field) from exc
 
 
 @router.post("/v1/kv/commit")
@@ -396,7 +382,7 @@ async def kv_commit(request: Request) -> JSONResponse:
     try:
         stored, nbytes = await svc.run(svc.store.commit_put, rid, p.name, checksums, agent=agent_of(request))
     except InvalidInput as exc:  # not one checksum per block: the engine says "checksums: ..."
-        _raise_named(exc, "checksums")
+        raise_named(exc, "checksums")
         raise
     svc.metrics.colocated.labels("put").inc()
     svc.metrics.transfer.labels("in", "shm").inc(nbytes)
@@ -404,192 +390,6 @@ async def kv_commit(request: Request) -> JSONResponse:
 
 
 # -- co-located: pooled puts, one request a put (``kvstore.engine.reserved``, "Pooled puts") ------------
-
-MAX_POOL_SLOTS = 4096
-"""The most pool slots one request may ask for (a 64 MiB pool of 16 KiB blocks)."""
-
-
-def _pool_name(request: Request) -> str:
-    """The ``pool`` query parameter: the client's name for its pool (one per client in a process)."""
-    name = request.query_params.get("pool", "")
-    if not 0 < len(name) <= 64 or not all(ch.isalnum() or ch in "-_" for ch in name):
-        raise field_error(InvalidInput(f"must be 1-64 letters, digits, '-' or '_', got {name!r}"), "pool")
-    return name
-
-
-def _pool_query(request: Request, svc: Service, spec) -> tuple[int, int, int]:
-    """``pid``, ``count`` (slots wanted) and ``slot_bytes`` from the query, checked.
-
-    Raises:
-        InvalidInput: (422, naming the field) a missing or bad value; a slot size that is not
-            between the spec's raw frame and that plus ``SLOT_SLACK``.
-    """
-    got = {}
-    for name, default in (("pid", None), ("count", "0"), ("slot_bytes", None)):
-        raw = request.query_params.get(name, default)
-        if raw is None or not raw.isdigit() or len(raw) > 12:
-            raise field_error(InvalidInput(f"must be a non-negative integer, got {raw!r}"), name)
-        got[name] = int(raw)
-    if got["count"] > MAX_POOL_SLOTS:
-        raise field_error(InvalidInput(f"at most {MAX_POOL_SLOTS} slots a request, got {got['count']}"), "count")
-    least = svc.store.reservations.pools.slot_bytes(spec)
-    if not least <= got["slot_bytes"] <= least + SLOT_SLACK:
-        raise field_error(InvalidInput(f"a {spec.dtype} block of this spec needs a slot of {least} to "
-                                       f"{least + SLOT_SLACK} bytes, got {got['slot_bytes']}"), "slot_bytes")
-    return got["pid"], got["count"], got["slot_bytes"]
-
-
-@router.post("/v1/kv/pool")
-async def kv_pool(request: Request) -> JSONResponse:
-    """Pool slots for the caller's process, which its pooled puts write into (``/v1/kv/put-pooled``).
-
-    Body: a KV body without its KV (it names the spec; its tokens are ignored). Query: ``pid``,
-    ``pool`` (the client's name for its pool), ``count``, ``slot_bytes``. Answer: ``{"segment", "ttl_s", "slots": [{"offset", "length"}]}``,
-    as many as the top tier had room for (none: put another way). ``reservation_off`` (with
-    ``why``) when this store takes no reserved puts.
-    """
-    svc, p, _ = caller(request, colocated=True)
-    raw = await request.body()
-    head = parse_kv_head(raw)
-    spec = parse_spec(head.spec)
-    why = _reservations_off(svc)
-    if why is not None:
-        return JSONResponse({"slots": [], "reason": RESERVE_OFF, "why": why})
-    pid, count, size = _pool_query(request, svc, spec)
-    name = _pool_name(request)
-    try:
-        slots = await svc.run(svc.store.reservations.pools.grant, p.name, pid, name, size, count)
-    except InvalidInput as exc:
-        _raise_named(exc, "pid")
-        raise
-    return JSONResponse({"slots": slots, "segment": svc.shm.segment, "ttl_s": svc.store.reservations.pools.ttl_s,
-                         **({} if slots else {"reason": RESERVE_NO_ROOM})})
-
-
-@router.post("/v1/kv/put-pooled")
-async def kv_put_pooled(request: Request) -> JSONResponse:
-    """A put whose new blocks the caller wrote into its pool slots: one request.
-
-    Body: a KV body without its KV, whose JSON head also holds ``writes``: ``[[depth, offset,
-    body checksum], ...]``, one per block written. Query: ``pid``, ``pool``, ``count`` (slots to
-    grant back), ``slot_bytes``. Answer: ``{"stored_tokens", "missing": [depths], "slots": [...],
-    "segment", "ttl_s"}``: ``missing`` names blocks neither written nor stored (send them another
-    way), ``slots`` the pool slots the caller holds again (unused) or newly.
-    """
-    svc, p, ns = caller(request, colocated=True)
-    raw = await request.body()
-    head = parse_kv_head(raw)
-    if len(raw) != head.kv_at:
-        raise MalformedRequest(f"body: {len(raw)} bytes; a pooled put's body ends at the KV offset {head.kv_at}",
-                               field="body")
-    tokens = head_tokens(svc, raw, head)
-    spec = parse_spec(head.spec)
-    why = _reservations_off(svc)
-    if why is not None:
-        raise field_error(InvalidInput(f"pooled puts are off here: {why}"), "body")
-    pid, count, _ = _pool_query(request, svc, spec)
-    name = _pool_name(request)
-    writes = head.fields.get("writes")
-    if not isinstance(writes, list) or len(writes) > len(tokens) // max(spec.block_tokens, 1) or not all(
-            isinstance(w, list) and len(w) == 3 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                                       for v in w) and w[2] < 1 << 64 for w in writes):
-        raise MalformedRequest("header.writes: a list of [depth, offset, checksum] non-negative ints, "
-                               "at most one per block", field="header.writes")
-    done = await svc.run(_put_pooled, svc, p, ns, spec, tokens, pid, name, [tuple(w) for w in writes], count,
-                         agent_of(request))
-    svc.metrics.colocated.labels("put").inc()
-    svc.metrics.transfer.labels("in", "shm").inc(done.nbytes)
-    return JSONResponse({"stored_tokens": done.n_tokens, "missing": done.missing, "slots": done.slots,
-                         "segment": svc.shm.segment, "ttl_s": svc.store.reservations.pools.ttl_s, "medium": "shm"})
-
-
-def _put_pooled(svc: Service, p: Principal, ns: str, spec, tokens, pid: int, name: str, writes: list, count: int,
-                agent: str | None):
-    charge_blocks(svc, p, ns, spec, tokens)
-    svc.store.hints.saw(spec, ns)
-    try:
-        done = svc.store.reservations.pools.put_pooled(spec, tokens, ns, p.name, pid, name, writes, count)
-    except InvalidInput as exc:
-        _raise_named(exc, "writes")
-        _raise_named(exc, "pid")
-        raise
-    if agent is not None:
-        svc.store.locality.wrote(done.keys, ns, spec, agent)
-    return done
-
-
-MAX_FRAME_SLOT_BYTES = 64 << 20
-"""The largest pool slot a by-key pooled put may ask for (the most a pool holds)."""
-
-
-@router.post("/v1/blocks/put-pooled")
-async def blocks_put_pooled(request: Request) -> JSONResponse:
-    """Frames the caller wrote into its pool slots, stored by key: a cache backend's pages in one
-    request, no staging copy (co-located only).
-
-    Body: ``{"blocks": [{"key", "offset", "checksum"}]}`` (may be empty: a first grant). Query:
-    ``pid``, ``pool``, ``count`` (slots to grant back), ``slot_bytes`` (their size, 4 KiB to 64
-    MiB). Each frame must name the request's namespace in its metadata, as ``/v1/blocks/put``'s
-    do, and carry the claimed body checksum. Answer: ``{"stored", "slots", "segment", "ttl_s"}``,
-    or ``reason`` (``reservation_off``/``no_room``) with no slots.
-    """
-    svc, p, ns = caller(request, colocated=True)
-    data = await json_body(request)
-    blocks = require(data, "blocks", list)
-    if len(blocks) > MAX_POOL_SLOTS:
-        raise MalformedRequest(f"blocks: at most {MAX_POOL_SLOTS} per request, got {len(blocks)}", field="blocks")
-    writes = []
-    for i, b in enumerate(blocks):
-        off, checksum = (b.get("offset"), b.get("checksum")) if isinstance(b, dict) else (None, None)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in (off, checksum)):
-            raise MalformedRequest(f"blocks[{i}]: offset and checksum must be non-negative ints",
-                                   field=f"blocks[{i}]")
-        writes.append((parse_key(b.get("key"), f"blocks[{i}].key"), off, checksum))
-    why = _reservations_off(svc)
-    if why is not None:
-        if writes:
-            raise field_error(InvalidInput(f"pooled puts are off here: {why}"), "blocks")
-        return JSONResponse({"stored": 0, "slots": [], "reason": RESERVE_OFF, "why": why})
-    got = {}
-    for name in ("pid", "count", "slot_bytes"):
-        raw = request.query_params.get(name, "0" if name == "count" else None)
-        if raw is None or not raw.isdigit() or len(raw) > 12:
-            raise field_error(InvalidInput(f"must be a non-negative integer, got {raw!r}"), name)
-        got[name] = int(raw)
-    if got["count"] > MAX_POOL_SLOTS:
-        raise field_error(InvalidInput(f"at most {MAX_POOL_SLOTS} slots a request, got {got['count']}"), "count")
-    if not 4096 <= got["slot_bytes"] <= MAX_FRAME_SLOT_BYTES:
-        raise field_error(InvalidInput(f"must be 4096 to {MAX_FRAME_SLOT_BYTES} bytes, got {got['slot_bytes']}"),
-                          "slot_bytes")
-    pools, name = svc.store.reservations.pools, _pool_name(request)
-
-    def put() -> Any:
-        if not writes:
-            return None, pools.grant(p.name, got["pid"], name, got["slot_bytes"], got["count"])
-        done = pools.put_frames(ns, p.name, got["pid"], name, writes, got["count"], got["slot_bytes"],
-                                lambda nbytes: svc.quotas.check(p, ns, nbytes))
-        return done, done.slots
-    try:
-        done, slots = await svc.run(put)
-    except InvalidInput as exc:
-        _raise_named(exc, "pid")
-        raise field_error(exc, "blocks") from None
-    if done is not None:
-        svc.metrics.colocated.labels("put").inc()
-        svc.metrics.transfer.labels("in", "shm").inc(done.nbytes)
-    return JSONResponse({"stored": 0 if done is None else done.stored, "slots": slots, "segment": svc.shm.segment,
-                         "ttl_s": pools.ttl_s, **({} if slots or done is not None else {"reason": RESERVE_NO_ROOM})})
-
-
-@router.delete("/v1/kv/pool")
-async def kv_pool_release(request: Request) -> dict:
-    """Give the caller's pool back (query ``pid``, ``pool``): its client closes. ``{"released": slots}``."""
-    svc, p, _ = caller(request, colocated=True)
-    pid = request.query_params.get("pid", "")
-    if not pid.isdigit() or len(pid) > 12:
-        raise field_error(InvalidInput(f"must be a process id, got {pid!r}"), "pid")
-    return {"released": await svc.run(svc.store.reservations.pools.release, p.name, int(pid), _pool_name(request))}
-
 
 @router.delete("/v1/kv/reserve/{rid}")
 async def kv_abort(rid: str, request: Request) -> dict:

@@ -21,7 +21,7 @@ from kvstore.errors import RouteNotFound, Unauthorized
 from kvstore.wire.errors import error_body, status_for
 from kvstore.errors import InvalidInput, KVStoreError
 
-__all__ = ["install_error_handlers", "field_error", "error_response", "store_error", "unexpected_error",
+__all__ = ["install_error_handlers", "field_error", "raise_named", "error_response", "store_error", "unexpected_error",
            "send_error"]
 
 log = logging.getLogger("kvstore.server")
@@ -41,6 +41,13 @@ async def send_error(send: Any, exc: BaseException) -> None:
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
+
+
+def raise_named(exc: InvalidInput, field: str) -> None:
+    """Raise ``exc`` with ``field`` set when the engine's message starts with it (the engine's
+    errors name the argument they are about that way); return when it does not."""
+    if exc.field is None and str(exc).startswith(f"{field}:"):
+        raise field_error(exc, field) from exc
 
 
 def field_error(exc: InvalidInput, field: str) -> InvalidInput:

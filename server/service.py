@@ -140,6 +140,12 @@ class Service:
         self.kv_events_lost = 0
         """Events the ZMQ publisher fell past (``server.kv_events_zmq``)."""
 
+    def reservations_off(self) -> str | None:
+        """Why this server takes no reserved or pooled puts now, or None when it takes them."""
+        if not self.settings.reserved_puts:
+            return "reserved puts are off on this server (KVSTORE_RESERVED_PUTS=0)"
+        return self.store.reservations.unavailable()
+
     def _figures(self) -> dict[str, float]:
         out = {"uptime_seconds": time.time() - self.started_s, "kv_events_lost": float(self.kv_events_lost)}
         if self.event_notifier is not None:
