@@ -257,6 +257,8 @@ class Arena:
         self.pool = SlotPool()
         self.pooled_puts = reserved_puts
         """The server lends pool slots (one request a put); off once it answers that it does not."""
+        self.commit_socket: str | None = None
+        """The server's commit channel (``/v1/info``): where its pooled puts' one request goes."""
         self.no_room_until = 0.0
         """``time.monotonic()`` before which puts go straight through staging: the server last
         answered that its top tier has no room for new blocks (a full store places them lower), and

@@ -153,6 +153,8 @@ class Colocation:
             try:
                 self.arena = Arena(offer["segment"], offer["staging_segment"],
                                    reserved_puts=bool(offer.get("reserved_puts")))
+                socket_path = offer.get("commit_socket")
+                self.arena.commit_socket = socket_path if isinstance(socket_path, str) else None
                 self.arena.accesses.on_pending = self.on_pending
                 granted = (info or {}).get("namespaces")
                 # the key index answers only for namespaces this token may read: the server checks the rest

@@ -102,6 +102,9 @@ class ShmPath:
             with self._lock:
                 if colo.undecided:
                     drive(colo.pick_flow(), self.http.run)
+                    arena = colo.current()
+                    # pooled puts commit over the server's channel, when it offers one
+                    self.http.use_channel(None if arena is None else arena.commit_socket)
         return colo.current()
 
     def get_kv(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 import threading
 import time
@@ -28,6 +29,7 @@ import torch
 
 from client_sdk import _common as c
 from client_sdk import calls
+from client_sdk.channel import ChannelDown, CommitChannel
 from client_sdk._http import AsyncConnection, BrokenConnection, Connection, Endpoint, Head, joined
 from client_sdk.calls import Call
 from kvstore.errors import ConnectionFailed, KVStoreError, MalformedRequest, RequestTimeout, ServiceError
@@ -38,6 +40,8 @@ from kvstore.wire.rest import H_HINT, H_TOKENS, KV_BLOCKS_MEDIA, KV_MEDIA
 __all__ = ["RetryPolicy", "HttpTransport", "AsyncHttpTransport", "kv_answer"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("kvstore.client")
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +211,19 @@ class HttpTransport(_Transport):
         self._local = threading.local()
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
+        self.channel: CommitChannel | None = None
+        """The server's commit channel, for the calls it serves; None: every call over HTTP."""
+
+    def use_channel(self, path: str | None) -> None:
+        """Send the calls the server's commit channel at ``path`` serves over it from now on (None:
+        over HTTP); the co-located path sets it once it has mapped the server's arena."""
+        old = self.channel
+        if old is not None and old.path == path:
+            return
+        self.channel = None if path is None else CommitChannel(path, self.token, self.namespace, self.agent,
+                                                               self.timeout_s, self.connect_timeout_s)
+        if old is not None:
+            old.close()
 
     def conn(self) -> Connection:
         """This thread's connection (opened on first use)."""
@@ -225,6 +242,12 @@ class HttpTransport(_Transport):
         Raises:
             the typed error of an error answer; ConnectionFailed, RequestTimeout.
         """
+        channel = self.channel
+        if channel is not None and channel.up and channel.serves(call):
+            try:
+                return channel.run(call)
+            except ChannelDown as exc:  # a restart, the server's connection limit: this call over HTTP
+                log.info("kvstore: %s; this call goes over HTTP", exc)
         if not isinstance(call.parts, c.KVPutBody):
             return self._send(call)
         if self.put_media is None:
@@ -289,6 +312,7 @@ class HttpTransport(_Transport):
             for conn in self._conns:
                 conn.close()
             self._conns.clear()
+        self.use_channel(None)
 
 
 class AsyncHttpTransport(_Transport):

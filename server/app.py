@@ -27,6 +27,7 @@ from kvstore._version import __version__
 from kvstore.errors import KVStoreError
 from kvstore.engine.store import KVStore
 from server import admin, blocks, connectors, dashboard, data, events, layers, locality, ops, planning, pooled
+from server.commit_channel import start_channel
 from server.config import ServerSettings
 from server.errors import install_error_handlers, send_error, store_error, unexpected_error
 from server.inflight import InflightCap
@@ -233,6 +234,10 @@ def create_app(store: KVStore, settings: ServerSettings | None = None, *, close_
 
             svc.lmcache = lm = start_lmcache(svc, settings)
             svc.closers.append(lambda: lm.close(settings.graceful_timeout_s))
+        channel = start_channel(svc)
+        if channel is not None:
+            svc.commit_socket, svc.commit_channel = channel.path, channel
+            svc.closers.append(lambda: channel.close(settings.graceful_timeout_s))
         stop_events = events.start(svc, settings)
         if stop_events is not None:
             svc.closers.append(stop_events)

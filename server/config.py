@@ -136,6 +136,10 @@ class ServerSettings:
     while it checks them (a 20M-token list grew the server by 1 GB before this cap)."""
     colocated: bool = True
     """Offer shm handles to clients on this host (they must be able to open the arena)."""
+    commit_channel: bool = True
+    """Serve co-located clients' pooled puts over a Unix socket as well as HTTP
+    (``server.commit_channel``; KVSTORE_COMMIT_CHANNEL): the same request without HTTP's cost.
+    0: they commit over HTTP."""
     reserved_puts: bool = True
     """Let co-located clients write a put's frames straight into top-tier slots and commit their
     checksums (``kvstore.engine.reserved``; KVSTORE_RESERVED_PUTS). The server checks each frame's header
@@ -319,7 +323,7 @@ def _parse(name: str, raw: str) -> Any:
         if not raw.strip().isdigit():
             raise InvalidInput(f"a port number, got {raw!r}")
         return int(raw)
-    if name in ("colocated", "reserved_puts"):
+    if name in ("colocated", "reserved_puts", "commit_channel"):
         if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise InvalidInput(f"1/0, true/false or yes/no, got {raw!r}")
         return raw.strip().lower() in ("1", "true", "yes")

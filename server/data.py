@@ -40,7 +40,7 @@ async def info(request: Request) -> dict:
     if svc.staging is not None and svc.shm is not None:
         colocated = {"host_id": svc.host_id, "segment": svc.shm.segment, "tier": svc.shm.name,
                      "staging_segment": svc.staging.segment,
-                     "reserved_puts": svc.reservations_off() is None}
+                     "reserved_puts": svc.reservations_off() is None, "commit_socket": svc.commit_socket}
     return {"service": "kvstore", "version": __version__, "host_id": svc.host_id, "colocated": colocated,
             "tiers": [t.name for t in svc.store.tiers], "auth": svc.auth.enabled, "tenant": p.name,
             "namespaces": None if p.namespaces is None else sorted(p.namespaces),

@@ -187,6 +187,9 @@ class Metrics:
                                 ["direction", "medium"], registry=self.registry)
         self.colocated = Counter("kvstore_colocated_ops", "Requests served through shared memory.",
                                  ["op"], registry=self.registry)
+        self.channel = Counter("kvstore_commit_channel_requests", "Requests over the commit channel (a Unix "
+                               "socket; server.commit_channel), by status; also counted in kvstore_requests.",
+                               ["status"], registry=self.registry)
         self.auth_failures = Counter("kvstore_auth_failures", "Requests refused with 401 or 403.",
                                      ["status"], registry=self.registry)
         self.evicted = Counter("kvstore_admin_evicted_blocks", "Blocks removed by eviction requests.",

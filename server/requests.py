@@ -47,7 +47,7 @@ from server.service import Service, json_body, parse_spec, parse_tokens, require
 
 __all__ = [
     "svc_of", "authenticate", "caller", "namespace_of", "admin_caller", "check_namespace", "authenticated", "admin_only",
-    "colocated_only", "agent_of", "is_kv_body", "media_of", "spec_and_tokens", "head_tokens", "streamed_kv_head",
+    "colocated_only", "agent_of", "agent_name", "is_kv_body", "media_of", "spec_and_tokens", "head_tokens", "streamed_kv_head",
     "JSON_BYTES_PER_TOKEN",
     "parse_key", "parse_keys",
     "BLOCK_OVERHEAD_BYTES", "charge_blocks", "put_frames",
@@ -145,7 +145,11 @@ def colocated_only(svc: Service) -> None:
 def agent_of(request: Request) -> str | None:
     """The caller's agent id (``x-kv-agent``), or None: absent, or not a short printable name
     (a hint for learning hand-offs; a bad one is ignored, not refused)."""
-    agent = request.headers.get(H_AGENT)
+    return agent_name(request.headers.get(H_AGENT))
+
+
+def agent_name(agent: str | None) -> str | None:
+    """``agent`` when it is an agent id (a short printable name), else None (``agent_of``'s rule)."""
     if agent is None or not 0 < len(agent) <= 128 or not agent.isprintable():
         return None
     return agent

@@ -125,6 +125,10 @@ class Service:
         self.metrics.registry.register(self.connectors)  # type: ignore[arg-type]
         self.history = History(store, settings.history_interval_s)
         """Read counters over time (``/admin/history``); sampling starts with the app."""
+        self.commit_socket: str | None = None
+        """The commit channel's socket path (``server.commit_channel``), once it listens."""
+        self.commit_channel: Any = None
+        """That ``CommitChannel`` (its connections, for the tests and the operator's eye)."""
         self.offers: dict[str, Any] = {}
         """Extra media this server offers, by name (``flight``, ``redis``), as ``/v1/info`` shows them:
         a client's planner counts them among its candidates."""
