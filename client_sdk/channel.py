@@ -1,7 +1,7 @@
 """A co-located client's end of the server's commit channel (``server.commit_channel``).
 
 The blocking transport (``HttpTransport``) sends the calls the channel serves
-(``kvstore.wire.channel.PATHS``: a pooled put's one request) over it once the client has mapped
+(``kvstore.wire.channel.PATHS``: a pooled put's one request, by tokens or by key) over it once the client has mapped
 the server's arena and learnt the socket from ``/v1/info``; every other call, and every call of
 the async client, goes over HTTP. A call takes an idle socket (at most ``IDLE_SOCKETS`` are
 kept) or opens one, and gives it back after its answer: threads that come and go share a few

@@ -1,11 +1,12 @@
 """The commit channel: a co-located client's pooled put over a Unix socket, without HTTP.
 
 A co-located put writes its new blocks into pool slots itself, then makes one request that
-publishes them (``/v1/kv/put-pooled``). Over HTTP that request crosses uvicorn, five middlewares
+publishes them (``/v1/kv/put-pooled``; ``/v1/blocks/put-pooled`` for frames by key, as SGLang's
+and LMCache's backends put). Over HTTP that request crosses uvicorn, five middlewares
 and the event loop, then hops to the I/O pool and back: four thread wake-ups, and most of a
 1 MiB put's time here (docs/benchmarks.md, "The commit channel"). The channel carries the same
 request (the same body, the same query, the same answer) over a Unix socket whose connections
-each have a thread that runs the route's work (``server.pooled.put_pooled``) directly: the client
+each have a thread that runs the route's work (``server.pooled``) directly: the client
 wakes the thread, the thread wakes the client.
 
 What stays the route's: the bearer token (checked on every request, in constant time, by the
@@ -71,7 +72,8 @@ INTERNAL_ERROR = json.dumps({"error": {"type": "ServiceError", "message": "inter
 _PREFIX = "kvstore-commit-"
 
 
-ROUTES: dict[tuple[str, str], Callable[..., dict]] = {("POST", "/v1/kv/put-pooled"): pooled.put_pooled}
+ROUTES: dict[tuple[str, str], Callable[..., dict]] = {("POST", "/v1/kv/put-pooled"): pooled.put_pooled,
+                                                     ("POST", "/v1/blocks/put-pooled"): pooled.put_pooled_blocks}
 """The requests the channel serves, by (method, path), as ``kvstore.wire.channel.PATHS`` lists
 them: each a function of ``(svc, principal, namespace, body, query, agent)`` that returns the
 JSON answer."""

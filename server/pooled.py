@@ -19,9 +19,9 @@ from kvstore.wire.rest import RESERVE_NO_ROOM, RESERVE_OFF, parse_kv_head
 from server.auth import Principal
 from server.errors import field_error, raise_named
 from server.requests import agent_of, caller, charge_blocks, head_tokens, parse_key
-from server.service import Service, json_body, parse_spec, require
+from server.service import Service, json_object, parse_spec, require
 
-__all__ = ["router", "put_pooled", "MAX_POOL_SLOTS"]
+__all__ = ["router", "put_pooled", "put_pooled_blocks", "MAX_POOL_SLOTS"]
 
 router = APIRouter()
 
@@ -152,7 +152,8 @@ MAX_FRAME_SLOT_BYTES = 64 << 20
 @router.post("/v1/blocks/put-pooled")
 async def blocks_put_pooled(request: Request) -> JSONResponse:
     """Frames the caller wrote into its pool slots, stored by key: a cache backend's pages in one
-    request, no staging copy (co-located only).
+    request, no staging copy (co-located only; ``put_pooled_blocks``, which the commit channel
+    runs too).
 
     Body: ``{"blocks": [{"key", "offset", "checksum"}]}`` (may be empty: a first grant). Query:
     ``pid``, ``pool``, ``count`` (slots to grant back), ``slot_bytes`` (their size, 4 KiB to 64
@@ -161,8 +162,21 @@ async def blocks_put_pooled(request: Request) -> JSONResponse:
     or ``reason`` (``reservation_off``/``no_room``) with no slots.
     """
     svc, p, ns = caller(request, colocated=True)
-    data = await json_body(request)
-    blocks = require(data, "blocks", list)
+    raw = await request.body()
+    return JSONResponse(await svc.run(put_pooled_blocks, svc, p, ns, raw, request.query_params, agent_of(request)))
+
+
+def put_pooled_blocks(svc: Service, p: Principal, ns: str, raw: bytes, query: Mapping[str, str],
+                      agent: str | None = None) -> dict[str, Any]:
+    """``/v1/blocks/put-pooled``'s work and answer, for a caller already authenticated for ``ns``
+    on the co-located path: blocking, as ``put_pooled``. (``agent`` is not used: frames by key
+    carry no chain to learn a hand-off from.)
+
+    Raises:
+        MalformedRequest, InvalidInput: the body or query, naming the field.
+        KVStoreError: the store's, as a put's.
+    """
+    blocks = require(json_object(raw), "blocks", list)
     if len(blocks) > MAX_POOL_SLOTS:
         raise MalformedRequest(f"blocks: at most {MAX_POOL_SLOTS} per request, got {len(blocks)}", field="blocks")
     writes = []
@@ -176,36 +190,34 @@ async def blocks_put_pooled(request: Request) -> JSONResponse:
     if why is not None:
         if writes:
             raise field_error(InvalidInput(f"pooled puts are off here: {why}"), "blocks")
-        return JSONResponse({"stored": 0, "slots": [], "reason": RESERVE_OFF, "why": why})
+        return {"stored": 0, "slots": [], "reason": RESERVE_OFF, "why": why}
     got = {}
     for name in ("pid", "count", "slot_bytes"):
-        raw = request.query_params.get(name, "0" if name == "count" else None)
-        if raw is None or not raw.isdigit() or len(raw) > 12:
-            raise field_error(InvalidInput(f"must be a non-negative integer, got {raw!r}"), name)
-        got[name] = int(raw)
+        value = query.get(name, "0" if name == "count" else None)
+        if value is None or not value.isdigit() or len(value) > 12:
+            raise field_error(InvalidInput(f"must be a non-negative integer, got {value!r}"), name)
+        got[name] = int(value)
     if got["count"] > MAX_POOL_SLOTS:
         raise field_error(InvalidInput(f"at most {MAX_POOL_SLOTS} slots a request, got {got['count']}"), "count")
     if not 4096 <= got["slot_bytes"] <= MAX_FRAME_SLOT_BYTES:
         raise field_error(InvalidInput(f"must be 4096 to {MAX_FRAME_SLOT_BYTES} bytes, got {got['slot_bytes']}"),
                           "slot_bytes")
-    pools, name = svc.store.reservations.pools, _pool_name(request.query_params)
-
-    def put() -> Any:
-        if not writes:
-            return None, pools.grant(p.name, got["pid"], name, got["slot_bytes"], got["count"])
-        done = pools.put_frames(ns, p.name, got["pid"], name, writes, got["count"], got["slot_bytes"],
-                                lambda nbytes: svc.quotas.check(p, ns, nbytes))
-        return done, done.slots
+    pools, name = svc.store.reservations.pools, _pool_name(query)
     try:
-        done, slots = await svc.run(put)
+        if not writes:
+            done, slots = None, pools.grant(p.name, got["pid"], name, got["slot_bytes"], got["count"])
+        else:
+            done = pools.put_frames(ns, p.name, got["pid"], name, writes, got["count"], got["slot_bytes"],
+                                    lambda nbytes: svc.quotas.check(p, ns, nbytes))
+            slots = done.slots
     except InvalidInput as exc:
         raise_named(exc, "pid")
         raise field_error(exc, "blocks") from None
     if done is not None:
         svc.metrics.colocated.labels("put").inc()
         svc.metrics.transfer.labels("in", "shm").inc(done.nbytes)
-    return JSONResponse({"stored": 0 if done is None else done.stored, "slots": slots, "segment": svc.shm.segment,
-                         "ttl_s": pools.ttl_s, **({} if slots or done is not None else {"reason": RESERVE_NO_ROOM})})
+    return {"stored": 0 if done is None else done.stored, "slots": slots, "segment": svc.shm.segment,
+            "ttl_s": pools.ttl_s, **({} if slots or done is not None else {"reason": RESERVE_NO_ROOM})}
 
 
 @router.delete("/v1/kv/pool")

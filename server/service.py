@@ -41,7 +41,7 @@ from server.connector_board import ConnectorBoard
 from server.metrics import Metrics
 from server.staging import StagingArena
 
-__all__ = ["Service", "Quotas", "parse_spec", "parse_tokens", "too_many_tokens", "json_body", "require"]
+__all__ = ["Service", "Quotas", "parse_spec", "parse_tokens", "too_many_tokens", "json_body", "json_object", "require"]
 
 log = logging.getLogger("kvstore.server")
 
@@ -260,7 +260,15 @@ async def json_body(request: Request) -> dict[str, Any]:
     Raises:
         MalformedRequest: not JSON, or not an object.
     """
-    raw = await request.body()
+    return json_object(await request.body())
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` (empty: ``{}``) as a JSON object.
+
+    Raises:
+        MalformedRequest: not JSON, or not an object.
+    """
     try:
         data = json.loads(raw or b"{}")
     except ValueError as exc:

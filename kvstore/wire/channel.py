@@ -1,4 +1,4 @@
-"""The commit channel's frames: a co-located client's requests over a Unix socket.
+"""The commit channel's frames: a co-located client's pooled puts over a Unix socket.
 
 The server end is ``server.commit_channel``, the client end ``client_sdk.channel``. A request
 is one HTTP request of ``PATHS`` without HTTP: ``REQUEST`` (head length, body length), the
@@ -24,7 +24,7 @@ BUSY = 1
 request, and closes the connection (the client sends it another way)."""
 MAX_HEAD_BYTES = 16 << 10
 """A request head's most bytes: a path with its query and three short header values."""
-PATHS = frozenset({"/v1/kv/put-pooled"})
+PATHS = frozenset({"/v1/kv/put-pooled", "/v1/blocks/put-pooled"})
 """The routes the channel serves (``POST``)."""
 HEAD_FIELDS = ("method", "path", "authorization", "namespace", "agent")
 """A head's members: each a string, or null for a header not sent."""

@@ -282,3 +282,15 @@ def test_a_restarted_server_is_found_again_and_a_killed_ones_socket_goes(tmp_pat
                 second.stop()
     finally:
         first.kill()
+
+
+def test_frames_by_key_commit_over_the_channel(server):
+    from tests.server.test_blocks_by_key import keys, payloads, put
+
+    ks, data = keys(8, "pages"), payloads(8)
+    before = _channel_requests(server.url)
+    with KVClient(server.url, namespace="pages", plan=False) as client:
+        assert put(client, ks, data, ns="pages") == 8
+        assert _channel_requests(server.url) - before >= 1  # the first grant, then the put
+        got = client.get_blocks(ks)
+    assert [bytes(memoryview(f))[-4096:] for f in got] == data
