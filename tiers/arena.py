@@ -421,6 +421,12 @@ class ArenaTier(Tier):
             snapshot = list(self._slots)
         return iter(snapshot)  # type: ignore[arg-type]
 
+    def room_bytes(self) -> int:
+        """Capacity less the bytes stored and reserved: what may be lent now. What ``stats()``
+        says, without asking the kernel (a pooled put's grant asks this on every request)."""
+        with self._lock:
+            return self.capacity_bytes - self._used - self._reserved
+
     def stats(self) -> TierStats:
         extra = self._details()  # outside the lock: it may ask the kernel (smaps, NUMA)
         with self._lock:

@@ -121,6 +121,10 @@ _HEAD = 4096
 """A frame's header and metadata fit in its first 4 KiB (``entry_from_head`` reads them there)."""
 
 
+SLOT_SIZES_KEPT = 1024
+"""Specs whose slot size ``PooledPuts.slot_bytes`` keeps (then it starts over): a store serves a few."""
+
+
 class PooledPuts:
     """The pools of one store.
 
@@ -140,11 +144,20 @@ class PooledPuts:
         self._lock = threading.Lock()
         self._closed = False
         self.reaped = 0
+        self._slot_bytes: dict[str, int] = {}
 
     def slot_bytes(self, spec: KVSpec) -> int:
-        """The raw frame size of one of ``spec``'s blocks at depth 0: the least a pool slot for it holds."""
-        meta = block_meta("default", spec.fingerprint(), 0)
-        return codec_mod.frame_size(spec.kv_shape(spec.block_tokens), spec.dtype, Codec.RAW, meta_len=len(meta))
+        """The raw frame size of one of ``spec``'s blocks at depth 0: the least a pool slot for it
+        holds. Asked on every pooled put, so kept per spec (at most ``SLOT_SIZES_KEPT`` specs)."""
+        fp = spec.fingerprint()
+        size = self._slot_bytes.get(fp)
+        if size is None:
+            meta = block_meta("default", fp, 0)
+            size = codec_mod.frame_size(spec.kv_shape(spec.block_tokens), spec.dtype, Codec.RAW, meta_len=len(meta))
+            if len(self._slot_bytes) >= SLOT_SIZES_KEPT:
+                self._slot_bytes.clear()
+            self._slot_bytes[fp] = size
+        return size
 
     def grant(self, owner: str, pid: int, name: str, size: int, count: int) -> list[dict[str, int]]:
         """Up to ``count`` more pool slots of ``size`` bytes for ``owner``'s pool ``name`` in process ``pid``, as
@@ -173,9 +186,7 @@ class PooledPuts:
             # Lend free room only: demoting or evicting stored blocks for a put that may never
             # come would take the top tier from readers (a prefetch found it held apart). In a
             # full tier the writer reserves per put instead (two requests).
-            st = top.stats()
-            free = st.capacity_bytes - st.used_bytes - int(st.details.get("reserved_bytes", 0))
-            count = min(count, max(0, free // size - 1))
+            count = min(count, max(0, top.room_bytes() // size - 1))
         got: list[PoolSlot] = []
         for _ in range(count):
             try:
