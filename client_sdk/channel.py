@@ -74,6 +74,8 @@ class CommitChannel:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._closed = False
+        self.failures = 0
+        """Calls it could not carry (the transport logs the first at info, the rest at debug)."""
 
     @property
     def up(self) -> bool:

@@ -247,7 +247,9 @@ class HttpTransport(_Transport):
             try:
                 return channel.run(call)
             except ChannelDown as exc:  # a restart, the server's connection limit: this call over HTTP
-                log.info("kvstore: %s; this call goes over HTTP", exc)
+                channel.failures += 1  # said once a channel; a socket this host cannot reach retries every few s
+                log.log(logging.INFO if channel.failures == 1 else logging.DEBUG,
+                        "kvstore: %s; this call goes over HTTP", exc)
         if not isinstance(call.parts, c.KVPutBody):
             return self._send(call)
         if self.put_media is None:
