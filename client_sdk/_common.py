@@ -360,7 +360,8 @@ def frame_in_namespace(frame: Any, namespace: str) -> bool:
 
 
 BlockSink = Callable[[int, "codec_mod.FrameHeader", memoryview], None]
-"""``sink(i, header, payload)``: takes block ``i``'s verified raw payload (valid only during the call)."""
+"""``sink(i, header, payload)``: takes block ``i``'s verified raw payload (valid only during the call).
+Blocks come in any order; a block whose slot changed during its call comes again (the last call wins)."""
 
 BlockFill = Callable[[int, np.ndarray], None]
 """``fill(depth, dst)``: writes block ``depth``'s KV into ``dst`` (``[L, 2, H, block_tokens, D]``

@@ -146,9 +146,9 @@ class AsyncKVClient(ClientShell):
 
     # -- blocks by key: the co-located paths ------------------------------------------------------
 
-    async def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
+    async def blocks_exist(self, keys: Sequence[BlockHash], *, ask_server: bool = True) -> list[bool]:
         """As ``KVClient.blocks_exist``."""
-        return await self.shm.blocks_exist(keys)
+        return await self.shm.blocks_exist(keys, ask_server)
 
     async def get_blocks_into(self, keys: Sequence[BlockHash], sink: BlockSink) -> list[bool]:
         """As ``KVClient.get_blocks_into`` (``sink`` runs on the loop, or in a worker thread for

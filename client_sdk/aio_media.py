@@ -163,8 +163,9 @@ class AsyncShmPath:
             return None
         return await self.run(pooled_put_flow(self.colocation, arena, spec, toks, fill, self.stats, self.namespace))
 
-    async def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
-        return await self.run(blocks_exist_flow(self.colocation, await self.arena(), keys, self.namespace))
+    async def blocks_exist(self, keys: Sequence[BlockHash], ask_server: bool = True) -> list[bool]:
+        return await self.run(blocks_exist_flow(self.colocation, await self.arena(), keys, self.namespace,
+                                                ask_server))
 
     async def get_blocks_into(self, keys: list[BlockHash], sink: c.BlockSink) -> list[bool]:
         return await self.run(get_blocks_into_flow(self.colocation, await self.arena(), keys, sink, self.namespace,

@@ -13,26 +13,24 @@ import contextlib
 import mmap
 import os
 import threading
-import time
 import weakref
-from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from client_sdk._common import (VERIFIED_VIEW, BlockFill, BlockSink, BlockWriter, ClientStats, give_frame, kv_bytes,
                                 verified_header)
+from client_sdk.arena_memory import AccessLog, HandleCache, VerifiedSlots
 from client_sdk.slot_pool import SlotPool
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidKV, KVStoreError, ServiceError
-from kvstore.keys import block_hashes, meta_prefix
+from kvstore.keys import meta_prefix, surely_names
 from kvstore.memory.shm import SHM_DIR, IndexHit, ShmReader, ShmSlotWriter, SlotHandle
 from kvstore.spec import KVSpec
-from kvstore.wire.rest import MAX_TOUCH_KEYS
 
-__all__ = ["Arena", "HandleCache", "AccessLog", "VerifiedSlots"]
+__all__ = ["Arena", "HandleCache", "AccessLog", "VerifiedSlots"]  # the last three: client_sdk.arena_memory
 
 
 def _indexed(key_hex: str, hit: IndexHit) -> dict:
@@ -41,169 +39,6 @@ def _indexed(key_hex: str, hit: IndexHit) -> dict:
     h = hit.handle
     return {"key": key_hex, "checksum": None, "verified": hit.verified,
             "handle": {"index": h.index, "offset": h.offset, "length": h.length, "gen": h.gen}}
-
-
-class VerifiedSlots:
-    """Arena slots (index, generation) whose frame this client verified, with its header.
-
-    A generation is never reused and a published slot's bytes never change, so while
-    a read lease shows the same generation the bytes are those that verified: a repeat
-    read copies and hashes nothing, as ``Arena.fill_from_handles`` does for ``get_kv``.
-    """
-
-    def __init__(self, max_entries: int = 65_536) -> None:
-        self._max = max_entries
-        self._slots: OrderedDict[tuple[int, int], "codec_mod.FrameHeader"] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, index: int, gen: int, checksum: int | None) -> "codec_mod.FrameHeader | None":
-        with self._lock:
-            header = self._slots.get((index, gen))
-            if header is not None:
-                self._slots.move_to_end((index, gen))
-        return header if header is not None and (checksum is None or header.body_checksum == checksum) else None
-
-    def add(self, index: int, gen: int, header: "codec_mod.FrameHeader") -> None:
-        with self._lock:
-            self._slots[(index, gen)] = header
-            while len(self._slots) > self._max:
-                self._slots.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._slots.clear()
-
-
-class HandleCache:
-    """Slot handles a co-located client was given, by block key, so a repeated get
-    can skip asking the server where its blocks are.
-
-    A remembered handle is only a hint: the reader copies under the slot's
-    generation check, and the server makes the generation odd before a slot is
-    deleted, moved or reused, so a stale handle reads as a miss (then the
-    client asks the server) and never as another block's bytes.
-    """
-
-    MEMO_SEQUENCES = 1024
-    MEMO_MAX_TOKENS = 8192
-    """Sequences up to this long have their block keys memoized (at most 32 KiB of ids each)."""
-
-    def __init__(self, max_entries: int = 65_536) -> None:
-        self.max_entries = max_entries
-        self._blocks: OrderedDict[str, dict] = OrderedDict()
-        self._keys: OrderedDict[tuple[str, str, bytes], tuple[list[str], list[bytes]]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def keys_of(self, spec: KVSpec, tokens: np.ndarray, namespace: str) -> tuple[list[str], list[bytes]]:
-        """The block keys of ``tokens``, hex and raw, memoized: an agent re-reads the same prefixes."""
-        if len(tokens) > self.MEMO_MAX_TOKENS:
-            raw = block_hashes(spec, tokens, namespace)
-            return [k.hex() for k in raw], raw
-        memo = (namespace, spec.fingerprint(), tokens.tobytes())
-        keys = self._keys.get(memo)
-        if keys is None:
-            raw = block_hashes(spec, tokens, namespace)
-            keys = ([k.hex() for k in raw], raw)
-            with self._lock:
-                self._keys[memo] = keys
-                while len(self._keys) > self.MEMO_SEQUENCES:
-                    self._keys.popitem(last=False)
-        return keys
-
-    def remember(self, blocks: Sequence[dict]) -> None:
-        with self._lock:
-            for b in blocks:
-                if b.get("handle") is not None:
-                    self._blocks[b["key"]] = b
-                    self._blocks.move_to_end(b["key"])
-            while len(self._blocks) > self.max_entries:
-                self._blocks.popitem(last=False)
-
-    def lookup(self, spec: KVSpec, tokens: np.ndarray, namespace: str) -> list[dict] | None:
-        """Every full block of ``tokens`` with a remembered handle, or None if any is missing."""
-        keys, _ = self.keys_of(spec, tokens, namespace)
-        with self._lock:
-            found = [self._blocks.get(k) for k in keys]
-        return found if keys and None not in found else None  # type: ignore[return-value]
-
-    def blocks(self, keys: Sequence[str]) -> list[dict | None]:
-        """The remembered block (key, checksum, handle) of each hex key, or None."""
-        with self._lock:
-            return [self._blocks.get(k) for k in keys]
-
-    def forget(self, blocks: Sequence[dict]) -> None:
-        with self._lock:
-            for b in blocks:
-                self._blocks.pop(b["key"], None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._blocks.clear()
-            self._keys.clear()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-
-class AccessLog:
-    """Reads a client served from remembered handles, for the server's heat and counters.
-
-    Placement ranks blocks by how often they are read; reads the server never
-    saw would let it demote the blocks a co-located agent uses most. They are
-    reported in batches (``POST /v1/kv/touch``): when ``max_keys`` reads are
-    pending or the oldest is ``max_age_s`` old, and when the client closes.
-    Repeated reads of a key travel as one key and a count, so a hot loop over
-    one prefix sends a few bytes, not a key per read.
-    """
-
-    def __init__(self, max_keys: int = 4096, max_age_s: float = 1.0) -> None:
-        self.max_keys, self.max_age_s = max_keys, max_age_s
-        self.on_pending: Callable[[], None] | None = None
-        """Called (outside the lock, from the reading thread) when a read is added to an empty log:
-        the client then sends the report within ``max_age_s`` even if no further read comes."""
-        self._counts: dict[str, int] = {}
-        self._reads = self._gets = self._requested = self._hit = 0
-        self._since: float | None = None
-        self._lock = threading.Lock()
-
-    def add(self, blocks: Sequence[dict], requested: int, hit: int) -> None:
-        with self._lock:
-            counts = self._counts
-            for b in blocks:
-                counts[b["key"]] = counts.get(b["key"], 0) + 1
-            self._reads += len(blocks)
-            self._gets += 1
-            self._requested += requested
-            self._hit += hit
-            first = self._since is None
-            if first:
-                self._since = time.monotonic()
-        if first and self.on_pending is not None:
-            self.on_pending()
-
-    def due(self) -> bool:
-        # One read of _since: the reporter thread's drain() may set it to None in between.
-        since = self._since
-        return since is not None and (self._reads >= self.max_keys or time.monotonic() - since >= self.max_age_s)
-
-    MAX_REPORT_KEYS = MAX_TOUCH_KEYS
-    """The most keys one report carries (the server's limit); more wait for the next report."""
-
-    def drain(self) -> dict | None:
-        """The next report (at most ``MAX_REPORT_KEYS`` keys), or None when nothing is pending."""
-        with self._lock:
-            if not self._counts and not self._gets:
-                return None
-            items = list(self._counts.items())
-            now, rest = items[:self.MAX_REPORT_KEYS], items[self.MAX_REPORT_KEYS:]
-            report = {"keys": [k for k, _ in now], "counts": [n for _, n in now], "gets": self._gets,
-                      "tokens_requested": self._requested, "tokens_hit": self._hit}
-            self._counts = dict(rest)
-            self._reads = sum(n for _, n in rest)
-            self._gets = self._requested = self._hit = 0
-            if not rest:
-                self._since = None  # else the rest keep the oldest read's time: due by age soon
-            return report
 
 
 class _Mappings:
@@ -265,6 +100,9 @@ class Arena:
         asking for slots on every put would cost two requests a put that both come back empty."""
         self.verified = VerifiedSlots()
         self.accesses = AccessLog()
+        self._last_layout: tuple[codec_mod.FrameHeader, bytes] | None = None
+        """The last trusted header parsed, and its layout bytes (``trusted_header``)."""
+        self._prefixes: dict[str, bytes] = {}
         self._idle: list[dict] = []
         self.leases: list[dict] = []
         """Every staging lease this client holds; each put uses one no other put is using."""
@@ -368,7 +206,6 @@ class Arena:
         """
         missing = []
         block_shape = (*out.shape[:3], bt, out.shape[4])
-        ref: list = []  # the first trusted header of this get (``trusted_payload``)
         for i, b in enumerate(blocks):
             h = b.get("handle")
             if h is None:
@@ -385,7 +222,7 @@ class Arena:
                     missing.append(i)
                 continue
             handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
-            src = self.trusted_payload(handle, block_shape, out.dtype, ref) if b.get("verified") else None
+            src = self.trusted_payload(handle, block_shape, out.dtype) if b.get("verified") else None
             if src is not None:  # the server hashed this publication: copy, hash nothing
                 if dst is None:
                     dst = int_view(out)
@@ -414,35 +251,46 @@ class Arena:
                 b[VERIFIED_VIEW] = self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
         return missing
 
-    def trusted_payload(self, handle: SlotHandle, shape: tuple[int, ...], dtype: torch.dtype,
-                        ref: list) -> np.ndarray | None:
+    def trusted_payload(self, handle: SlotHandle, shape: tuple[int, ...],
+                        dtype: torch.dtype) -> np.ndarray | None:
         """The payload of a frame the server verified whole (the slot's verified word), as same-size
         ints in the arena, once it is a raw frame of ``shape`` and ``dtype``; None otherwise (the
-        caller reads it the checked way) or when the slot changed meanwhile.
-
-        ``ref`` carries, across the blocks of one get, the first such header and its layout bytes:
-        a frame whose layout bytes match has that header (same shape, lengths and offsets), so
-        only the first block of a get parses one (``codec.layout_prefix``).
-        """
+        caller reads it the checked way) or when the slot changed meanwhile. A frame of the last
+        trusted header's layout is not parsed (``trusted_header``)."""
         ints = SAME_SIZE_INTS.get(dtype.itemsize, (None, None))[1]
         if ints is None:
             return None
         view = self.reader.frame_view(handle)
-        if ref and len(view) == ref[0].frame_len and codec_mod.layout_prefix(view, len(shape)) == ref[1]:
-            header = ref[0]
-        else:
-            try:
-                header = codec_mod.read_header(view)
-            except FrameError:
-                return None
-            if (header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
-                    or codec_mod.DTYPES.get(header.dtype) != dtype):
-                return None
-            if self.reader.current(handle):
-                ref[:] = [header, codec_mod.layout_prefix(view, len(shape))]
+        header = self.trusted_header(handle, view)
+        if (header is None or header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
+                or codec_mod.DTYPES.get(header.dtype) != dtype):
+            return None
         if not self.reader.current(handle):  # what was read may be torn: the slot changed
             return None
         return self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
+
+    def trusted_header(self, handle: SlotHandle, view: memoryview) -> "codec_mod.FrameHeader | None":
+        """The header of a server-verified frame (``view``, of slot ``handle``), or None when it does
+        not parse. Read without a lease: the caller checks the slot's generation after it.
+
+        The last header parsed here is kept with its layout bytes: a frame whose layout bytes match
+        has that header but for its body checksum (``codec.header_like``), so a get or a batch of
+        one spec's blocks parses only its first (a parse took most of a first read's time beside
+        its copy, for 256 KiB pages). Kept as one tuple: threads read and replace it whole.
+        """
+        last = self._last_layout
+        if last is not None:
+            header = codec_mod.header_like(view, last[0], last[1])
+            if header is not None:
+                return header
+        try:
+            header = codec_mod.read_header(view)
+        except FrameError:
+            return None
+        layout = codec_mod.layout_prefix(view, len(header.shape))
+        if self.reader.current(handle):  # both read from one publication
+            self._last_layout = (header, layout)
+        return header
 
     def write_staging(self, lease: dict, kv: torch.Tensor) -> int:
         """Copy ``kv``'s bytes into ``lease``; returns the byte count."""
@@ -497,21 +345,35 @@ class Arena:
         return checksums
 
     def read_block(self, h: dict, checksum: int | None, namespace: str, i: int, sink: BlockSink,
-                   stats: ClientStats) -> bool:
+                   stats: ClientStats, defer: bool = False) -> bool | None:
         """Hand the frame in slot handle ``h`` to ``sink``; False when the slot changed since the
         server named it, or the frame fails (a miss). Only a slot's first read hashes
-        (``VerifiedSlots``); it holds a read lease, later ones copy under the seqlock."""
+        (``VerifiedSlots``); it holds a read lease, later ones copy under the seqlock.
+
+        A slot the server verified is read by its header (``trusted_header``: a page of the last
+        one's layout is not parsed) and its metadata's namespace, with no hash. ``defer``: a slot
+        the server has not verified yet is left alone (None), for the caller to read after the
+        others."""
         done = self.copy_verified(h, checksum, i, sink, stats)
         if done is not None:
             return done
         handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
         if self.reader.verified(handle):  # the server hashed this publication: check the header only
-            header = verified_header(self.reader.frame_view(handle), namespace, checksum, trusted=True)
+            view = self.reader.frame_view(handle)
+            header = self.trusted_header(handle, view)
+            if header is not None and not self._names(view, header, namespace, checksum):
+                header = None
             if (header is not None and self.reader.current(handle) and header.codec is codec_mod.Codec.RAW
                     and not header.lz4):
+                # the header read stands: the slot did not change meanwhile; the copy is checked after
+                sink(i, header, view[header.payload_offset:header.frame_len])
+                if not self.reader.current(handle):
+                    return False  # changed during the copy: what the sink got is garbage, a miss
                 self.verified.add(handle.index, handle.gen, header)
                 stats.shm_frames_trusted += 1
-                return bool(self.copy_verified(h, checksum, i, sink, stats))
+                return True
+        elif defer:
+            return None
         with self.reader.lease(handle) as view:
             if view is None:
                 return False
@@ -523,11 +385,24 @@ class Arena:
             stats.shm_frames_verified += 1
             return True
 
+    def _names(self, frame: memoryview, header: "codec_mod.FrameHeader", namespace: str,
+               checksum: int | None) -> bool:
+        """Whether a trusted frame is ``namespace``'s (and has ``checksum``, when given): by its
+        metadata's first bytes where that is sure (``keys.surely_names``), else parsed."""
+        if checksum is not None and header.body_checksum != checksum:
+            return False
+        prefix = self._prefixes.get(namespace)
+        if prefix is None:
+            prefix = self._prefixes[namespace] = meta_prefix(namespace)
+        start = header.meta_offset
+        return surely_names(bytes(frame[start:start + header.meta_len]), prefix) or \
+            verified_header(frame, namespace, checksum, trusted=True) is not None
+
     def holds(self, block: dict) -> bool:
         """Whether a remembered block's slot still holds the generation the server named: the
         block is stored there still (a delete, move or eviction changes the generation first)."""
         h = block["handle"]
-        return self.reader.current(SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"]))
+        return self.reader.holds(h["index"], h["gen"])
 
     def copy_verified(self, h: dict, checksum: int | None, i: int, sink: BlockSink,
                       stats: ClientStats) -> bool | None:

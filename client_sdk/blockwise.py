@@ -48,7 +48,7 @@ def ints_of(spec: KVSpec) -> Any:
 
 
 def _payload(arena: Arena, b: dict, shape: tuple[int, ...], dtype: torch.dtype, ints: Any,
-             ref: list, stats: c.ClientStats) -> np.ndarray | None:
+             stats: c.ClientStats) -> np.ndarray | None:
     """Block ``b``'s verified raw payload in the arena (remembered on ``b``), or None: a frame
     the server did not vouch for is hashed here once, under a read lease; one that is not a
     raw frame of ``shape`` and ``dtype`` (compressed, another spec) is None (read another way)."""
@@ -58,7 +58,7 @@ def _payload(arena: Arena, b: dict, shape: tuple[int, ...], dtype: torch.dtype, 
     h = b["handle"]
     handle = SlotHandle(arena.segment, h["index"], h["offset"], h["length"], h["gen"])
     if b.get("verified"):
-        src = arena.trusted_payload(handle, shape, dtype, ref)
+        src = arena.trusted_payload(handle, shape, dtype)
         if src is not None:
             stats.shm_frames_trusted += 1
             b[VERIFIED_VIEW] = src
@@ -89,10 +89,10 @@ def place_from_handles(arena: Arena, blocks: Sequence[dict], spec: KVSpec, first
     arena, under its slot's seqlock; the block indexes still to fetch (no handle, a slot that
     changed, a frame that failed or is not raw)."""
     shape, dtype, ints = spec.kv_shape(spec.block_tokens), spec.torch_dtype, ints_of(spec)
-    words, ref, missing = arena.reader, [], []
+    words, missing = arena.reader, []
     for i, b in enumerate(blocks):
         h = b.get("handle")
-        src = None if h is None else _payload(arena, b, shape, dtype, ints, ref, stats)
+        src = None if h is None else _payload(arena, b, shape, dtype, ints, stats)
         if src is None:
             missing.append(i)
             continue

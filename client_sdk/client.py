@@ -240,15 +240,22 @@ class KVClient(ClientShell):
 
     # -- blocks by key: the co-located paths (the rest are client_sdk.surface.DataCalls) ---------
 
-    def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
-        """Whether each key holds a block of this namespace, in any tier (one request).
+    def blocks_exist(self, keys: Sequence[BlockHash], *, ask_server: bool = True) -> list[bool]:
+        """Whether each key holds a block of this namespace, in any tier (at most one request).
 
-        Co-located, the answer also names the arena slots of the blocks there, which are
+        Co-located, blocks the arena's shared key index shows (or whose remembered slot still
+        holds the generation the server named) are known present without asking; the server is
+        asked about the rest, and its answer names the arena slots of those there, which are
         remembered: a ``get_blocks_into`` of them that follows (a cache's lookup, then its
-        load) reads them with no request of its own, and a block whose remembered slot still
-        holds the generation the server named is known present without asking.
+        load) reads them with no request of its own.
+
+        Args:
+            ask_server: False answers co-located from the arena alone, with no request: a block
+                only a lower tier holds then reads False. For a writer that skips what is stored
+                before it copies: it then copies such a block again, and the server keeps one
+                (a put by key of a stored key is deduplicated). Over HTTP the server is asked.
         """
-        return self.shm.blocks_exist(keys)
+        return self.shm.blocks_exist(keys, ask_server)
 
     def get_blocks_into(self, keys: Sequence[BlockHash], sink: BlockSink) -> list[bool]:
         """Hand each stored block of ``keys`` to ``sink(i, header, payload)``, verified; True where it did.

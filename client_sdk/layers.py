@@ -497,7 +497,7 @@ def _place_first(arena: Arena, b: dict, spec: KVSpec, part: torch.Tensor, part_i
             return src
         return False
     handle = SlotHandle(arena.segment, h["index"], h["offset"], h["length"], h["gen"])
-    src = (arena.trusted_payload(handle, tuple(part.shape), part.dtype, [])
+    src = (arena.trusted_payload(handle, tuple(part.shape), part.dtype)
            if b.get("verified") and part_ints is not None else None)
     if src is not None:  # the server hashed this publication: layer 0 under the seqlock, no hash
         if not arena.reader.copy_current(h["index"], h["gen"], part_ints[0], src[0]):

@@ -157,8 +157,9 @@ class ShmPath:
             return self.http.run(calls.get_blocks(keys))
         return drive(frames_flow(arena, [check_key(k) for k in keys], self.namespace), self.http.run)
 
-    def blocks_exist(self, keys: Sequence[BlockHash]) -> list[bool]:
-        return drive(blocks_exist_flow(self.colocation, self.arena(), keys, self.namespace), self.http.run)
+    def blocks_exist(self, keys: Sequence[BlockHash], ask_server: bool = True) -> list[bool]:
+        return drive(blocks_exist_flow(self.colocation, self.arena(), keys, self.namespace, ask_server),
+                     self.http.run)
 
     def get_blocks_into(self, keys: list[BlockHash], sink: c.BlockSink) -> list[bool]:
         return drive(get_blocks_into_flow(self.colocation, self.arena(), keys, sink, self.namespace, self.stats,

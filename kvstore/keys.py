@@ -27,6 +27,7 @@ from kvstore.spec import KVSpec
 __all__ = [
     "BlockHash",
     "meta_prefix",
+    "surely_names",
     "HASH_BYTES",
     "root_hash",
     "block_hashes",
@@ -170,6 +171,17 @@ def block_meta(namespace: str, spec_fingerprint: str, depth: int, **extra: Any) 
 def meta_prefix(namespace: str) -> bytes:
     """How every ``block_meta`` of ``namespace`` begins: a reader checks a frame's namespace by it."""
     return b'{"v":1,"ns":' + json.dumps(validate_namespace(namespace)).encode() + b","
+
+
+def surely_names(meta: bytes, prefix: bytes) -> bool:
+    """Whether block metadata ``meta`` names the namespace whose ``meta_prefix`` is ``prefix``,
+    decided without parsing it: True only when sure; False means "parse it" (``json.loads``, whose
+    answer a reader must then follow), not "another namespace".
+
+    Sure when ``meta`` starts with the prefix, holds no escape and spells the key ``"ns"`` once: a
+    later duplicate key, which ``json.loads`` would let win, needs a second spelling or an escape.
+    """
+    return meta.startswith(prefix) and b"\\" not in meta and meta.count(b'"ns"') == 1
 
 
 def named_key(namespace: str, domain: str, name: str) -> BlockHash:

@@ -423,6 +423,10 @@ class ShmReader:
         """Whether the slot still holds the handle's generation (the seqlock's check)."""
         return self._words[handle.index * ROW_WORDS + GEN] == handle.gen
 
+    def holds(self, index: int, gen: int) -> bool:
+        """``current`` of a slot by index and generation (no handle to build: a batch's check)."""
+        return self._words[index * ROW_WORDS + GEN] == gen
+
     def generation(self, index: int) -> int:
         """The generation word of slot ``index`` as it stands (one load from the table)."""
         return int(self._words[index * ROW_WORDS + GEN])

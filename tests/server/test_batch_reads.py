@@ -1,0 +1,126 @@
+"""A cache backend's batch read and write by key, co-located, without per-page parsing or an
+existence request: pages of one layout after the first are read by comparing layout bytes
+(``codec.header_like``), each still checked for its namespace; a writer's existence check can
+answer from the arena alone (``blocks_exist(ask_server=False)``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from client_sdk import KVClient
+from kvstore import KVStore, codec
+from kvstore.keys import block_meta, meta_prefix, named_key, surely_names
+from tests.client_sdk.test_reserved_put import _requests_by_route
+from tests.server.conftest import ACME, BETA, TOKENS
+from tests.server.test_blocks_by_key import FP, get, keys, payloads, put
+from tiers.memory import MemoryTier
+from tiers.shm import ShmTier
+
+NS = "acme"
+SIZE = 4096
+
+
+def _sealed_put(client: KVClient, ks: list[bytes], data: list[bytes], metas: list[bytes]) -> int:
+    at = [codec.raw_payload_offset(1, len(m)) for m in metas]
+
+    def writer(i: int, view: memoryview) -> int:
+        view[at[i]:at[i] + len(data[i])] = data[i]
+        return codec.seal_raw(view, "uint8", (len(data[i]),), metas[i])
+    return client.put_blocks_with(ks, [a + len(d) for a, d in zip(at, data)], writer)
+
+
+def _padded(meta: bytes, length: int) -> bytes:
+    """``meta`` with a pad field that brings it to ``length`` bytes (one layout for every page)."""
+    grown = meta[:-1] + b',"pad":"' + b"x" * (length - len(meta) - 9) + b'"}'
+    assert len(grown) == length and json.loads(grown)
+    return grown
+
+
+def test_a_page_of_the_batchs_layout_naming_two_namespaces_is_a_miss(serve_app):
+    """Beta writes a frame under a key acme asks for, with acme's namespace first in its metadata
+    and its own after (``json.loads``, and the server, take the last): acme's batch read, whose
+    other pages share that frame's layout, must not hand it over."""
+    store = KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], scrub_bytes_per_s=0)
+    srv = serve_app(store, tokens=json.dumps(TOKENS))
+    ks, data = keys(3), payloads(3, SIZE)
+    hostile_key = named_key(NS, "test", "page-hostile")
+    hostile = block_meta("beta", FP, 0)[:-1] + b',"ns":"beta"}'
+    hostile = b'{"v":1,"ns":"acme",' + hostile[len(b'{"v":1,"ns":"beta",'):]
+    assert json.loads(hostile)["ns"] == "beta" and hostile.startswith(meta_prefix(NS))
+    length = max(len(hostile), len(block_meta(NS, FP, 2))) + 16
+    with KVClient(srv.url, token=ACME, namespace=NS) as acme, \
+            KVClient(srv.url, token=BETA, namespace="beta") as beta:
+        assert _sealed_put(acme, ks, data, [_padded(block_meta(NS, FP, i), length) for i in range(3)]) == 3
+        assert _sealed_put(beta, [hostile_key], [b"\xee" * SIZE], [_padded(hostile, length)]) == 1
+        assert store.scrubber.caught_up(10.0)  # every frame verified by the server: the trusted path
+        order = [ks[0], hostile_key, ks[1], ks[2]]
+        with KVClient(srv.url, token=ACME, namespace=NS) as reader:  # a fresh reader: first reads
+            found, got = get(reader, order)
+            assert found == [True, False, True, True]
+            assert [got[0], got[2], got[3]] == data and 1 not in got
+            assert reader.stats.shm_frames_trusted == 3 and reader.stats.shm_frames_verified == 0
+
+
+def test_metadata_is_surely_a_namespaces_only_when_one_key_could_name_it():
+    prefix = meta_prefix(NS)
+    assert surely_names(block_meta(NS, FP, 0, sglang={"key": "k"}), prefix)
+    assert not surely_names(block_meta("beta", FP, 0), prefix)
+    later = b'{"v":1,"ns":"acme","spec":"f","depth":0,"ns":"beta"}'
+    escaped = b'{"v":1,"ns":"acme","spec":"f","depth":0,"n\\u0073":"beta"}'
+    nested = block_meta(NS, FP, 0, extra={"ns": "acme"})
+    for unsure in (later, escaped, nested):  # parse these: the first two name beta to json.loads
+        assert unsure.startswith(prefix) and not surely_names(unsure, prefix)
+    assert json.loads(later)["ns"] == json.loads(escaped)["ns"] == "beta"
+
+
+def test_a_header_of_the_same_layout_is_read_with_each_frames_own_checksum():
+    metas = [block_meta(NS, FP, i) for i in range(2)]
+    frames = []
+    for i, (meta, body) in enumerate(zip(metas, payloads(2, SIZE))):
+        buf = bytearray(codec.raw_payload_offset(1, len(meta)) + SIZE)
+        at = codec.raw_payload_offset(1, len(meta))
+        buf[at:] = body
+        assert codec.seal_raw(memoryview(buf), "uint8", (SIZE,), meta) == len(buf)
+        frames.append(bytes(buf))
+    ref = codec.read_header(frames[0])
+    layout = codec.layout_prefix(frames[0], 1)
+    assert codec.header_like(frames[1], ref, layout) == codec.read_header(frames[1])
+    assert codec.header_like(frames[1], ref, layout).body_checksum != ref.body_checksum
+    other = bytearray(frames[1][:-1])  # one byte shorter: another layout
+    assert codec.header_like(other, ref, layout) is None
+    longer = block_meta(NS, FP, 10_000)  # another metadata length
+    buf = bytearray(codec.raw_payload_offset(1, len(longer)) + SIZE)
+    codec.seal_raw(memoryview(buf), "uint8", (SIZE,), longer)
+    assert codec.header_like(bytes(buf), ref, layout) is None
+
+
+def test_a_writers_existence_check_can_answer_from_the_arena_alone(serve_app):
+    """``ask_server=False`` makes no request and sees only the arena: a page a lower tier holds
+    reads absent, and putting it again stores nothing twice and loses nothing."""
+    store = KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], background=False)
+    srv = serve_app(store, tokens=json.dumps(TOKENS))
+    ks, data = keys(8), payloads(8)
+    with KVClient(srv.url, token=ACME, namespace=NS) as c:
+        assert put(c, ks, data) == 8
+        lower = [1, 4, 5]
+        for i in lower:
+            assert store.migrate(ks[i], store.tiers[1].name)
+        assert c.blocks_exist(ks) == [True] * 8
+        before = _requests_by_route(srv.url)
+        assert c.blocks_exist(ks, ask_server=False) == [i not in lower for i in range(8)]
+        assert _requests_by_route(srv.url) == before  # no request
+        assert put(c, [ks[i] for i in lower], [data[i] for i in lower]) == len(lower)
+        assert len(store.entries()) == 8
+        found, got = get(c, ks)
+        assert found == [True] * 8 and [got[i] for i in range(8)] == data
+
+
+@pytest.mark.parametrize("ask_server", [True, False])
+def test_an_http_clients_existence_check_asks_the_server(serve_app, ask_server):
+    srv = serve_app(tokens=json.dumps(TOKENS))
+    ks, data = keys(2), payloads(2)
+    with KVClient(srv.url, token=ACME, namespace=NS, colocated=False) as c:
+        put(c, ks[:1], data[:1])
+        assert c.blocks_exist(ks, ask_server=ask_server) == [True, False]
