@@ -191,7 +191,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         srcs = [memoryview(obj.byte_array).cast("B") for obj in objects]  # L1's is '<B', which slices refuse
         bkeys = [self.block_key(k) for k in keys]
         seen = self._seen(keys)
-        present = self._call("store", lambda: self.client.blocks_exist(bkeys), None)
+        # the arena's index alone (no request: a store makes one, its put): a chunk only a lower
+        # tier holds is copied again, and the server keeps the one it has
+        present = self._call("store", lambda: self.client.blocks_exist(bkeys, ask_server=False), None)
         if present is None:
             return L2StoreResult(False, 0)
         todo = [i for i, have in enumerate(present) if not have]

@@ -50,6 +50,8 @@ __all__ = ["KVStoreHiCacheStorage", "BackendConfig", "DOMAIN"]
 
 DOMAIN = "sglang"
 """Folded into every key and fingerprint: SGLang's page names never meet another system's."""
+KEYS_KEPT = 1 << 16
+"""Page keys whose block key a backend remembers (about 200 bytes each)."""
 
 _OURS = {"url", "namespace", "token", "fingerprint", "timeout_s"}
 _SGLANG_LOADER = {"backend_name", "module_path", "class_name", "interface_v1"}
@@ -172,6 +174,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._pause = _Pause()
         self._stats = _Stats()
         self._scope: str | None = None
+        self._keys: dict[str, BlockHash] = {}
+        """SGLang's page keys -> block keys: a prefetch names each page twice (its hit query, then
+        its get), and a key is a hash of a hundred-odd bytes (about 1.5 us)."""
         self.mem_pool_host = None
 
     # -- the pool and the keys -----------------------------------------------------------------
@@ -197,12 +202,19 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._scope = (f"{self._model}|{type(pool).__name__}|{self.layout}|{str(self.dtype).removeprefix('torch.')}"
                        f"|page{self.page_size}x{self.page_numel}|{self._shard}")
         self._spec_fp = name_fingerprint(DOMAIN, self._scope)
+        self._keys = {}  # of the scope before
 
     def key_of(self, key: str) -> BlockHash:
         """The kvstore block key of SGLang's page key ``key``."""
-        if self._scope is None:
-            raise RuntimeError("kvstore backend: register_mem_pool_host was not called")
-        return named_key(self.config.namespace, DOMAIN, f"{self._scope}|{key}")
+        got = self._keys.get(key)
+        if got is None:
+            if self._scope is None:
+                raise RuntimeError("kvstore backend: register_mem_pool_host was not called")
+            got = named_key(self.config.namespace, DOMAIN, f"{self._scope}|{key}")
+            if len(self._keys) >= KEYS_KEPT:
+                self._keys = {}  # bounded; a prefetch's pages come back as they are named again
+            self._keys[key] = got
+        return got
 
     def _meta(self, key: str, depth: int) -> bytes:
         return block_meta(self.config.namespace, self._spec_fp, depth, sglang={"key": key})
@@ -350,7 +362,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return []
         started = time.perf_counter()
         bkeys = [self.key_of(k) for k in keys]
-        present = self._call("lookup", lambda: self.client.blocks_exist(bkeys), None)
+        # the arena's index alone (no request: a set makes one, its put): a page only a lower
+        # tier holds is copied again, and the server keeps the one it has
+        present = self._call("lookup", lambda: self.client.blocks_exist(bkeys, ask_server=False), None)
         if present is None:
             return [False] * len(keys)
         todo = [i for i, have in enumerate(present) if not have]
