@@ -124,3 +124,36 @@ def test_an_http_clients_existence_check_asks_the_server(serve_app, ask_server):
     with KVClient(srv.url, token=ACME, namespace=NS, colocated=False) as c:
         put(c, ks[:1], data[:1])
         assert c.blocks_exist(ks, ask_server=ask_server) == [True, False]
+
+
+@pytest.mark.parametrize("by_key", [False, True])
+def test_a_slot_vouched_for_after_the_readers_look_up_is_not_hashed_by_it(serve_app, by_key):
+    """The reader's look-up saw the slots unverified (the server's verifier behind a commit, as a
+    hand-off's reader finds them); when it copies, it reads the verified word as it stands then."""
+    from kvstore.keys import block_hashes
+    from tests.conftest import make_kv, make_spec
+
+    store = KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], background=False)  # no verifier of its own
+    srv = serve_app(store)
+    spec = make_spec()
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    ks = block_hashes(spec, tokens, NS)
+    with KVClient(srv.url, namespace=NS, plan=False) as writer, KVClient(srv.url, namespace=NS, plan=False) as c:
+        assert writer.put_kv(spec, tokens, kv) == 64
+        if by_key:  # either look-up remembers the slots, as the index showed them: not verified
+            assert c.blocks_exist(ks) == [True] * 4
+        else:
+            assert c.lookup(spec, tokens) == 64
+        shm = store.tiers[0]
+        for k in ks:  # what the verifier does once it has hashed each frame
+            shm.vouch(k, shm.read_vouched(k, lambda _view, stamp, _vouched: stamp))
+        if by_key:
+            got: dict[int, bytes] = {}
+            found = c.get_blocks_into(ks, lambda i, _header, payload: got.__setitem__(i, bytes(payload)))
+            assert found == [True] * 4
+            whole = b"".join(got[i] for i in range(4))
+            assert whole == b"".join(kv[:, :, :, 16 * d:16 * (d + 1)].contiguous().numpy().tobytes() for d in range(4))
+        else:
+            out, n = c.get_kv(spec, tokens)
+            assert n == 64 and out.equal(kv)
+        assert c.stats.shm_frames_verified == 0 and c.stats.shm_frames_trusted == 4
