@@ -10,6 +10,7 @@ reads to report for heat (``AccessLog``) and its idle staging leases.
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import threading
@@ -125,13 +126,26 @@ class Arena:
             if not self.reader.indexed:
                 return None
             new = []
-            for i, hit in zip(ask, self.reader.look_up([raw[j] for j in ask])):
+            for i, hit in zip(ask, self.indexed([raw[j] for j in ask], namespace)):
                 if hit is None:
                     return None
                 found[i] = _indexed(hexes[i], hit)
                 new.append(found[i])
             self.handles.remember(new)
         return found  # type: ignore[return-value]
+
+    def indexed(self, keys: Sequence[bytes], namespace: str) -> list[IndexHit | None]:
+        """Each key's slot as the arena's key index shows it, when its frame is ``namespace``'s
+        (else None, as for a key not there). A key hashed from tokens under a namespace is still
+        only a key: anyone can compute it, and a put by key may name any key, so a frame another
+        tenant put under it is never taken for this namespace's block (the server's own reads
+        check the entry's namespace the same way). Its metadata is read under the slot's seqlock."""
+        hits = self.reader.look_up(keys)
+        for i, hit in enumerate(hits):
+            if hit is not None and not (self._meta_names(self.reader.frame_view(hit.handle), namespace)
+                                        and self.reader.current(hit.handle)):
+                hits[i] = None
+        return hits
 
     def blocks_by_key(self, hexes: Sequence[str], keys: Sequence[bytes], namespace: str) -> list[dict | None]:
         """The slot of each key in this arena as far as this client can tell with no request (a
@@ -147,10 +161,8 @@ class Arena:
         ask = [i for i, b in enumerate(found) if b is None]
         if ask and self.reader.indexed:
             new = []
-            prefix = meta_prefix(namespace)
-            for i, hit in zip(ask, self.reader.look_up([keys[j] for j in ask])):
-                if hit is not None and codec_mod.meta_starts_with(self.reader.frame_view(hit.handle), prefix) \
-                        and self.reader.current(hit.handle):
+            for i, hit in zip(ask, self.indexed([keys[j] for j in ask], namespace)):
+                if hit is not None:
                     found[i] = _indexed(hexes[i], hit)
                     new.append(found[i])
             self.handles.remember(new)
@@ -406,12 +418,23 @@ class Arena:
         metadata's first bytes where that is sure (``keys.surely_names``), else parsed."""
         if checksum is not None and header.body_checksum != checksum:
             return False
+        return self._meta_names(frame, namespace)
+
+    def _meta_names(self, frame: memoryview, namespace: str) -> bool:
+        """Whether the metadata of a frame the server indexed (read as it lies, the caller checks
+        the slot's generation after) names ``namespace``: by its first bytes where that is sure
+        (``keys.surely_names``), else parsed as the server parsed it (``json.loads``)."""
         prefix = self._prefixes.get(namespace)
         if prefix is None:
             prefix = self._prefixes[namespace] = meta_prefix(namespace)
-        start = header.meta_offset
-        return surely_names(bytes(frame[start:start + header.meta_len]), prefix) or \
-            verified_header(frame, namespace, checksum, trusted=True) is not None
+        meta = codec_mod.trusted_meta(frame)
+        if surely_names(meta, prefix):
+            return True
+        try:
+            parsed = json.loads(meta)
+        except ValueError:  # torn or damaged: the caller's seqlock check or a full read says which
+            return False
+        return isinstance(parsed, dict) and parsed.get("ns") == namespace
 
     def holds(self, block: dict) -> bool:
         """Whether a remembered block's slot still holds the generation the server named: the

@@ -286,7 +286,7 @@ def blocks_exist_flow(colo: Colocation, arena: Arena | None, keys: Sequence[Bloc
     if arena is not None and hexes:
         present = [b is not None for b in arena.blocks_by_key(hexes, [bytes.fromhex(h) for h in hexes], namespace)]
         ask = [i for i, here in enumerate(present) if not here]
-        if not ask or not ask_server:
+        if not ask or (not ask_server and arena.reader.indexed):  # an arena with no index: ask
             return present
         answer = yield calls.block_handles([hexes[i] for i in ask], count=False)
         if not colo.changed(arena, answer.get("segment"), "segment"):

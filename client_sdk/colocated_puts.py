@@ -146,7 +146,7 @@ def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv:
     ``fill(depth, dst)`` that writes each new block into its slot itself (one copy).
     """
     keys = block_hashes(spec, toks, namespace)
-    hits = arena.reader.look_up(keys) if arena.reader.indexed else [None] * len(keys)
+    hits = arena.indexed(keys, namespace) if arena.reader.indexed else [None] * len(keys)
     new = [d for d, hit in enumerate(hits) if hit is None]
     size = pool_slot_bytes(spec, namespace)
     pid = os.getpid()

@@ -51,7 +51,7 @@ __all__ = [
     "transcode",
     "layout_prefix",
     "header_like",
-    "meta_starts_with",
+    "trusted_meta",
     "SAME_SIZE_INTS",
     "int_view",
     "Codec",
@@ -81,6 +81,7 @@ MAX_ELEMENTS = 1 << 40  # guards shape fields of a damaged or hostile frame
 
 _FIXED = struct.Struct("<4sBBBBBBBBIQQQQ")  # 48 bytes, then ndim u64 dims, pad, u64 checksum
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
 _FLAG_LZ4 = 0x01
 
 # lz4 must save at least this fraction to be kept: KV and int8 KV do not shrink
@@ -664,15 +665,16 @@ def read_header(frame: Any, *, prefix: bool = False) -> FrameHeader:
     return header
 
 
-def meta_starts_with(frame: Any, prefix: bytes) -> bool:
-    """Whether a frame's metadata starts with ``prefix``, read without parsing or checking its
-    header (for a frame someone trusted verified whole: a reader under a seqlock, who checks the
-    slot did not change meanwhile). False for bytes too short to hold it."""
+def trusted_meta(frame: Any) -> bytes:
+    """A frame's metadata bytes, read without parsing or checking its header: for a frame whose
+    metadata someone trusted parsed (an arena slot the server indexed, read under its seqlock by a
+    reader who checks the slot did not change meanwhile). Cut short where the bytes end."""
     mv = _bytes_view(frame)
     if len(mv) < _FIXED.size:
-        return False
+        return b""
     start = _header_len(mv[10])  # the fixed part's ndim byte
-    return bytes(mv[start:start + len(prefix)]) == prefix
+    (meta_len,) = _U32.unpack_from(mv, 12)
+    return bytes(mv[start:start + min(meta_len, MAX_META_BYTES)])
 
 
 def layout_prefix(frame: Any, ndim: int) -> bytes:

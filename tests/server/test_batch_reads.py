@@ -157,3 +157,57 @@ def test_a_slot_vouched_for_after_the_readers_look_up_is_not_hashed_by_it(serve_
             out, n = c.get_kv(spec, tokens)
             assert n == 64 and out.equal(kv)
         assert c.stats.shm_frames_verified == 0 and c.stats.shm_frames_trusted == 4
+
+
+@pytest.mark.parametrize("verified", [False, True])
+def test_a_block_another_tenant_put_under_a_sequences_key_is_not_read_as_its_kv(serve_app, verified):
+    """Token-chain keys are derived from the namespace, but anyone can compute them, and a put by
+    key may name any key. Beta puts a frame of its own under the key of acme's first block, over
+    HTTP; acme's co-located get finds the key in the arena's index and must not return beta's
+    bytes as acme's KV (the server's own read path checks the entry's namespace)."""
+    from kvstore.keys import block_hashes
+    from tests.conftest import make_kv, make_spec
+
+    store = KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], background=verified, scrub_bytes_per_s=0)
+    srv = serve_app(store, tokens=json.dumps(TOKENS))
+    spec = make_spec()
+    tokens, kv = list(range(32)), make_kv(spec, 32)
+    ks = block_hashes(spec, tokens, NS)
+    frames = [codec.encode(make_kv(spec, 16) + 100, meta=block_meta("beta", spec.fingerprint(), d)) for d in (0, 1)]
+    with KVClient(srv.url, token=BETA, namespace="beta", colocated=False) as beta:
+        def write(i: int, view: memoryview) -> int:
+            view[:len(frames[i])] = frames[i]
+            return len(frames[i])
+        assert beta.put_blocks_with(ks, [len(f) for f in frames], write) == 2
+    if verified:
+        assert store.scrubber.caught_up(10.0)
+    with KVClient(srv.url, token=ACME, namespace=NS, plan=False) as acme:
+        assert acme.lookup(spec, tokens) == 0
+        got, n = acme.get_kv(spec, tokens)
+        assert n == 0
+        assert acme.put_kv(spec, tokens, kv) == 32  # acme's own put is not blocked by it, and reads back
+        got, n = acme.get_kv(spec, tokens)
+        assert n == 32 and got.equal(kv)
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_pages_put_again_that_a_lower_tier_holds_are_not_charged_to_the_quota(serve_app, pooled):
+    """Beta (a 1 MiB quota) stores 14 pages of 64 KiB, some move to a lower tier, and a writer that
+    skipped only what the arena shows puts them again: stored once, so not charged again. Into
+    pool slots, and through staging (a server that takes no pooled puts)."""
+    store = KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], background=False)
+    srv = serve_app(store, tokens=json.dumps(TOKENS), reserved_puts=pooled)
+    ks, data = keys(14, "beta"), payloads(14, 64 << 10)
+    with KVClient(srv.url, token=BETA, namespace="beta") as c:
+        assert put(c, ks, data, ns="beta") == 14
+        lower = [0, 5, 9, 13]
+        for i in lower:
+            assert store.migrate(ks[i], store.tiers[1].name)
+        assert c.blocks_exist(ks, ask_server=False) == [i not in lower for i in range(14)]
+        again = _sealed_put(c, [ks[i] for i in lower], [data[i] for i in lower],
+                            [block_meta("beta", FP, i) for i in lower])  # the same frames as stored
+        assert again == 4
+        with pytest.raises(Exception, match="quota"):  # the quota itself still holds for new pages
+            put(c, keys(20, "beta")[14:], payloads(20, 64 << 10)[14:], ns="beta")
+        found, got = get(c, ks)
+        assert found == [True] * 14 and [got[i] for i in range(14)] == data
