@@ -35,7 +35,8 @@ from typing import Any, Sequence
 import numpy as np
 from fastapi import Request
 
-from kvstore.errors import InvalidInput, InvalidSpec, MalformedRequest, RouteNotFound
+from kvstore import codec as codec_mod
+from kvstore.errors import FrameError, InvalidInput, InvalidSpec, MalformedRequest, RouteNotFound
 from kvstore.keys import BlockHash, from_hex
 from kvstore.spec import KVSpec
 from kvstore.wire.rest import (H_AGENT, H_NAMESPACE, KV_MEDIA, KV_PREFIX_BYTES, MAX_HEADER_BYTES,
@@ -290,6 +291,19 @@ def charge_blocks(svc: Service, p: Principal, ns: str, spec: KVSpec, tokens: Any
     svc.quotas.check(p, ns, new_blocks * (spec.block_nbytes + BLOCK_OVERHEAD_BYTES))
 
 
+def _held(svc: Service, ns: str, key: BlockHash, frame: Any) -> bool:
+    """Whether the store keeps what it holds for ``key`` over ``frame`` (the same frame, or another
+    namespace's: ``FrameStore.put`` leaves both): not stored, so not charged. A writer that skips
+    only what the arena shows copies again what a lower tier holds."""
+    old = svc.store.entry(key)
+    if old is None:
+        return False
+    try:
+        return old.namespace != ns or old.checksum == codec_mod.read_header(frame, prefix=True).body_checksum
+    except FrameError:
+        return False  # the put refuses it, and says why
+
+
 def put_frames(svc: Service, p: Principal, ns: str, frames: Sequence[tuple[BlockHash, Any]], *,
                make_room: bool = False) -> int:
     """Store encoded frames by key, their bytes checked against ``p``'s quota first (the block
@@ -307,7 +321,8 @@ def put_frames(svc: Service, p: Principal, ns: str, frames: Sequence[tuple[Block
         FrameError, InvalidInput: a frame that does not verify or names another namespace.
         TierFull, TierError: no tier took one (the frames before it are stored).
     """
-    svc.quotas.check(p, ns, sum(len(memoryview(f).cast("B")) for _, f in frames))
+    if p.quota_bytes is not None:
+        svc.quotas.check(p, ns, sum(len(memoryview(f).cast("B")) for key, f in frames if not _held(svc, ns, key, f)))
     for key, frame in frames:
         svc.store.frames.put(key, frame, ns, make_room=make_room)
     return len(frames)

@@ -287,16 +287,19 @@ class PooledPuts:
         taken = self._take(owner, pid, name, [off for _, off, _ in writes])
         top = self._core.tiers[0]
         now, heat_now = self._core.clock(), self._core.placement.clock()
+
+        def held(old: IndexEntry | None, e: IndexEntry) -> bool:
+            return old is not None and (old.namespace != namespace or old.checksum == e.checksum)
         try:
             entries = [_written_entry(top, ps, key, checksum, namespace, now) for (key, _, checksum), ps
                        in zip(writes, taken)]
-            charge(sum(e.size for e in entries))
+            # a frame stored already is not stored again, so it is not charged: a writer that
+            # skips only what the arena shows copies again what a lower tier holds
+            charge(sum(e.size for e in entries if not held(self._core.entry(e.key), e)))
         except BaseException:
             self._back_to_pool(owner, pid, name, taken)
             raise
-        returned, nbytes = self._publish(
-            owner, pid, name, taken, entries, heat_now,
-            lambda old, e: old is not None and (old.namespace != namespace or old.checksum == e.checksum))
+        returned, nbytes = self._publish(owner, pid, name, taken, entries, heat_now, held)
         self._back_to_pool(owner, pid, name, returned)
         granted = self.grant(owner, pid, name, size, refill) if refill else []
         return PooledFrames(len(writes), nbytes, [ps.to_dict() for ps in returned] + granted)
