@@ -206,14 +206,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def key_of(self, key: str) -> BlockHash:
         """The kvstore block key of SGLang's page key ``key``."""
-        got = self._keys.get(key)
+        # The memo before the scope: a new scope comes before its new memo, so a key of either
+        # scope lands in a memo of its own scope, or in one already dropped
+        memo = self._keys
+        got = memo.get(key)
         if got is None:
-            if self._scope is None:
+            scope = self._scope
+            if scope is None:
                 raise RuntimeError("kvstore backend: register_mem_pool_host was not called")
-            got = named_key(self.config.namespace, DOMAIN, f"{self._scope}|{key}")
-            if len(self._keys) >= KEYS_KEPT:
-                self._keys = {}  # bounded; a prefetch's pages come back as they are named again
-            self._keys[key] = got
+            got = named_key(self.config.namespace, DOMAIN, f"{scope}|{key}")
+            if len(memo) >= KEYS_KEPT:
+                memo.clear()  # bounded; a prefetch's pages come back as they are named again
+            memo[key] = got
         return got
 
     def _meta(self, key: str, depth: int) -> bytes:

@@ -79,8 +79,12 @@ def test_async_recompute_under_an_injected_bandwidth_cap_and_fetch_otherwise(ser
 def test_async_failing_medium_is_set_aside_and_the_transfer_retried_over_http(server):
     kv = _kv(3)
 
+    # HTTP behind 50 ms of injected latency: shm is the planner's choice until it fails, however
+    # busy the machine (CI once saw a plain HTTP put measured faster than the shm one, under load)
+    slow_http = lambda m: AsyncThrottled(m, latency_s=0.05) if m.name == "http" else m  # noqa: E731
+
     async def main() -> None:
-        async with AsyncKVClient(server.url) as client:
+        async with AsyncKVClient(server.url, wrap_media=slow_http) as client:
             await client.put_kv(SPEC, TOKS, kv)
             planner = await client._planned()
             assert client.last_decision.choice == "shm"
