@@ -212,6 +212,26 @@ class ArenaTier(Tier):
         with self._lock:
             return self._reserve(key, size, lasting=lasting)
 
+    def reserve_many(self, key: BlockHash, size: int, count: int, *, lasting: bool = False) -> list[Slot]:
+        """Up to ``count`` reservations of ``size`` bytes for ``key``, which holds no frame here (a
+        pool's slots), as ``reserve`` makes them one by one but under one hold of the lock and one
+        pass of the allocator: as many as fit (none: an empty list), each to end as ``reserve``'s."""
+        check_key(key)
+        with self._lock:
+            try:
+                got = [self._reserve(key, size, lasting=lasting)]  # the one way that may compact
+            except TierFull:
+                return []
+            more = min(count - 1, len(self._free_rows), (self.capacity_bytes - self._used - self._reserved) // size)
+            if more > 0:
+                offsets = self._alloc.alloc_high_many(size, more) if lasting else \
+                    [off for off in (self._alloc.alloc(size) for _ in range(more)) if off is not None]
+                for offset in offsets:
+                    self._reserved += size
+                    self._busy[offset] = 1
+                    got.append(Slot(self._free_rows.pop(), offset, size))
+            return got
+
     def reserved_view(self, slot: Slot) -> memoryview | None:
         """The reserved slot's bytes, in tiers that keep them in this process's memory (None elsewhere)."""
         return None

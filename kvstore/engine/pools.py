@@ -24,8 +24,8 @@ from kvstore.codec import Codec
 from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.placement import RoomHold
-from kvstore.engine.slots import ReservedBlock, block_tokens, check_written, give_back
-from kvstore.engine.recovery import entry_from_head
+from kvstore.engine.slots import ReservedBlock, WrittenHeaders, block_tokens, check_written, give_back
+from kvstore.engine.recovery import entry_from_header
 from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput, TierFull
 from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.memory.shm import start_ticks
@@ -96,16 +96,17 @@ class PooledFrames:
     slots: list[dict[str, int]]
 
 
-def _written_entry(top: Any, ps: PoolSlot, key: BlockHash, checksum: int, namespace: str, now: float) -> IndexEntry:
+def _written_entry(top: Any, ps: PoolSlot, key: BlockHash, checksum: int, namespace: str, now: float,
+                   headers: WrittenHeaders) -> IndexEntry:
     """The index entry of the frame a writer wrote into pool slot ``ps`` under ``key``, from its
     header and metadata (the body is verified after publish), once it names ``namespace``,
     fits the slot and carries the claimed checksum."""
     view = top.reserved_view(ps.slot)
     try:
-        header = codec_mod.read_header(view[:min(len(view), 128)], prefix=True)
+        header = headers.read(view)
         if header.frame_len > ps.size:
             raise FrameError(f"its header says {header.frame_len} bytes, the slot holds {ps.size}")
-        entry = entry_from_head(key, top.name, view[:min(header.frame_len, _HEAD)], header.frame_len, now)
+        entry = entry_from_header(key, top.name, header, view[:header.frame_len], now)
     except FrameError as exc:
         raise CorruptFrame(f"block {key.hex()}: the frame written into its slot is damaged: {exc}") from None
     if entry.namespace != namespace:
@@ -115,10 +116,6 @@ def _written_entry(top: Any, ps: PoolSlot, key: BlockHash, checksum: int, namesp
         raise CorruptFrame(f"block {key.hex()}: the frame says body checksum {entry.checksum:#x}, "
                            f"the put {checksum:#x}")
     return entry
-
-
-_HEAD = 4096
-"""A frame's header and metadata fit in its first 4 KiB (``entry_from_head`` reads them there)."""
 
 
 SLOT_SIZES_KEPT = 1024
@@ -187,24 +184,26 @@ class PooledPuts:
             # come would take the top tier from readers (a prefetch found it held apart). In a
             # full tier the writer reserves per put instead (two requests).
             count = min(count, max(0, top.room_bytes() // size - 1))
-        got: list[PoolSlot] = []
-        for _ in range(count):
-            try:
-                room = self._take_room(size)
-            except TierFull:
-                break
-            try:
+        rooms: list[RoomHold] = []
+        try:
+            for _ in range(count):
+                try:
+                    room = self._take_room(size)
+                except TierFull:
+                    break
+                rooms.append(room)
                 if room.tier != 0:  # placement would put new blocks lower: no slot up top to lend
-                    raise TierFull(f"placement puts new blocks below {top.name!r}", tier=top.name)
-                slot = top.reserve(POOL_KEY, size, lasting=True)
-            except TierFull:
+                    break
+            if rooms and rooms[-1].tier != 0:
+                rooms.pop().release()
+            slots = top.reserve_many(POOL_KEY, size, len(rooms), lasting=True) if rooms else []
+        except BaseException:
+            for room in rooms:
                 room.release()
-                break
-            except BaseException:
-                room.release()
-                self._give_back_pool(got)
-                raise
-            got.append(PoolSlot(slot, size, room))
+            raise
+        for room in rooms[len(slots):]:
+            room.release()
+        got = [PoolSlot(slot, size, room) for slot, room in zip(slots, rooms)]
         self._lent()  # the reaper watches pools from now on
         with self._lock:
             live = self._pools.get((owner, pid, name))
@@ -246,7 +245,8 @@ class PooledPuts:
                                 keys[d - 1] if d else None, block_tokens(tokens, d, bt) if keep else b"", None)
                   for (d, _, _), ps in zip(writes, taken)]
         try:
-            headers = [check_written(top, b, c, spec, exact=False) for b, (_, _, c) in zip(blocks, writes)]
+            seen = WrittenHeaders()
+            headers = [check_written(top, b, c, spec, exact=False, headers=seen) for b, (_, _, c) in zip(blocks, writes)]
         except BaseException:
             self._back_to_pool(owner, pid, name, taken)
             raise
@@ -291,7 +291,8 @@ class PooledPuts:
         def held(old: IndexEntry | None, e: IndexEntry) -> bool:
             return old is not None and (old.namespace != namespace or old.checksum == e.checksum)
         try:
-            entries = [_written_entry(top, ps, key, checksum, namespace, now) for (key, _, checksum), ps
+            seen = WrittenHeaders()
+            entries = [_written_entry(top, ps, key, checksum, namespace, now, seen) for (key, _, checksum), ps
                        in zip(writes, taken)]
             # a frame stored already is not stored again, so it is not charged: a writer that
             # skips only what the arena shows copies again what a lower tier holds

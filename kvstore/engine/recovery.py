@@ -21,7 +21,7 @@ from kvstore.engine.core import EngineCore
 from kvstore.errors import FrameError, TierError
 from kvstore.engine.index import IndexEntry
 
-__all__ = ["recover", "entry_from_frame", "entry_from_head", "RecoveryReport"]
+__all__ = ["recover", "entry_from_frame", "entry_from_head", "entry_from_header", "RecoveryReport"]
 
 log = logging.getLogger("kvstore.engine.recovery")
 
@@ -66,6 +66,16 @@ def entry_from_head(key: bytes, tier: str, head, length: int, now_s: float) -> I
     header = codec_mod.read_header(head, prefix=True)
     if header.frame_len != length:
         raise FrameError(f"frame of {key.hex()} is {length} bytes, its header says {header.frame_len}")
+    return entry_from_header(key, tier, header, head, now_s)
+
+
+def entry_from_header(key: bytes, tier: str, header: codec_mod.FrameHeader, head, now_s: float) -> IndexEntry:
+    """An index entry from a frame's header, read already, and its first bytes (``head``), which
+    hold its metadata.
+
+    Raises:
+        FrameError: the metadata is missing or cut off.
+    """
     start, end = header.meta_offset, header.meta_offset + header.meta_len
     view = memoryview(head).cast("B")
     if end > len(view):
@@ -75,7 +85,7 @@ def entry_from_head(key: bytes, tier: str, head, length: int, now_s: float) -> I
         ns, spec_fp, depth = meta["ns"], meta["spec"], int(meta["depth"])
     except (ValueError, KeyError, TypeError) as exc:
         raise FrameError(f"frame of {key.hex()} carries no kvstore metadata: {exc}") from exc
-    return IndexEntry(key=key, tier=tier, size=length, codec=header.codec, checksum=header.body_checksum,
+    return IndexEntry(key=key, tier=tier, size=header.frame_len, codec=header.codec, checksum=header.body_checksum,
                       raw_bytes=header.raw_nbytes, namespace=ns, spec_fp=spec_fp, depth=depth,
                       created_s=now_s, last_access_s=now_s)
 

@@ -16,7 +16,8 @@ the highest range that fits instead, for those that stay long and cannot move. B
 cost O(log n) in the free ranges, plus a look at each non-empty bin (a few hundred at
 most); a request whose size is not its bin's floor also looks through its own bin, from the
 lowest (``alloc``, when no larger bin has a range) or the highest (``alloc_high``, down to the
-best range of the larger bins), past ranges too short for it. A full
+best range of the larger bins), past ranges too short for it; ``alloc_high_many`` carves
+a writer's pool of slots with one such look. A full
 arena after churn holds a free range for every scattered block demoted or deleted (90k
 in one of 1M frames with a tenth freed); scanning them, as this allocator did, cost
 0.64 ms an ``alloc`` and 20 ms an ``alloc_high`` there (``bench/steady_scale.py``,
@@ -156,18 +157,31 @@ class SlabAllocator:
         reserved slots): ``compact`` packs the rest towards 0, so such ranges kept at the high
         end do not split the space it frees.
         """
+        got = self.alloc_high_many(n, 1)
+        return got[0] if got else None
+
+    def alloc_high_many(self, n: int, count: int) -> list[int]:
+        """Up to ``count`` ``n``-byte ranges as ``alloc_high`` takes them one by one, highest first:
+        fewer when the free ranges run out. The top of the range ``alloc_high`` picks stays the
+        highest that fits until it is too short, so its slots are carved in one step (a writer's
+        pool is lent 16-128 slots at once)."""
         need = self.rounded(n)
-        start = self._take_high(need)
-        if start is None:
-            return None
-        length = self._free_start[start]
-        self._remove_free(start, length)
-        if length > need:
-            self._add_free(start, length - need)
-        offset = start + length - need
-        self._allocs[offset] = need
-        self._used += need
-        return offset
+        got: list[int] = []
+        while len(got) < count:
+            start = self._take_high(need)
+            if start is None:
+                break
+            length = self._free_start[start]
+            k = min(count - len(got), length // need)
+            self._remove_free(start, length)
+            if length > k * need:
+                self._add_free(start, length - k * need)
+            top = start + length
+            for i in range(1, k + 1):
+                self._allocs[top - i * need] = need
+                got.append(top - i * need)
+            self._used += k * need
+        return got
 
     def free(self, offset: int) -> None:
         """Return the range at ``offset``; neighbours coalesce.

@@ -105,6 +105,21 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert all(start + length <= off or length < self.a.rounded(n) for start, length in self.a._gaps())
             self.live[off] = self.a.rounded(n)
 
+    @rule(n=st.integers(0, 8000), count=st.integers(1, 6))
+    def alloc_high_many(self, n, count):
+        one_by_one = self.a.copy()
+        want = []
+        for _ in range(count):
+            off = one_by_one.alloc_high(n)
+            if off is None:
+                break
+            want.append(off)
+        got = self.a.alloc_high_many(n, count)
+        assert got == want  # the same slots, in the same order, as taken one at a time
+        assert self.a.allocations() == one_by_one.allocations()
+        assert sorted(self.a._free_start.items()) == sorted(one_by_one._free_start.items())
+        self.live.update((off, self.a.rounded(n)) for off in got)
+
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 1000))
     def free(self, i):

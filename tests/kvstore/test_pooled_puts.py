@@ -16,7 +16,7 @@ from kvstore import codec
 from kvstore.engine.pools import MAX_POOL_BYTES, SLOT_SLACK
 from kvstore.engine.store import KVStore
 from kvstore.errors import CorruptFrame, Forbidden, InvalidInput
-from kvstore.keys import block_meta
+from kvstore.keys import block_hashes, block_meta
 from kvstore.memory.shm import ShmSlotWriter
 from tests.conftest import FakeClock, make_kv, make_spec
 from tiers.memory import MemoryTier
@@ -171,3 +171,44 @@ def test_slot_sizes_and_pids_are_checked(store):
     assert res.slot_bytes(spec) + SLOT_SLACK > res.slot_bytes(spec)
     with pytest.raises(InvalidInput, match="pid"):
         res.grant("a", 2**31 - 5, "p", _size(store, spec), 1)
+
+
+def test_a_grant_lends_disjoint_slots_as_many_as_fit_and_all_come_back():
+    spec = make_spec()
+    with KVStore([ShmTier(4 << 20)], background=False) as store:
+        res = store.reservations.pools
+        size = _size(store, spec)
+        store.put_kv(spec, list(range(7104)), make_kv(spec, 7104), NS)  # most of the tier taken
+        room = store.tiers[0].room_bytes()
+        got = res.grant("a", PID, "p", size, 1000)
+        assert 1 < len(got) < room // size < (4 << 20) // 8 // size  # the free room, less a slot's
+        assert res.grant("a", PID, "p", size, 10) == []  # nothing more: no block is demoted for a pool
+        spans = sorted((s["offset"], s["offset"] + s["length"]) for s in got)
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        assert store.lookup(spec, list(range(7104)), NS) == 7104  # nothing was demoted for them
+        assert _reserved(store) == res.lent_bytes() == len(got) * size
+        assert res.release("a", PID, "p") == len(got) and _reserved(store) == 0
+        assert len(res.grant("a", PID, "p", size, 1000)) == len(got)  # the room placement held came back too
+
+
+def test_a_frame_whose_header_checksum_alone_is_damaged_is_dropped_before_a_read_trusts_it():
+    """A batch's later headers are compared with its first (``WrittenHeaders``), not re-hashed: the
+    one field that skips, the header's own checksum, is the verifier's to find."""
+    spec = make_spec()
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    keys = block_hashes(spec, tokens, NS)
+    with KVStore([ShmTier(16 << 20)], scrub_bytes_per_s=0) as store:
+        res = store.reservations.pools
+        slots = res.grant("a", PID, "p", _size(store, spec), 4)
+        writes = _write(store, spec, kv, slots, [0, 1, 2, 3])
+        writer = ShmSlotWriter(store.tiers[0].segment)
+        with writer.slot(slots[2]["offset"], 256) as view:
+            header_len = codec.read_header(view, prefix=True).header_len
+            view[header_len - 1] ^= 0xFF  # the last byte of the header's own checksum
+        writer.close()
+        done = res.put_pooled(spec, tokens, NS, "a", PID, "p", writes, 0)
+        assert done.n_tokens == 64
+        assert store.scrubber.caught_up(10.0)
+        assert store.entry(keys[2]) is None and store.stats().counters.corrupt_blocks == 1
+        got, n = store.get_kv(spec, tokens, NS)
+        assert n == 32 and torch.equal(got, kv[:, :, :, :32])
