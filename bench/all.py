@@ -60,6 +60,11 @@ TARGETS = (
     # the asking client remembers no slot handles: every get is a sequence's first, by any client
     ("first co-located get of a sequence / memcpy", "colocated get, asking", "limit memcpy", 32 * MiB, 0.6),
     ("first co-located get of a sequence / memcpy", "colocated get, asking", "limit memcpy", 1 * MiB, 0.3),
+    # the same bytes as a small model's 64 KiB blocks: 512 of them at 32 MiB, 16 at 1 MiB
+    ("first co-located get / memcpy, 64 KiB blocks", "colocated get, asking, 64 KiB blocks", "limit memcpy",
+     32 * MiB, 0.3),
+    ("first co-located get / memcpy, 64 KiB blocks", "colocated get, asking, 64 KiB blocks", "limit memcpy",
+     1 * MiB, 0.2),
     ("co-located get into a reused tensor / memcpy", "colocated get out=", "limit memcpy", 32 * MiB, 0.8),
     ("HTTP get / loopback TCP", "http get", "limit tcp get", 32 * MiB, 0.85),
     ("HTTP put / loopback TCP", "http put", "limit tcp put", 32 * MiB, 0.85),
@@ -78,7 +83,7 @@ TTFT_TARGETS = (("colocated", 2048, 50.0), ("http", 2048, 20.0))
 
 ROWS = ("limit memcpy", "limit memcpy+request", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
         "colocated put", "colocated put, nowait", "handoff", "colocated get", "colocated get out=",
-        "colocated get, asking", "http put", "http get", "http get out=",
+        "colocated get, asking", "colocated get, asking, 64 KiB blocks", "http put", "http get", "http get out=",
         "redis tier put", "redis tier get", "nvme tier put", "nvme tier get",
         "redis-py put", "redis-py get", "pickle put", "pickle get")
 """The rows every size has (Flight and LMCache rows come when they run)."""

@@ -70,6 +70,19 @@ def spec_for(nbytes: int) -> tuple[Any, int]:
     return KVSpec("bench-all", layers, 8, 128, "float16", min(16, tokens), fingerprint="bench-1"), tokens
 
 
+def small_spec_for(nbytes: int) -> tuple[Any, int]:
+    """A small model's spec (8 layers, 2 KV heads of 64, fp16: 4 KiB a token, 64 KiB a 16-token
+    block) whose KV of ``T`` tokens is ``nbytes``, and ``T``: per-block cost, not bandwidth, is what
+    a first get of many small blocks meets (issue 33's 64 KiB rows)."""
+    from kvstore.spec import KVSpec
+
+    per_token = 8 * 2 * 2 * 64 * 2
+    if nbytes % per_token:
+        raise ValueError(f"size {nbytes} is not a whole number of {per_token}-byte tokens")
+    tokens = nbytes // per_token
+    return KVSpec("bench-all-small", 8, 2, 64, "float16", min(16, tokens), fingerprint="bench-small-1"), tokens
+
+
 def remember_no_handles(client: Any) -> None:
     """Make a co-located client (past its first get) forget every slot handle, now and after.
 
@@ -101,6 +114,12 @@ class Paths:
             self.shm_asking = stack.enter_context(KVClient(url, namespace="bench-all", plan=False))
             self.fixed = list(range(1_000_000, 1_000_000 + self.tokens))
             self.http.put_kv(self.spec, self.fixed, self.kv)
+            self.small_spec, small_tokens = small_spec_for(nbytes)
+            # a sequence of its own per size: one size's would be a prefix of another's, stored already
+            self.small_fixed = list(range(3_000_000 + nbytes // 64, 3_000_000 + nbytes // 64 + small_tokens))
+            self.small_kv = torch.randn(self.small_spec.kv_shape(small_tokens),
+                                        generator=torch.Generator().manual_seed(2)).half()
+            self.http.put_kv(self.small_spec, self.small_fixed, self.small_kv)
             self.out = torch.empty(nbytes, dtype=torch.uint8)
             self.flight = None
             if flight_port is not None:
@@ -169,13 +188,15 @@ class Paths:
             return end - start
         return once
 
-    def _get(self, get: Any, out: torch.Tensor | None) -> Any:
+    def _get(self, get: Any, out: torch.Tensor | None, small: bool = False) -> Any:
+        spec, toks = (self.small_spec, self.small_fixed) if small else (self.spec, self.fixed)
+
         def once() -> float:
             start = time.perf_counter()
-            _, n = get(self.spec, self.fixed, out=out)
+            _, n = get(spec, toks, out=out)
             took = time.perf_counter() - start
-            if n != self.tokens:
-                raise AssertionError(f"get returned {n} of {self.tokens} tokens")
+            if n != len(toks):
+                raise AssertionError(f"get returned {n} of {len(toks)} tokens")
             return took
         return once
 
@@ -194,6 +215,7 @@ class Paths:
             "colocated get": Row(n, self._get(self.shm.get_kv, None)),
             "colocated get out=": Row(n, self._get(self.shm.get_kv, self.out)),
             "colocated get, asking": Row(n, self._get(self.shm_asking.get_kv, self.out)),
+            "colocated get, asking, 64 KiB blocks": Row(n, self._get(self.shm_asking.get_kv, self.out, small=True)),
             "http put": Row(n, self._put(self.http.put_kv)),
             "http get": Row(n, self._get(self.http.get_kv, None)),
             "http get out=": Row(n, self._get(self.http.get_kv, self.out)),
@@ -234,6 +256,8 @@ class Paths:
                           ("flight", self.flight.get_kv if self.flight else None)):
             if get is not None and not torch.equal(get(self.spec, self.fixed)[0], self.kv):
                 raise AssertionError(f"{name}: the KV read back differs from the KV stored")
+        if not torch.equal(self.shm_asking.get_kv(self.small_spec, self.small_fixed)[0], self.small_kv):
+            raise AssertionError("colocated, 64 KiB blocks: the KV read back differs from the KV stored")
         self._handoff(check=True)()
         if not self.shm.stats.shm_gets or not self.shm_asking.stats.shm_gets or self.http.stats.shm_gets:
             raise AssertionError("a client used the wrong medium")

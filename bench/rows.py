@@ -8,7 +8,8 @@ __all__ = ["LIMIT_OF", "PEER_OF", "LATENCY_ROWS"]
 
 LIMIT_OF = {
     "colocated put": "limit memcpy", "colocated get": "limit memcpy", "colocated get out=": "limit memcpy",
-    "colocated get, asking": "limit memcpy", "colocated put, nowait": "limit memcpy", "handoff": "limit memcpy",
+    "colocated get, asking": "limit memcpy", "colocated get, asking, 64 KiB blocks": "limit memcpy",
+    "colocated put, nowait": "limit memcpy", "handoff": "limit memcpy",
     "http put": "limit tcp put", "http get": "limit tcp get", "http get out=": "limit tcp get",
     "flight put": "limit tcp put", "flight get": "limit tcp get", "flight get out=": "limit tcp get",
     "redis tier put": "limit tcp put", "redis tier get": "limit tcp get",
