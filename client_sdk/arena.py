@@ -103,6 +103,9 @@ class Arena:
         self.accesses = AccessLog()
         self._last_layout: tuple[codec_mod.FrameHeader, bytes] | None = None
         """The last trusted header parsed, and its layout bytes (``trusted_header``)."""
+        self._payload_ok: tuple[codec_mod.FrameHeader, bytes, tuple, torch.dtype] | None = None
+        """The last layout ``trusted_payload`` took as a raw frame of a shape and dtype, with its
+        layout bytes: a frame whose layout bytes equal them passes the same checks."""
         self._prefixes: dict[str, bytes] = {}
         self._idle: list[dict] = []
         self.leases: list[dict] = []
@@ -288,12 +291,18 @@ class Arena:
         if ints is None:
             return None
         view = self.reader.frame_view(handle)
-        header = self.trusted_header(handle, view)
-        if (header is None or header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
-                or codec_mod.DTYPES.get(header.dtype) != dtype):
-            return None
+        ok = self._payload_ok
+        if ok is not None and ok[2] == shape and ok[3] is dtype and codec_mod.layout_matches(view, ok[0], ok[1]):
+            header = ok[0]  # the layout these checks passed for: a batch's blocks build no header each
+        else:
+            header = self.trusted_header(handle, view)
+            if (header is None or header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
+                    or codec_mod.DTYPES.get(header.dtype) != dtype):
+                return None
+            ok = (header, codec_mod.layout_prefix(view, len(header.shape)), shape, dtype)
         if not self.reader.current(handle):  # what was read may be torn: the slot changed
             return None
+        self._payload_ok = ok  # read from one publication: its layout is sound to compare with
         return self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
 
     def trusted_header(self, handle: SlotHandle, view: memoryview) -> "codec_mod.FrameHeader | None":

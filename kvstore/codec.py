@@ -50,6 +50,7 @@ __all__ = [
     "MANY_PAYS_BELOW",
     "transcode",
     "layout_prefix",
+    "layout_matches",
     "header_like",
     "trusted_meta",
     "SAME_SIZE_INTS",
@@ -686,6 +687,15 @@ def layout_prefix(frame: Any, ndim: int) -> bytes:
     return bytes(mv[:_FIXED.size - 8]) + bytes(mv[_FIXED.size:_FIXED.size + 8 * ndim])
 
 
+def layout_matches(frame: memoryview, ref: FrameHeader, ref_layout: bytes) -> bool:
+    """Whether ``frame`` (a byte view) is as long as ``ref``'s frame and its layout bytes equal
+    ``ref_layout`` (``ref``'s ``layout_prefix``), compared in place: ``header_like`` for a reader
+    that needs only where the payload lies and its shape, not a header of its own."""
+    fixed = _FIXED.size - 8
+    return (len(frame) == ref.frame_len and frame[:fixed] == ref_layout[:fixed]
+            and frame[_FIXED.size:_FIXED.size + len(ref_layout) - fixed] == ref_layout[fixed:])
+
+
 def header_like(frame: Any, ref: FrameHeader, ref_layout: bytes) -> FrameHeader | None:
     """``frame``'s header when its layout bytes equal ``ref_layout`` (``ref``'s ``layout_prefix``),
     read with no parse and no hash: ``ref`` with the frame's own body checksum. None otherwise.
@@ -695,7 +705,7 @@ def header_like(frame: Any, ref: FrameHeader, ref_layout: bytes) -> FrameHeader 
     parses the first with ``read_header`` and takes the rest through this.
     """
     mv = _bytes_view(frame)
-    if len(mv) != ref.frame_len or layout_prefix(mv, len(ref.shape)) != ref_layout:
+    if not layout_matches(mv, ref, ref_layout):
         return None
     (body_sum,) = _U64.unpack_from(mv, _FIXED.size - 8)
     if body_sum == ref.body_checksum:

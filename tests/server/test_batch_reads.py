@@ -88,12 +88,17 @@ def test_a_header_of_the_same_layout_is_read_with_each_frames_own_checksum():
     layout = codec.layout_prefix(frames[0], 1)
     assert codec.header_like(frames[1], ref, layout) == codec.read_header(frames[1])
     assert codec.header_like(frames[1], ref, layout).body_checksum != ref.body_checksum
+    assert codec.layout_matches(memoryview(frames[1]), ref, layout)
     other = bytearray(frames[1][:-1])  # one byte shorter: another layout
-    assert codec.header_like(other, ref, layout) is None
+    assert codec.header_like(other, ref, layout) is None and not codec.layout_matches(memoryview(other), ref, layout)
     longer = block_meta(NS, FP, 10_000)  # another metadata length
     buf = bytearray(codec.raw_payload_offset(1, len(longer)) + SIZE)
     codec.seal_raw(memoryview(buf), "uint8", (SIZE,), longer)
     assert codec.header_like(bytes(buf), ref, layout) is None
+    assert not codec.layout_matches(memoryview(bytes(buf))[:ref.frame_len], ref, layout)
+    wider = bytearray(frames[1])
+    wider[codec.layout_prefix(frames[1], 1).__len__() + 7] ^= 1  # a dim's byte (the last of the layout)
+    assert not codec.layout_matches(memoryview(bytes(wider)), ref, layout)
 
 
 def test_a_writers_existence_check_can_answer_from_the_arena_alone(serve_app):
