@@ -164,7 +164,7 @@ def block_meta(namespace: str, spec_fingerprint: str, depth: int, **extra: Any) 
     ``extra`` (JSON values) rides along for whoever wrote the frame, e.g. another
     protocol's description of its payload.
     """
-    if not extra and type(depth) is int and type(spec_fingerprint) is str:
+    if not extra and type(depth) is int and type(spec_fingerprint) is str and type(namespace) is str:
         return _meta_head(namespace, spec_fingerprint) + str(depth).encode() + b"}"  # a put makes one a block
     return json.dumps({"v": 1, "ns": validate_namespace(namespace), "spec": spec_fingerprint, "depth": depth,
                        **extra}, separators=(",", ":")).encode()

@@ -214,9 +214,12 @@ class ArenaTier(Tier):
 
     def reserve_many(self, key: BlockHash, size: int, count: int, *, lasting: bool = False) -> list[Slot]:
         """Up to ``count`` reservations of ``size`` bytes for ``key``, which holds no frame here (a
-        pool's slots), as ``reserve`` makes them one by one but under one hold of the lock and one
-        pass of the allocator: as many as fit (none: an empty list), each to end as ``reserve``'s."""
+        pool's slots), under one hold of the lock and one pass of the allocator: the first as
+        ``reserve`` makes it (it may compact), the rest from free ranges only, so a fragmented
+        arena lends fewer; none: an empty list. Each ends as ``reserve``'s does."""
         check_key(key)
+        if count <= 0:
+            return []
         with self._lock:
             try:
                 got = [self._reserve(key, size, lasting=lasting)]  # the one way that may compact

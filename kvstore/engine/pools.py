@@ -231,7 +231,10 @@ class PooledPuts:
             InvalidInput: a depth outside the sequence or named twice.
             CorruptFrame: a frame's header is damaged, or is not the raw frame of its block, or
                 does not carry the claimed checksum: nothing is stored, the slots go back to
-                the pool.
+                the pool. A frame after the first of its layout is compared with that one byte
+                for byte but for its body checksum (``WrittenHeaders``): one whose header
+                checksum alone is wrong is published, and the verifier drops it as corrupt
+                before any reader trusts it.
         """
         keys = block_hashes(spec, tokens, namespace)
         bt, spec_fp = spec.block_tokens, spec.fingerprint()
@@ -280,7 +283,8 @@ class PooledPuts:
         Raises:
             Forbidden: a named slot is not one of this writer's pool; nothing is stored.
             InvalidInput: a key named twice, or a frame naming another namespace.
-            CorruptFrame: a damaged header, or not the claimed checksum: nothing is stored.
+            CorruptFrame: a damaged header, or not the claimed checksum: nothing is stored (a
+                header checksum alone wrong after the first frame of a layout: as ``put_pooled``).
         """
         if len({k for k, _, _ in writes}) != len(writes):
             raise InvalidInput("blocks: each key once")

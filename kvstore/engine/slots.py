@@ -69,8 +69,9 @@ class WrittenHeaders:
                 return header
         # A pool slot may be longer than its frame: parse the header alone (at most 120 bytes: 8
         # dims; its own checksum checked), then hold the frame to the length it says it is
-        header = codec_mod.read_header(view[:min(len(view), 128)], prefix=True)
-        self._ref = (header, codec_mod.layout_prefix(view, len(header.shape)))
+        head = bytes(view[:min(len(view), 128)])  # one snapshot: the writer may still be writing
+        header = codec_mod.read_header(head, prefix=True)
+        self._ref = (header, codec_mod.layout_prefix(head, len(header.shape)))
         return header
 
 
