@@ -38,13 +38,14 @@ def _padded(meta: bytes, length: int) -> bytes:
     return grown
 
 
-def test_a_page_of_the_batchs_layout_naming_two_namespaces_is_a_miss(serve_app):
+@pytest.mark.parametrize("pages", [3, 70])
+def test_a_page_of_the_batchs_layout_naming_two_namespaces_is_a_miss(serve_app, pages):
     """Beta writes a frame under a key acme asks for, with acme's namespace first in its metadata
     and its own after (``json.loads``, and the server, take the last): acme's batch read, whose
     other pages share that frame's layout, must not hand it over."""
     store = KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], scrub_bytes_per_s=0)
     srv = serve_app(store, tokens=json.dumps(TOKENS))
-    ks, data = keys(3), payloads(3, SIZE)
+    ks, data = keys(pages), payloads(pages, SIZE)
     hostile_key = named_key(NS, "test", "page-hostile")
     hostile = block_meta("beta", FP, 0)[:-1] + b',"ns":"beta"}'
     hostile = b'{"v":1,"ns":"acme",' + hostile[len(b'{"v":1,"ns":"beta",'):]
@@ -52,15 +53,16 @@ def test_a_page_of_the_batchs_layout_naming_two_namespaces_is_a_miss(serve_app):
     length = max(len(hostile), len(block_meta(NS, FP, 2))) + 16
     with KVClient(srv.url, token=ACME, namespace=NS) as acme, \
             KVClient(srv.url, token=BETA, namespace="beta") as beta:
-        assert _sealed_put(acme, ks, data, [_padded(block_meta(NS, FP, i), length) for i in range(3)]) == 3
+        metas = [_padded(block_meta(NS, FP, i), length) for i in range(pages)]
+        assert _sealed_put(acme, ks, data, metas) == pages
         assert _sealed_put(beta, [hostile_key], [b"\xee" * SIZE], [_padded(hostile, length)]) == 1
         assert store.scrubber.caught_up(10.0)  # every frame verified by the server: the trusted path
-        order = [ks[0], hostile_key, ks[1], ks[2]]
+        order = [ks[0], hostile_key, *ks[1:]]
         with KVClient(srv.url, token=ACME, namespace=NS) as reader:  # a fresh reader: first reads
             found, got = get(reader, order)
-            assert found == [True, False, True, True]
-            assert [got[0], got[2], got[3]] == data and 1 not in got
-            assert reader.stats.shm_frames_trusted == 3 and reader.stats.shm_frames_verified == 0
+            assert found == [True, False] + [True] * (pages - 1)
+            assert [got[i] for i in range(len(order)) if i != 1] == data and 1 not in got
+            assert reader.stats.shm_frames_trusted == pages and reader.stats.shm_frames_verified == 0
 
 
 def test_metadata_is_surely_a_namespaces_only_when_one_key_could_name_it():
@@ -193,6 +195,34 @@ def test_a_block_another_tenant_put_under_a_sequences_key_is_not_read_as_its_kv(
         assert acme.put_kv(spec, tokens, kv) == 32  # acme's own put is not blocked by it, and reads back
         got, n = acme.get_kv(spec, tokens)
         assert n == 32 and got.equal(kv)
+
+
+def test_frames_naming_two_namespaces_under_a_whole_sequences_keys_are_not_its_kv(serve_app):
+    """As above, beta's frames under every key of a sequence of 70 blocks, each frame's metadata
+    naming acme first and beta last (``json.loads`` takes beta): lookup, get_kv and the arena's
+    existence check all find none of them acme's."""
+    from kvstore.keys import block_hashes
+    from tests.conftest import make_kv, make_spec
+
+    store = KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], scrub_bytes_per_s=0)
+    srv = serve_app(store, tokens=json.dumps(TOKENS))
+    spec = make_spec()
+    tokens = list(range(70 * 16))
+    ks = block_hashes(spec, tokens, NS)
+    metas = [block_meta(NS, spec.fingerprint(), d)[:-1] + b',"ns":"beta"}' for d in range(70)]
+    assert all(json.loads(m)["ns"] == "beta" and m.startswith(meta_prefix(NS)) for m in metas)
+    kv = make_kv(spec, 16) + 100
+    frames = [codec.encode(kv, meta=m) for m in metas]
+    with KVClient(srv.url, token=BETA, namespace="beta", colocated=False) as beta:
+        def write(i: int, view: memoryview) -> int:
+            view[:len(frames[i])] = frames[i]
+            return len(frames[i])
+        assert beta.put_blocks_with(ks, [len(f) for f in frames], write) == 70
+    assert store.scrubber.caught_up(10.0)
+    with KVClient(srv.url, token=ACME, namespace=NS, plan=False) as acme:
+        assert acme.lookup(spec, tokens) == 0
+        assert acme.get_kv(spec, tokens)[1] == 0
+        assert acme.blocks_exist(ks, ask_server=False) == [False] * 70
 
 
 @pytest.mark.parametrize("pooled", [True, False])
