@@ -212,24 +212,22 @@ class ArenaTier(Tier):
         with self._lock:
             return self._reserve(key, size, lasting=lasting)
 
-    def reserve_many(self, key: BlockHash, size: int, count: int, *, lasting: bool = False) -> list[Slot]:
-        """Up to ``count`` reservations of ``size`` bytes for ``key``, which holds no frame here (a
-        pool's slots), under one hold of the lock and one pass of the allocator: the first as
-        ``reserve`` makes it (it may compact), the rest from free ranges only, so a fragmented
-        arena lends fewer; none: an empty list. Each ends as ``reserve``'s does."""
+    def reserve_many(self, key: BlockHash, size: int, count: int) -> list[Slot]:
+        """Up to ``count`` lasting reservations of ``size`` bytes for ``key``, which holds no frame
+        here (a pool's slots), under one hold of the lock and one pass of the allocator: the first
+        as ``reserve(lasting=True)`` makes it (it may compact), the rest from free ranges only, so
+        a fragmented arena lends fewer; none: an empty list. Each ends as ``reserve``'s does."""
         check_key(key)
         if count <= 0:
             return []
         with self._lock:
             try:
-                got = [self._reserve(key, size, lasting=lasting)]  # the one way that may compact
+                got = [self._reserve(key, size, lasting=True)]  # the one way that may compact
             except TierFull:
                 return []
             more = min(count - 1, len(self._free_rows), (self.capacity_bytes - self._used - self._reserved) // size)
             if more > 0:
-                offsets = self._alloc.alloc_high_many(size, more) if lasting else \
-                    [off for off in (self._alloc.alloc(size) for _ in range(more)) if off is not None]
-                for offset in offsets:
+                for offset in self._alloc.alloc_high_many(size, more):
                     self._reserved += size
                     self._busy[offset] = 1
                     got.append(Slot(self._free_rows.pop(), offset, size))

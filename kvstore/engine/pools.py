@@ -191,12 +191,11 @@ class PooledPuts:
                     room = self._take_room(size)
                 except TierFull:
                     break
-                rooms.append(room)
                 if room.tier != 0:  # placement would put new blocks lower: no slot up top to lend
+                    room.release()
                     break
-            if rooms and rooms[-1].tier != 0:
-                rooms.pop().release()
-            slots = top.reserve_many(POOL_KEY, size, len(rooms), lasting=True) if rooms else []
+                rooms.append(room)
+            slots = top.reserve_many(POOL_KEY, size, len(rooms))
         except BaseException:
             for room in rooms:
                 room.release()

@@ -157,8 +157,9 @@ class SlabAllocator:
         reserved slots): ``compact`` packs the rest towards 0, so such ranges kept at the high
         end do not split the space it frees.
         """
-        got = self.alloc_high_many(n, 1)
-        return got[0] if got else None
+        need = self.rounded(n)
+        start = self._take_high(need)
+        return None if start is None else self._carve_top(start, need, 1)
 
     def alloc_high_many(self, n: int, count: int) -> list[int]:
         """Up to ``count`` ``n``-byte ranges as ``alloc_high`` takes them one by one, highest first:
@@ -171,17 +172,23 @@ class SlabAllocator:
             start = self._take_high(need)
             if start is None:
                 break
-            length = self._free_start[start]
-            k = min(count - len(got), length // need)
-            self._remove_free(start, length)
-            if length > k * need:
-                self._add_free(start, length - k * need)
-            top = start + length
-            for i in range(1, k + 1):
-                self._allocs[top - i * need] = need
-                got.append(top - i * need)
-            self._used += k * need
+            k = min(count - len(got), self._free_start[start] // need)
+            low = self._carve_top(start, need, k)
+            got.extend(range(low + (k - 1) * need, low - 1, -need))
         return got
+
+    def _carve_top(self, start: int, need: int, k: int) -> int:
+        """Allocate ``k`` ranges of ``need`` bytes off the top of the free range at ``start`` (it
+        holds them); the lowest one's offset."""
+        length = self._free_start[start]
+        self._remove_free(start, length)
+        low = start + length - k * need
+        if low > start:
+            self._add_free(start, low - start)
+        for offset in range(low, start + length, need):
+            self._allocs[offset] = need
+        self._used += k * need
+        return low
 
     def free(self, offset: int) -> None:
         """Return the range at ``offset``; neighbours coalesce.
