@@ -53,6 +53,9 @@ __all__ = [
     "layout_matches",
     "header_like",
     "trusted_meta",
+    "meta_span",
+    "layout_of",
+    "HEAD_BYTES",
     "SAME_SIZE_INTS",
     "int_view",
     "Codec",
@@ -676,6 +679,27 @@ def trusted_meta(frame: Any) -> bytes:
     start = _header_len(mv[10])  # the fixed part's ndim byte
     (meta_len,) = _U32.unpack_from(mv, 12)
     return bytes(mv[start:start + min(meta_len, MAX_META_BYTES)])
+
+
+HEAD_BYTES = _FIXED.size + 8 * MAX_NDIM
+"""A frame's first bytes that hold its layout and say where its metadata lies, whatever its ndim
+(``layout_of``, ``meta_span``): a reader of many frames reads these in one go."""
+
+
+_HEADER_LENS = tuple(_header_len(ndim) for ndim in range(256))
+
+
+def meta_span(head: bytes) -> tuple[int, int]:
+    """Where a frame's metadata starts and how long it is (at most ``MAX_META_BYTES``), from its
+    first bytes (``head``: at least 16), read as ``trusted_meta`` reads them: not parsed or checked."""
+    (meta_len,) = _U32.unpack_from(head, 12)
+    return _HEADER_LENS[head[10]], min(meta_len, MAX_META_BYTES)  # by the fixed part's ndim byte
+
+
+def layout_of(head: bytes) -> bytes:
+    """``layout_prefix`` of a frame whose first ``HEAD_BYTES`` are ``head``, its ndim read from them
+    (unchecked: a wrong one makes bytes no parsed header's layout equals)."""
+    return head[:_FIXED.size - 8] + head[_FIXED.size:_FIXED.size + 8 * head[10]]
 
 
 def layout_prefix(frame: Any, ndim: int) -> bytes:

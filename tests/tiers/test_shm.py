@@ -287,3 +287,34 @@ def test_concurrent_gets_during_compaction(make_tier):
         th.join()
     assert not bad
     assert int(tier.stats().details["compactions"]) > 0
+
+
+def test_spaced_arrays_read_frames_either_way_and_refuse_the_arenas_outside(make_tier):
+    """A run of equally spaced frames as one view: upwards, downwards (the first frame highest,
+    as a pooled writer's slots lie) and a run of one; any part outside the arena is refused."""
+    tier = make_tier(1 * MiB)
+    reader = ShmReader(tier.segment)
+    try:
+        frames = [payload(256, i) for i in range(4)]
+        for i, frame in enumerate(frames):
+            tier.put(key(i), frame)
+        offsets = [reader.look_up([key(i)])[0].offset for i in range(4)]
+        stride = offsets[1] - offsets[0]
+        assert stride and [b - a for a, b in zip(offsets, offsets[1:])] == [stride] * 3
+        up = reader.spaced_arrays(offsets[0], stride, 4, np.uint8, (256,))
+        down = reader.spaced_arrays(offsets[3], -stride, 4, np.uint8, (256,))
+        assert [bytes(a) for a in up] == frames and [bytes(a) for a in down] == frames[::-1]
+        assert bytes(reader.spaced_arrays(offsets[2], 0, 1, np.uint8, (16, 16))[0].reshape(-1)) == frames[2]
+        assert not up.flags.writeable
+        size = len(reader.mapping())
+        for start, step, count in ((offsets[0], -stride, 2 + offsets[0] // stride), (size - 128, stride, 1),
+                                   (-1, stride, 1), (offsets[0], stride, 0)):
+            with pytest.raises(InvalidInput):
+                reader.spaced_arrays(start, step, count, np.uint8, (256,))
+        assert reader.heads(offsets[:2], 8) == [frames[0][:8], frames[1][:8]]
+        assert len(reader.heads([size - 4], 8)[0]) == 4  # cut short where the arena ends
+        for bad in ([-1], [size]):
+            with pytest.raises(InvalidInput):
+                reader.heads(bad, 8)
+    finally:
+        reader.close()
