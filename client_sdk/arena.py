@@ -23,6 +23,7 @@ import torch
 from client_sdk._common import (VERIFIED_VIEW, BlockFill, BlockSink, BlockWriter, ClientStats, give_frame, kv_bytes,
                                 verified_header)
 from client_sdk.arena_memory import AccessLog, HandleCache, VerifiedSlots
+from client_sdk.arena_runs import BATCH_MIN, TrustedRuns
 from client_sdk.slot_pool import SlotPool
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
@@ -37,9 +38,8 @@ __all__ = ["Arena", "HandleCache", "AccessLog", "VerifiedSlots"]  # the last thr
 def _indexed(key_hex: str, hit: IndexHit) -> dict:
     """A block the shared key index found, in the form the server's handles answers take (no
     checksum: the frame's own header is checked instead, under the slot's seqlock)."""
-    h = hit.handle
     return {"key": key_hex, "checksum": None, "verified": hit.verified,
-            "handle": {"index": h.index, "offset": h.offset, "length": h.length, "gen": h.gen}}
+            "handle": {"index": hit.index, "offset": hit.offset, "length": hit.length, "gen": hit.gen}}
 
 
 class _Mappings:
@@ -107,6 +107,8 @@ class Arena:
         """The last layout ``trusted_payload`` took as a raw frame of a shape and dtype, with its
         layout bytes: a frame whose layout bytes equal them passes the same checks."""
         self._prefixes: dict[str, bytes] = {}
+        self.runs = TrustedRuns(self.reader)
+        """A get's blocks checked and copied together (``client_sdk.arena_runs``)."""
         self._idle: list[dict] = []
         self.leases: list[dict] = []
         """Every staging lease this client holds; each put uses one no other put is using."""
@@ -144,6 +146,9 @@ class Arena:
         tenant put under it is never taken for this namespace's block (the server's own reads
         check the entry's namespace the same way). Its metadata is read under the slot's seqlock."""
         hits = self.reader.look_up(keys)
+        if len(hits) >= BATCH_MIN:
+            return self.runs.names_checked(hits, self._prefix(namespace),
+                                           lambda h: self._meta_names(self.reader.frame_view(h), namespace))
         for i, hit in enumerate(hits):
             if hit is not None and not (self._meta_names(self.reader.frame_view(hit.handle), namespace)
                                         and self.reader.current(hit.handle)):
@@ -223,7 +228,15 @@ class Arena:
         later: list[int] = []
         block_shape = (*out.shape[:3], bt, out.shape[4])
         ints = int_view(out) if dst is None else dst
+        done: set[int] = set()
+        if len(blocks) >= BATCH_MIN:  # what the batch decides, the loop below skips
+            done, fresh, again = self.runs.fill(blocks, ints, bt, out.dtype)
+            if stats is not None:
+                stats.shm_frames_trusted += fresh
+                stats.shm_frames_copied += again
         for i, b in enumerate(blocks):
+            if i in done:
+                continue
             got = self._fill_one(b, i, out, ints, bt, block_shape, stats, defer=True)
             if got is None:
                 later.append(i)
@@ -433,17 +446,20 @@ class Arena:
         """Whether the metadata of a frame the server indexed (read as it lies, the caller checks
         the slot's generation after) names ``namespace``: by its first bytes where that is sure
         (``keys.surely_names``), else parsed as the server parsed it (``json.loads``)."""
-        prefix = self._prefixes.get(namespace)
-        if prefix is None:
-            prefix = self._prefixes[namespace] = meta_prefix(namespace)
         meta = codec_mod.trusted_meta(frame)
-        if surely_names(meta, prefix):
+        if surely_names(meta, self._prefix(namespace)):
             return True
         try:
             parsed = json.loads(meta)
         except ValueError:  # torn or damaged: the caller's seqlock check or a full read says which
             return False
         return isinstance(parsed, dict) and parsed.get("ns") == namespace
+
+    def _prefix(self, namespace: str) -> bytes:
+        prefix = self._prefixes.get(namespace)
+        if prefix is None:
+            prefix = self._prefixes[namespace] = meta_prefix(namespace)
+        return prefix
 
     def holds(self, block: dict) -> bool:
         """Whether a remembered block's slot still holds the generation the server named: the

@@ -1,0 +1,106 @@
+"""A co-located first get's blocks checked and copied together (``client_sdk.arena_runs``): runs
+of equally spaced slots whichever way they lie, runs broken by other blocks, two metadata
+layouts in one get, and slots that change under the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client_sdk import KVClient
+from client_sdk.arena_runs import TrustedRuns
+from kvstore import KVStore
+from kvstore.keys import block_hashes
+from kvstore.memory.shm import ShmReader
+from tests.conftest import make_kv
+from tests.client_sdk.test_reserved_put import _requests_by_route
+from tiers.memory import MemoryTier
+from tiers.shm import ShmTier
+
+BLOCKS = 20  # depths 0-19: a block's metadata grows a digit at 10, so two layouts in one get
+
+
+@pytest.fixture
+def verified_server(serve_app):
+    """A server whose verifier runs (every frame it stores is vouched for, then trusted)."""
+    return serve_app(KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], scrub_bytes_per_s=0))
+
+
+@pytest.fixture
+def runs(monkeypatch) -> list[tuple[int, int]]:
+    """Each ``(count, stride)`` the batch copied in one go, recorded as it reads."""
+    seen: list[tuple[int, int]] = []
+    real = ShmReader.spaced_arrays
+
+    def spy(self, start, stride, count, dtype, shape):
+        seen.append((count, stride))
+        return real(self, start, stride, count, dtype, shape)
+    monkeypatch.setattr(ShmReader, "spaced_arrays", spy)
+    return seen
+
+
+def _first_get(url: str, spec, tokens: list[int]) -> tuple[torch.Tensor, int, KVClient]:
+    with KVClient(url, plan=False) as reader:  # a fresh client: it remembers no slot
+        assert reader.lookup(spec, list(range(1 << 20, (1 << 20) + 16))) == 0  # maps the arena
+        before = _requests_by_route(url)
+        got, n = reader.get_kv(spec, tokens)
+        assert _requests_by_route(url) == before  # found in the arena's key index: no request
+        return got, n, reader
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_first_get_copies_each_run_of_blocks_to_its_place(verified_server, spec, runs, colocated):
+    """HTTP puts take their slots upwards, a co-located writer's pool downwards: either way a
+    get's blocks lie equally spaced, and are copied as one run, each block to its own tokens."""
+    tokens = list(range(BLOCKS * 16))
+    kv = make_kv(spec, len(tokens))
+    with KVClient(verified_server.url, plan=False, colocated=colocated) as writer:
+        assert writer.put_kv(spec, tokens, kv) == len(tokens)
+    assert verified_server.store.scrubber.caught_up(10.0)
+    runs.clear()
+    got, n, reader = _first_get(verified_server.url, spec, tokens)
+    assert n == len(tokens) and torch.equal(got, kv)
+    assert reader.stats.shm_frames_trusted == BLOCKS and reader.stats.shm_frames_verified == 0
+    assert sum(count for count, _ in runs) == BLOCKS and max(count for count, _ in runs) > 1
+    assert all((stride < 0) == colocated for count, stride in runs if count > 1)
+
+
+def test_blocks_that_other_blocks_lie_between_are_copied_each_to_its_place(verified_server, spec, runs):
+    """A sequence put in two parts with another's blocks put between them: its slots are not
+    equally spaced across the gap, so the get copies two runs (or more), never one across it."""
+    tokens = list(range(BLOCKS * 16))
+    kv = make_kv(spec, len(tokens))
+    with KVClient(verified_server.url, plan=False, colocated=False) as writer:
+        assert writer.put_kv(spec, tokens[:64], kv[:, :, :, :64]) == 64
+        assert writer.put_kv(spec, list(range(90_000, 90_048)), make_kv(spec, 48, seed=1)) == 48
+        assert writer.put_kv(spec, tokens, kv) == len(tokens)
+    assert verified_server.store.scrubber.caught_up(10.0)
+    runs.clear()
+    got, n, _ = _first_get(verified_server.url, spec, tokens)
+    assert n == len(tokens) and torch.equal(got, kv)
+    assert len(runs) >= 2 and sum(count for count, _ in runs) == BLOCKS
+
+
+@pytest.mark.parametrize("when", ["before its copy", "after its copy"])
+def test_a_block_deleted_under_the_batch_is_not_served(verified_server, spec, monkeypatch, when):
+    """The batch reads a slot's bytes between two looks at its generation: a block deleted in
+    between (its range may be reused) ends the prefix there, whether its bytes were copied yet."""
+    tokens = list(range(BLOCKS * 16))
+    kv = make_kv(spec, len(tokens))
+    keys = block_hashes(spec, tokens)
+    with KVClient(verified_server.url, plan=False, colocated=False) as writer:
+        assert writer.put_kv(spec, tokens, kv) == len(tokens)
+    assert verified_server.store.scrubber.caught_up(10.0)
+    real = TrustedRuns._copy_runs
+
+    def delete_one(self, took, starts, ints, bt, shape):
+        if when == "before its copy":
+            verified_server.store.delete_blocks([keys[5]])
+        done = real(self, took, starts, ints, bt, shape)
+        if when == "after its copy":
+            verified_server.store.delete_blocks([keys[5]])
+        return done
+    monkeypatch.setattr(TrustedRuns, "_copy_runs", delete_one)
+    with KVClient(verified_server.url, plan=False) as reader:
+        got, n = reader.get_kv(spec, tokens)
+    assert n == 5 * 16 and torch.equal(got, kv[:, :, :, :n])
