@@ -208,15 +208,15 @@ class Arena:
                           stats: ClientStats | None = None, dst: np.ndarray | None = None) -> list[int]:
         """Copy each block with a handle straight out of the arena into its slice of ``out``.
 
-        A handle's first read verifies the whole frame (header and body
-        checksum, under a read lease) and remembers a view of its payload.
-        Later reads of the same handle copy that view under the seqlock and
-        hash nothing: a generation is never reused, so an unchanged one means
-        the same bytes that verified. The server verified or encoded every
-        frame it put in the arena, so this read-once check guards the client
-        against a wrong handle, a tier mix-up or a frame damaged in the arena
-        before it first read it, without paying the hash (about 40% of a
-        32 MiB get here) on every get.
+        A slot the server verified at the handle's generation (its verified word) is read by its
+        header, with no body hash: from two blocks up together (``TrustedRuns.fill``: one copy a
+        run of equally spaced slots), else one at a time (``trusted_payload``). Any other slot's
+        first read here verifies the whole frame (header and body checksum, under a read lease).
+        Either way a view of its payload is remembered: later reads of the same handle copy it
+        under the seqlock and hash nothing, since a generation is never reused, so an unchanged
+        one means the same bytes that verified. This guards the client against a wrong handle, a
+        tier mix-up or a frame damaged in the arena before it was first verified, without paying
+        the hash (about 40% of a 32 MiB get here) on every get.
 
         Args:
             dst: ``out`` as same-size ints in numpy, when the caller has it at hand.

@@ -81,6 +81,8 @@ class TrustedRuns:
             The positions filled, how many of them were read here for the first time, and how
             many were read before (had a view).
         """
+        if not ints.flags.c_contiguous:
+            return set(), 0, 0  # a run's copy needs ``ints`` by block, a view: the per-block path copies
         reader = self.reader
         verified = reader.holds_verified
         todo = []
@@ -103,6 +105,7 @@ class TrustedRuns:
             if suit == 0:
                 header = self._suited(layout, h, block_shape, dtype)
                 suit = suits[layout] = None if header is None else (header.frame_len, header.payload_offset)
+            # a slot of another length than its layout's frame holds something else: the per-block path says what
             if suit is not None and h["length"] == suit[0]:
                 took.append((i, h))
                 starts.append(h["offset"] + suit[1])
@@ -133,10 +136,8 @@ class TrustedRuns:
             Each run: its first place in ``took``, its length, and its payloads' arrays.
         """
         runs: list[tuple[int, int, np.ndarray]] = []
-        if not ints.flags.c_contiguous:
-            return runs  # reshaped, it would be a copy: the per-block path copies into it
         L, kv, heads, _, dim = ints.shape
-        by_block = ints.reshape(L, kv, heads, -1, bt, dim)  # a view: ``ints`` is contiguous
+        by_block = ints.reshape(L, kv, heads, -1, bt, dim, copy=False)  # raises rather than copy
         s = 0
         for j in range(1, len(took) + 1):
             if j < len(took) and took[j][0] == took[j - 1][0] + 1 and (

@@ -429,10 +429,11 @@ class ShmReader:
         a run of equally spaced frames, copied out in one ``np.copyto`` instead of one a frame.
 
         The bytes belong to the owner, as ``frame_array``'s do: copy them only under the seqlock
-        (``holding`` of every slot before and after).
+        (``holds`` of every slot before and after).
 
         Raises:
-            InvalidInput: a count under one, or an array outside the arena.
+            InvalidInput: a count under one, a stride that is not a whole number of items, or an
+                array outside the arena.
         """
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize

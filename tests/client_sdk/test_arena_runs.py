@@ -104,3 +104,53 @@ def test_a_block_deleted_under_the_batch_is_not_served(verified_server, spec, mo
     with KVClient(verified_server.url, plan=False) as reader:
         got, n = reader.get_kv(spec, tokens)
     assert n == 5 * 16 and torch.equal(got, kv[:, :, :, :n])
+
+
+def test_a_hit_whose_slot_changes_while_its_metadata_is_read_is_a_miss(verified_server, spec, monkeypatch):
+    """The namespace check reads the hits' frames after the index look-up; a block deleted in
+    between (its range free for another frame) is a miss, not an answer from stale bytes."""
+    tokens = list(range(4 * 16))
+    keys = block_hashes(spec, tokens)
+    with KVClient(verified_server.url, plan=False) as writer:
+        assert writer.put_kv(spec, tokens, make_kv(spec, len(tokens))) == len(tokens)
+    real = ShmReader.heads
+
+    def heads_then_delete(self, offsets, length):
+        got = real(self, offsets, length)
+        verified_server.store.delete_blocks([keys[2]])
+        return got
+    with KVClient(verified_server.url, plan=False) as reader:
+        assert reader.lookup(spec, list(range(1 << 20, (1 << 20) + 16))) == 0  # maps the arena
+        monkeypatch.setattr(ShmReader, "heads", heads_then_delete)
+        assert reader.blocks_exist(keys, ask_server=False) == [True, True, False, True]
+
+
+def test_metadata_that_names_another_namespace_past_the_bytes_read_is_not_this_ones(serve_app):
+    """Beta puts frames under acme's sequence keys whose metadata starts as acme's and names beta
+    again 300 bytes on, past the bytes the batch reads of each frame (``json.loads``, and the
+    server, take the last): acme's get and existence check must not take them for its own."""
+    import json
+
+    from kvstore import codec
+    from kvstore.keys import block_meta, meta_prefix
+    from tests.conftest import make_spec
+    from tests.server.conftest import ACME, BETA, TOKENS
+
+    store = KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], scrub_bytes_per_s=0)
+    srv = serve_app(store, tokens=json.dumps(TOKENS))
+    spec = make_spec()
+    tokens = list(range(4 * 16))
+    ks = block_hashes(spec, tokens, "acme")
+    metas = [block_meta("acme", spec.fingerprint(), d)[:-1] + b',"pad":"' + b"x" * 300 + b'","ns":"beta"}'
+             for d in range(4)]
+    assert all(json.loads(m)["ns"] == "beta" and m.startswith(meta_prefix("acme")) for m in metas)
+    frames = [codec.encode(make_kv(spec, 16, seed=d), meta=m) for d, m in enumerate(metas)]
+    with KVClient(srv.url, token=BETA, namespace="beta", colocated=False) as beta:
+        def write(i, view):
+            view[:len(frames[i])] = frames[i]
+            return len(frames[i])
+        assert beta.put_blocks_with(ks, [len(f) for f in frames], write) == 4
+    assert store.scrubber.caught_up(10.0)
+    with KVClient(srv.url, token=ACME, namespace="acme", plan=False) as acme:
+        assert acme.get_kv(spec, tokens)[1] == 0
+        assert acme.blocks_exist(ks, ask_server=False) == [False] * 4

@@ -300,7 +300,7 @@ def test_spaced_arrays_read_frames_either_way_and_refuse_the_arenas_outside(make
             tier.put(key(i), frame)
         offsets = [reader.look_up([key(i)])[0].offset for i in range(4)]
         stride = offsets[1] - offsets[0]
-        assert stride and [b - a for a, b in zip(offsets, offsets[1:])] == [stride] * 3
+        assert stride > 0 and [b - a for a, b in zip(offsets, offsets[1:])] == [stride] * 3
         up = reader.spaced_arrays(offsets[0], stride, 4, np.uint8, (256,))
         down = reader.spaced_arrays(offsets[3], -stride, 4, np.uint8, (256,))
         assert [bytes(a) for a in up] == frames and [bytes(a) for a in down] == frames[::-1]
