@@ -137,7 +137,9 @@ class TrustedRuns:
         """
         runs: list[tuple[int, int, np.ndarray]] = []
         L, kv, heads, _, dim = ints.shape
-        by_block = ints.reshape(L, kv, heads, -1, bt, dim, copy=False)  # raises rather than copy
+        by_block = ints.reshape(L, kv, heads, -1, bt, dim)  # a view: ``ints`` is contiguous (``fill``)
+        if by_block.flags.owndata:
+            return runs  # a copy after all: what is copied into it would be lost
         s = 0
         for j in range(1, len(took) + 1):
             if j < len(took) and took[j][0] == took[j - 1][0] + 1 and (
