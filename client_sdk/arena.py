@@ -145,15 +145,8 @@ class Arena:
         only a key: anyone can compute it, and a put by key may name any key, so a frame another
         tenant put under it is never taken for this namespace's block (the server's own reads
         check the entry's namespace the same way). Its metadata is read under the slot's seqlock."""
-        hits = self.reader.look_up(keys)
-        if len(hits) >= BATCH_MIN:
-            return self.runs.names_checked(hits, self._prefix(namespace),
-                                           lambda h: self._meta_names(self.reader.frame_view(h), namespace))
-        for i, hit in enumerate(hits):
-            if hit is not None and not (self._meta_names(self.reader.frame_view(hit.handle), namespace)
-                                        and self.reader.current(hit.handle)):
-                hits[i] = None
-        return hits
+        return self.runs.names_checked(self.reader.look_up(keys), self._prefix(namespace),
+                                       lambda h: self._meta_names(self.reader.frame_view(h), namespace))
 
     def blocks_by_key(self, hexes: Sequence[str], keys: Sequence[bytes], namespace: str) -> list[dict | None]:
         """The slot of each key in this arena as far as this client can tell with no request (a

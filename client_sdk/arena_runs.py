@@ -31,7 +31,8 @@ from kvstore.memory.shm import IndexHit, ShmReader, SlotHandle
 __all__ = ["BATCH_MIN", "TrustedRuns"]
 
 BATCH_MIN = 2
-"""From this many blocks a get takes this path (one block gains nothing from it)."""
+"""From this many blocks a get copies this way (one block gains nothing from it); a look-up's
+namespace check always runs here."""
 META_WINDOW = 320
 """A frame's first bytes read for its metadata: a KV frame's header is 128 bytes and a block's
 metadata about 100; a frame whose metadata ends past them is checked on its own."""
@@ -49,16 +50,15 @@ class TrustedRuns:
 
     def names_checked(self, hits: list[IndexHit | None], prefix: bytes,
                       names: Callable[[SlotHandle], bool]) -> list[IndexHit | None]:
-        """``hits`` with None for every frame whose metadata does not name the namespace of
-        ``prefix`` (``keys.meta_prefix``), or whose slot changed meanwhile. Sure answers come from
-        the metadata's bytes (``keys.surely_names``); ``names(handle)`` decides the rest (the
-        metadata parsed, as the server parses it)."""
+        """``hits`` (a look-up's, changed in place) with None for every frame whose metadata does
+        not name the namespace of ``prefix`` (``keys.meta_prefix``), or whose slot changed
+        meanwhile. Sure answers come from the metadata's bytes (``keys.surely_names``);
+        ``names(handle)`` decides the rest (the metadata parsed, as the server parses it)."""
         at = [i for i, hit in enumerate(hits) if hit is not None]
         if not at:
             return hits
         found: list[IndexHit] = [hits[i] for i in at]  # type: ignore[misc]
         heads = self.reader.heads([h.offset for h in found], META_WINDOW)
-        out = list(hits)
         meta_span, holds = codec_mod.meta_span, self.reader.holds
         for i, h, head in zip(at, found, heads):
             ok = False
@@ -67,8 +67,8 @@ class TrustedRuns:
                 end = start + length
                 ok = end <= len(head) and end <= h.length and surely_names(head[start:end], prefix)
             if not ((ok or names(h.handle)) and holds(h.index, h.gen)):
-                out[i] = None  # another namespace's, or changed while it was read
-        return out
+                hits[i] = None  # another namespace's, or changed while it was read
+        return hits
 
     def fill(self, blocks: Sequence[dict], ints: np.ndarray, bt: int, dtype: torch.dtype) -> tuple[set[int], int, int]:
         """Copy every block of ``blocks`` (a get's, in order: block ``i`` fills tokens
@@ -115,16 +115,15 @@ class TrustedRuns:
         done: set[int] = set()
         fresh = again = 0
         for first, count, arrays in runs:
-            for m in range(count):
-                h = took[first + m][1]
+            for (i, h), array in zip(took[first:first + count], arrays):
                 if reader.holds(h["index"], h["gen"]):
-                    b = blocks[took[first + m][0]]
+                    b = blocks[i]
                     if VERIFIED_VIEW in b:
                         again += 1
                     else:
                         fresh += 1
-                    b[VERIFIED_VIEW] = arrays[m]
-                    done.add(took[first + m][0])
+                    b[VERIFIED_VIEW] = array
+                    done.add(i)
         return done, fresh, again
 
     def _copy_runs(self, took: list[tuple[int, dict]], starts: list[int], ints: np.ndarray, bt: int,
