@@ -6,7 +6,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore import codec
+from kvstore import codec, frame, int8
 from kvstore.codec import Codec, decode, encode, encode_into, frame_meta, frame_size, read_header, verify
 from kvstore.errors import CorruptFrame, FrameError, InvalidInput, InvalidKV, UnsupportedFrame
 
@@ -153,11 +153,11 @@ def test_scratch_buffers_are_reused():
     out = torch.empty_like(x)
     n = encode_into(x, buf, "int8")
     decode(memoryview(buf)[:n], out=out)
-    ptr = codec._WORK.get(0).data_ptr()
+    ptr = int8._WORK.get(0).data_ptr()
     for _ in range(3):
         n = encode_into(x, buf, "int8")
         decode(memoryview(buf)[:n], out=out)
-    assert codec._WORK.get(0).data_ptr() == ptr  # no fresh scratch per call
+    assert int8._WORK.get(0).data_ptr() == ptr  # no fresh scratch per call
 
 
 # -- damaged frames: always a typed error, never data ------------------------------
@@ -254,9 +254,9 @@ def test_lz4_decompression_bomb_is_refused():
 def forge(codec_id, dtype_id, shape, *, flags=0, layout=0, sid=0, scales=b"", payload=b"", raw_len=None):
     """A frame built by hand with valid checksums, as a hostile client could."""
     ndim = len(shape)
-    header_len = codec._header_len(ndim)
-    body = scales + bytes(codec._pad(len(scales)) - len(scales)) + payload
-    fixed = codec._FIXED.pack(codec.MAGIC, 1, codec_id, dtype_id, flags, layout, sid, ndim, 0, 0,
+    header_len = frame.header_size(ndim)
+    body = scales + bytes(frame.pad(len(scales)) - len(scales)) + payload
+    fixed = frame._FIXED.pack(codec.MAGIC, 1, codec_id, dtype_id, flags, layout, sid, ndim, 0, 0,
                               len(scales), len(payload), len(payload) if raw_len is None else raw_len,
                               xxhash.xxh3_64_intdigest(body))
     head = fixed + struct.pack(f"<{ndim}Q", *shape)
@@ -315,7 +315,7 @@ def test_kv_with_autograd_history_does_not_poison_the_scratch():
     for c in Codec:
         y = decode(encode(x, c))
         assert not y.requires_grad and rel_err(y, x.detach()) <= 0.01
-    assert not codec._WORK.get(0).requires_grad
+    assert not int8._WORK.get(0).requires_grad
     assert rel_err(decode(encode(kv(), "int8")), kv()) <= 0.01  # the next plain call still works
 
 
