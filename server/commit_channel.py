@@ -177,7 +177,8 @@ class CommitChannel:
                     deadline += (head_len + body_len) / self.min_rate
                 head = recv_exact(conn, head_len, deadline)
                 body = recv_exact(conn, body_len, deadline)
-                self._send(conn, *self._answer(head, body))
+                with self.svc.store.scrubber.answering():  # its frames verified once it has its answer
+                    self._send(conn, *self._answer(head, body))
         except OSError:
             return  # the client went, or stalled past its deadline: its connection goes
         finally:

@@ -168,7 +168,8 @@ class Service:
 
     def _counted_then(self, call: Callable[[], T]) -> T:
         self.tally.flush()
-        return call()
+        with self.store.scrubber.answering():  # the verifier starts on what ``call`` publishes after it
+            return call()
 
     async def run_index(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn``, which reads the index (its own short lock, never a tier's or placement's)

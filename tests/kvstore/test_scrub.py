@@ -10,6 +10,7 @@ log's) with a deadline; nothing sleeps a fixed time.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -105,6 +106,32 @@ def test_a_committed_reserved_frame_is_verified_with_no_read():
         assert stats.scrub["scrubbed_blocks"] == 0 and stats.scrub["cycles"] == 0  # rate 0: no scrub
         got, n = store.get_kv(spec, tokens, NS)
         assert n == 64 and torch.equal(got, kv)
+
+
+def test_a_request_is_answered_before_the_verifier_starts_on_what_it_published():
+    """A publish inside ``answering`` (a request being answered on this thread) wakes the
+    verifier when the outermost block ends, not before; a publish on another thread meanwhile
+    wakes it at once."""
+    spec = make_spec()
+    kv = make_kv(spec, 64)
+    first, held, other = list(range(64)), list(range(100, 164)), list(range(200, 264))
+    with KVStore([ShmTier(8 * MiB)], scrub_bytes_per_s=0) as store:
+        _reserved_put(store, spec, first, kv)
+        assert store.scrubber.caught_up(10.0)  # the verifier is idle, waiting to be woken
+        with store.scrubber.answering():
+            with store.scrubber.answering():  # nested: only the outermost end wakes it
+                _reserved_put(store, spec, held, kv)
+            assert not store.scrubber.caught_up(0.3)
+            assert _verified(store, block_hashes(spec, held, NS)) == [False] * 4
+            putter = threading.Thread(target=_reserved_put, args=(store, spec, other, kv))
+            putter.start()
+            putter.join()
+            assert store.scrubber.caught_up(10.0)  # the other thread's publish woke it: both done
+        assert _verified(store, block_hashes(spec, held, NS) + block_hashes(spec, other, NS)) == [True] * 8
+        _reserved_put(store, spec, list(range(300, 364)), kv)
+        with store.scrubber.answering():
+            pass
+        assert store.scrubber.caught_up(10.0)  # held wake-ups do not outlive their block
 
 
 def test_damage_before_verification_is_dropped_and_read_as_a_miss():
