@@ -25,9 +25,9 @@ import xxhash
 from kvstore.errors import CorruptFrame, InvalidInput, InvalidKV
 from kvstore.frame import (FLAG_LZ4, FRAME_DTYPES, HEAD_BYTES, LAYOUT_KIVI, LAYOUT_NONE, LZ4_MAX_BYTES, MAGIC,
                            MAX_META_BYTES, MAX_NDIM, SCALE_ID, VERSION, Codec, FrameHeader, bytes_view, header_like,
-                           header_size, layout_matches, layout_of, layout_prefix, meta_span, pad, read_header, seal,
-                           trusted_meta)
-from kvstore.int8 import dequantize, kv_shape, quantize, quantize_many, scale_counts, scales_sound
+                           header_size, kv_shape, layout_matches, layout_of, layout_prefix, meta_span, pad, read_header,
+                           scale_counts, seal, trusted_meta)
+from kvstore.int8 import dequantize, quantize, quantize_many, scales_sound
 from kvstore.spec import DTYPES
 
 __all__ = [
@@ -205,7 +205,7 @@ def encode_into(
         body_sum = _encode_raw(mv, kv, header_len, payload_off, payload_len)
         layout, sid = LAYOUT_NONE, 0
         return seal(mv, codec, dname, shape, len(meta), flags, layout, sid, scales_len, payload_len, raw_len,
-                     body_sum=body_sum)
+                    body_sum=body_sum)
     else:
         n_k, n_v = scale_counts(kv_shape(shape))
         sdt = DTYPES[scale_dtype]
@@ -274,7 +274,7 @@ def encode_many(kvs: Sequence[torch.Tensor], metas: Sequence[bytes]) -> list[byt
         scales[n_k:].copy_(v_s[i].reshape(-1))
         _view(mv, torch.int8, payload_off, numel).view(shape).copy_(q[i])
         n = seal(mv, Codec.INT8, dname, shape, len(meta), 0, LAYOUT_KIVI, SCALE_ID["float32"], scales_len,
-                  numel, numel)
+                 numel, numel)
         mv.release()
         del out[n:]
         frames.append(out)

@@ -30,13 +30,12 @@ import torch
 import xxhash
 
 from kvstore.errors import CorruptFrame, InvalidInput, InvalidKV, UnsupportedFrame
-from kvstore.int8 import kv_shape, scale_counts
 from kvstore.spec import DTYPES
 
 __all__ = [
     "MAGIC", "VERSION", "ALIGN", "MAX_NDIM", "MAX_META_BYTES", "MAX_ELEMENTS", "LZ4_MAX_BYTES", "FLAG_LZ4",
     "FRAME_DTYPES", "SCALE_ID", "LAYOUT_NONE", "LAYOUT_KIVI", "HEAD_BYTES",
-    "Codec", "FrameHeader", "pad", "header_size", "seal", "read_header", "trusted_meta", "meta_span",
+    "Codec", "FrameHeader", "pad", "header_size", "scale_counts", "kv_shape", "seal", "read_header", "trusted_meta", "meta_span",
     "layout_of", "layout_prefix", "layout_matches", "header_like", "bytes_view",
 ]
 
@@ -53,7 +52,7 @@ _U32 = struct.Struct("<I")
 FLAG_LZ4 = 0x01
 
 # lz4 cannot expand more than ~255x; a header claiming more is a decompression bomb.
-LZ4_MAX_RATIO = 256
+_LZ4_MAX_RATIO = 256
 # python-lz4's block API takes at most this many bytes in or out.
 LZ4_MAX_BYTES = 0x7E000000
 
@@ -92,6 +91,25 @@ def pad(n: int) -> int:
 def header_size(ndim: int) -> int:
     """The length of the header of a frame of ``ndim`` dims."""
     return pad(_FIXED.size + 8 * ndim + 8)
+
+
+def scale_counts(shape: tuple[int, ...]) -> tuple[int, int]:
+    """How many K scales and V scales a KV of ``shape`` (``[L, 2, H, T, D]``) has."""
+    layers, _, heads, tokens, dim = shape
+    return layers * heads * dim, layers * heads * tokens
+
+
+def kv_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` when int8 can hold a KV of it (a non-empty ``[L, 2, H, T, D]``).
+
+    Raises:
+        InvalidKV: any other shape.
+    """
+    if len(shape) != 5 or shape[1] != 2 or 0 in shape:
+        raise InvalidKV(
+            f"int8 codec needs a non-empty KV tensor [num_layers, 2, num_kv_heads, num_tokens, head_dim], got {list(shape)}"
+        )
+    return shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +233,7 @@ def read_header(frame: Any, *, prefix: bool = False) -> FrameHeader:
         except InvalidKV as exc:
             raise CorruptFrame(f"int8 frame with a non-KV shape {list(shape)}") from exc
         ok = (scales_len == (n_k + n_v) * DTYPES[scale_dtype].itemsize and raw_len == numel
-              and (payload_len < raw_len <= min(payload_len * LZ4_MAX_RATIO, LZ4_MAX_BYTES)
+              and (payload_len < raw_len <= min(payload_len * _LZ4_MAX_RATIO, LZ4_MAX_BYTES)
                    if lz4 else payload_len == raw_len))
     if not ok:
         raise CorruptFrame(f"frame lengths do not match its shape {list(shape)} and codec {codec.value}")
@@ -302,6 +320,11 @@ def header_like(frame: Any, ref: FrameHeader, ref_layout: bytes) -> FrameHeader 
 
 
 def bytes_view(frame: Any) -> memoryview:
+    """``frame`` as a flat byte view (no copy).
+
+    Raises:
+        CorruptFrame: ``frame`` is not a contiguous bytes-like object (or a released view).
+    """
     try:
         mv = memoryview(frame)
         if not mv.c_contiguous:

@@ -16,8 +16,7 @@ import torch
 from kvstore.errors import InvalidKV
 from kvstore.memory.buffers import Scratch
 
-__all__ = ["MAX_SCALE", "MIN_SCALE", "kv_shape", "scale_counts", "quantize", "quantize_many", "dequantize",
-           "scales_sound", "raise_bad_scales"]
+__all__ = ["MAX_SCALE", "MIN_SCALE", "quantize", "quantize_many", "dequantize", "scales_sound", "raise_bad_scales"]
 
 # float32 scratch elements per chunk (1 MiB): the K or V of one layer of a 32 MiB
 # block. It fits a core's L2 across the passes over it, and keeps the Python
@@ -27,26 +26,7 @@ _CHUNK_ELEMS = 1 << 18
 # finite]: the reciprocal used to quantize stays finite and decode cannot overflow.
 MIN_SCALE = torch.finfo(torch.float32).tiny
 MAX_SCALE = torch.finfo(torch.float32).max / 128
-MIN_SCALE_F16 = torch.finfo(torch.float16).tiny  # float16 scales below this lose precision
-
-
-def scale_counts(shape: tuple[int, ...]) -> tuple[int, int]:
-    """How many K scales and V scales a KV of ``shape`` (``[L, 2, H, T, D]``) has."""
-    layers, _, heads, tokens, dim = shape
-    return layers * heads * dim, layers * heads * tokens
-
-
-def kv_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``shape`` when int8 can hold a KV of it (a non-empty ``[L, 2, H, T, D]``).
-
-    Raises:
-        InvalidKV: any other shape.
-    """
-    if len(shape) != 5 or shape[1] != 2 or 0 in shape:
-        raise InvalidKV(
-            f"int8 codec needs a non-empty KV tensor [num_layers, 2, num_kv_heads, num_tokens, head_dim], got {list(shape)}"
-        )
-    return shape
+_MIN_SCALE_F16 = torch.finfo(torch.float16).tiny  # float16 scales below this lose precision
 
 
 def _float32(n: int) -> torch.Tensor:
@@ -103,7 +83,7 @@ def quantize(kv: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, n_k: int) 
             torch.div(hi, 127.0, out=lo).clamp_min_(MIN_SCALE)
             dest.copy_(lo)
             if not exact:  # quantize with the rounded float16 scale the decoder will see
-                if bool((lo < MIN_SCALE_F16).logical_and_(hi > 0).any()):
+                if bool((lo < _MIN_SCALE_F16).logical_and_(hi > 0).any()):
                     raise InvalidKV("int8 codec: values too small for float16 scales; use scale_dtype='float32'")
                 lo.copy_(dest)
             buf.mul_(lo.reciprocal_()).round_()

@@ -72,8 +72,8 @@ def test_the_pickle_peer_loads_weights_only():
 
 LAYERS = {
     # layer: (module prefixes, the layers it may import besides its own)
-    "foundation": (("kvstore._version", "kvstore.errors", "kvstore.spec", "kvstore.keys", "kvstore.codec", "kvstore.frame", "kvstore.int8",
-                    "kvstore.tier", "kvstore.config", "kvstore.policy", "kvstore.costs", "kvstore.decisions",
+    "foundation": (("kvstore._version", "kvstore.errors", "kvstore.spec", "kvstore.keys", "kvstore.codec",
+                    "kvstore.frame", "kvstore.int8", "kvstore.tier", "kvstore.config", "kvstore.policy", "kvstore.costs", "kvstore.decisions",
                     "kvstore.planner", "kvstore.memory",
                     "kvstore.wire"), ()),
     "tiers": (("tiers",), ("foundation",)),

@@ -1,8 +1,8 @@
 """lm:// GET hashes a chunk's body once per publish of its arena slot ("Verified once", docs/design.md).
 
 A real store and listener, driven over raw sockets as in ``test_lmcache_listener.py``.
-The body hashes are counted by wrapping the hash function ``kvstore.codec`` calls: the
-wrapper only counts, every hash is still made.
+The body hashes are counted by wrapping the hash function ``kvstore.codec`` and
+``kvstore.frame`` (which seals a frame) call: the wrapper only counts, every hash is still made.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import xxhash
 
 from kvstore import KVStore
 from kvstore import codec as codec_mod
+from kvstore import frame as frame_mod
 from kvstore.keys import named_key
 from tests.server import lmwire as lm
 from tests.server.conftest import ADMIN, TOKENS
@@ -43,7 +44,7 @@ def srv(serve_app):
 
 @pytest.fixture
 def body_hashes(monkeypatch) -> list[int]:
-    """The lengths of the chunk-sized hashes kvstore.codec makes from now on."""
+    """The lengths of the chunk-sized hashes kvstore.codec and kvstore.frame make from now on."""
     made: list[int] = []
     real = xxhash.xxh3_64_intdigest
 
@@ -52,7 +53,9 @@ def body_hashes(monkeypatch) -> list[int]:
             made.append(memoryview(data).nbytes)
         return real(data, *args, **kwargs)
 
-    monkeypatch.setattr(codec_mod, "xxhash", SimpleNamespace(**{**vars(xxhash), "xxh3_64_intdigest": counting}))
+    counted = SimpleNamespace(**{**vars(xxhash), "xxh3_64_intdigest": counting})
+    monkeypatch.setattr(codec_mod, "xxhash", counted)
+    monkeypatch.setattr(frame_mod, "xxhash", counted)
     return made
 
 
