@@ -110,28 +110,48 @@ def test_a_committed_reserved_frame_is_verified_with_no_read():
 
 def test_a_request_is_answered_before_the_verifier_starts_on_what_it_published():
     """A publish inside ``answering`` (a request being answered on this thread) wakes the
-    verifier when the outermost block ends, not before; a publish on another thread meanwhile
-    wakes it at once."""
+    verifier when the outermost block ends, not before, even when the block raises."""
     spec = make_spec()
     kv = make_kv(spec, 64)
-    first, held, other = list(range(64)), list(range(100, 164)), list(range(200, 264))
     with KVStore([ShmTier(8 * MiB)], scrub_bytes_per_s=0) as store:
-        _reserved_put(store, spec, first, kv)
+        _reserved_put(store, spec, list(range(64)), kv)
         assert store.scrubber.caught_up(10.0)  # the verifier is idle, waiting to be woken
+        held = list(range(100, 164))
         with store.scrubber.answering():
             with store.scrubber.answering():  # nested: only the outermost end wakes it
                 _reserved_put(store, spec, held, kv)
             assert not store.scrubber.caught_up(0.3)
             assert _verified(store, block_hashes(spec, held, NS)) == [False] * 4
+        assert store.scrubber.caught_up(10.0)  # the block's end woke it, with nothing else published
+        assert _verified(store, block_hashes(spec, held, NS)) == [True] * 4
+        failed = list(range(200, 264))
+        with pytest.raises(RuntimeError), store.scrubber.answering():
+            _reserved_put(store, spec, failed, kv)
+            raise RuntimeError("the request failed after its publish")
+        assert store.scrubber.caught_up(10.0)
+        assert _verified(store, block_hashes(spec, failed, NS)) == [True] * 4
+
+
+def test_a_publish_elsewhere_or_past_a_quarter_of_the_ring_wakes_the_verifier():
+    """Only this thread's publishes wait for its block; one block's publishes past a quarter of
+    the event ring wake the verifier anyway (else they would fall off the ring, unverified)."""
+    spec = make_spec()
+    kv = make_kv(spec, 64)
+    with KVStore([ShmTier(8 * MiB)], scrub_bytes_per_s=0, event_capacity=16) as store:
+        _reserved_put(store, spec, list(range(64)), kv)
+        assert store.scrubber.caught_up(10.0)
+        with store.scrubber.answering():
+            other = list(range(100, 164))
             putter = threading.Thread(target=_reserved_put, args=(store, spec, other, kv))
             putter.start()
             putter.join()
-            assert store.scrubber.caught_up(10.0)  # the other thread's publish woke it: both done
-        assert _verified(store, block_hashes(spec, held, NS) + block_hashes(spec, other, NS)) == [True] * 8
-        _reserved_put(store, spec, list(range(300, 364)), kv)
-        with store.scrubber.answering():
-            pass
-        assert store.scrubber.caught_up(10.0)  # held wake-ups do not outlive their block
+            assert store.scrubber.caught_up(10.0)  # another thread's publish woke it at once
+            assert _verified(store, block_hashes(spec, other, NS)) == [True] * 4
+            many = list(range(200, 264))  # 4 blocks: 4 events, the ring's quarter
+            _reserved_put(store, spec, many, kv)
+            assert store.scrubber.caught_up(10.0)  # the fourth publish woke it, inside the block
+        assert _verified(store, block_hashes(spec, many, NS)) == [True] * 4
+        assert store.stats().scrub["publishes_missed"] == 0
 
 
 def test_damage_before_verification_is_dropped_and_read_as_a_miss():
