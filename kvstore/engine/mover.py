@@ -278,7 +278,7 @@ class Mover:
     def _encode_ahead(self, orders: list[MoveOrder], budget: float) -> dict[bytes, "_Ahead"]:
         """int8 frames for the demotions among ``orders`` (within ``budget`` bytes) that take a small
         raw block into an int8 tier, quantized in batches of one shape and dtype
-        (``codec.encode_many``): one at a time, a 64 KiB block is mostly per-op overhead (a third
+        (``codec.encode_many``): one at a time, a 64 KiB block is mostly per-op overhead (a fifth
         of the speed), and a full store's demotions were most of the mover's time. A block left
         out (alone of its shape, unreadable, damaged, or in a batch int8 cannot hold) is moved
         alone, as ``execute`` does, which finds out which and drops a damaged frame."""

@@ -248,7 +248,7 @@ AHEAD_BLOCKS = 64
 class Int8Ahead:
     """int8 frames of a chain's small blocks, quantized together (``codec.encode_many``) the first
     time one of them is wanted, then handed out block by block: one at a time, a 64 KiB block
-    quantizes at a third of the speed (per-op overhead)."""
+    quantizes at a fifth of the speed (per-op overhead; 0.37 against 1.8 GB/s, stop 48)."""
 
     __slots__ = ("_kv", "_bt", "_n", "_namespace", "_spec_fp", "_frames", "_upto")
 

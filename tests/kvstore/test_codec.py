@@ -409,6 +409,7 @@ def test_encode_many_makes_the_frames_encode_makes_byte_for_byte():
         kvs.append(torch.randn((shape[0], shape[1], shape[3], shape[2], shape[4]), generator=gen).to(dtype)
                    .transpose(2, 3))  # a strided view
         metas = [f"block {i}".encode() * i for i in range(len(kvs))]
+        metas[1:4] = [b"m" * 64, b"m" * 65, b"m" * 129]  # on, past and two past the 64-byte padding
         many = encode_many(kvs, metas)
         assert [bytes(f) for f in many] == [bytes(encode(k, "int8", meta=m)) for k, m in zip(kvs, metas)]
 
