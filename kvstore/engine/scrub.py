@@ -178,12 +178,14 @@ class Scrubber:
         event loop then sends the answer). A block that publishes more than a quarter of the
         event ring wakes it anyway, so its publishes are not lost off the ring's end.
 
-        Why: python-xxhash holds the GIL while it hashes, and the verifier, woken at the publish,
-        took the GIL at each of the request's remaining system calls for a frame's hash (about
-        0.2 ms a 2 MiB block here): a co-located 32 MiB put's commit took 2.3-2.6 ms with it
-        woken at the publish against 1.4-1.7 ms with it woken after the answer. Readers lose
-        little: the verifier starts as the writer gets its answer, and the frames it has not
-        reached yet are hashed by their first reader, as before.
+        Why: woken at the publish, the verifier hashed the request's frames beside the rest of
+        the request, on the other core and through the same cache (python-xxhash lets the GIL go
+        for large buffers, so it is not the GIL): a co-located 32 MiB put's commit took 2.3-2.6
+        ms with it woken at the publish against 1.4-1.7 ms with it woken after the answer. With
+        its hash replaced by a sleep as long (no CPU, no GIL) the commit took 1.5 ms, so the
+        hash's use of the machine is what cost. Readers lose little: the verifier starts as the
+        writer gets its answer, and the frames it has not reached yet are hashed by their first
+        reader, as before.
         """
         local = self._answering
         depth = getattr(local, "depth", 0)
