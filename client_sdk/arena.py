@@ -204,8 +204,8 @@ class Arena:
         A slot the server verified at the handle's generation (its verified word) is read by its
         header, with no body hash: from two blocks up together (``TrustedRuns.fill``: one copy a
         run of equally spaced slots), else one at a time (``trusted_payload``). Any other slot's
-        first read here verifies the whole frame (header and body checksum, under a read lease).
-        Either way a view of its payload is remembered: later reads of the same handle copy it
+        first read here verifies the whole frame: its payload is copied first, and checked after
+        every copy (``_copy_then_check``: vouched for by then, or hashed here). Either way a view of its payload is remembered: later reads of the same handle copy it
         under the seqlock and hash nothing, since a generation is never reused, so an unchanged
         one means the same bytes that verified. This guards the client against a wrong handle, a
         tier mix-up or a frame damaged in the arena before it was first verified, without paying
@@ -235,13 +235,77 @@ class Arena:
                 later.append(i)
             elif not got:
                 missing.append(i)
-        # Slots the server had not verified yet, last to first: its verifier hashes a commit's
-        # frames first to last, so reader and verifier meet in the middle instead of both hashing
-        # every frame in step (a hand-off's first read of 16 blocks just put: 15 hashed by both).
-        for i in reversed(later):
-            if not self._fill_one(blocks[i], i, out, ints, bt, block_shape, stats, defer=False):
-                missing.append(i)
+        if later:
+            missing += self._copy_then_check(blocks, later, out, ints, bt, block_shape, stats)
         return sorted(missing)
+
+    def _copy_then_check(self, blocks: Sequence[dict], later: list[int], out: torch.Tensor, ints: np.ndarray,
+                         bt: int, block_shape: tuple[int, ...], stats: ClientStats | None) -> list[int]:
+        """The blocks ``later`` names, whose slots the server had not verified at the first pass:
+        each raw frame's payload copied first (its header checked, under the seqlock), and every
+        copy then checked, last to first: a slot the server has verified meanwhile is taken as
+        it stands, any other is hashed here, in the arena. The copies run while the server's
+        verifier hashes the same commit's frames first to last, so few are left to hash here (a
+        hand-off's first read of 16 blocks just put hashed about 6 itself when it hashed each
+        before its copy). A frame that fails leaves garbage in its part of ``out``.
+
+        Returns:
+            The block indexes missed (changed meanwhile, or failed a check).
+        """
+        missing: list[int] = []
+        copied: list[tuple[int, SlotHandle, np.ndarray]] = []
+        for i in later:
+            b = blocks[i]
+            h = b["handle"]
+            handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
+            src = self._unchecked_payload(handle, b.get("checksum"), block_shape, out.dtype)
+            if src is None:  # not a raw frame of this shape, or changed: the checked read, as before
+                if not self._fill_one(b, i, out, ints, bt, block_shape, stats, defer=False):
+                    missing.append(i)
+            elif self.reader.copy_current(h["index"], h["gen"], ints[:, :, :, i * bt:(i + 1) * bt], src):
+                copied.append((i, handle, src))
+            else:
+                missing.append(i)
+        for i, handle, src in reversed(copied):
+            if self.reader.verified(handle):
+                counted = "shm_frames_trusted"
+            elif self._body_sound(handle):
+                counted = "shm_frames_verified"
+            else:
+                missing.append(i)
+                continue
+            blocks[i][VERIFIED_VIEW] = src
+            if stats is not None:
+                setattr(stats, counted, getattr(stats, counted) + 1)
+        return missing
+
+    def _unchecked_payload(self, handle: SlotHandle, checksum: int | None, shape: tuple[int, ...],
+                           dtype: torch.dtype) -> np.ndarray | None:
+        """The payload of the raw frame of ``shape`` and ``dtype`` in slot ``handle``, as same-size
+        ints in the arena, its header checked (and its body checksum the one a server's answer
+        named, ``checksum``) but not its body; None when the frame is not such, or changed."""
+        ints = SAME_SIZE_INTS.get(dtype.itemsize, (None, None))[1]
+        if ints is None:
+            return None
+        try:
+            header = codec_mod.read_header(self.reader.frame_view(handle))
+        except FrameError:
+            return None
+        if (header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
+                or codec_mod.DTYPES.get(header.dtype) != dtype
+                or (checksum is not None and header.body_checksum != checksum) or not self.reader.current(handle)):
+            return None
+        return self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
+
+    def _body_sound(self, handle: SlotHandle) -> bool:
+        """Whether slot ``handle``'s frame hashes to its header's body checksum, read as it stands
+        under the seqlock (unchanged after the hash: the bytes copied before under the same
+        generation are these)."""
+        try:
+            codec_mod.verify(self.reader.frame_view(handle))
+        except FrameError:
+            return False
+        return self.reader.current(handle)
 
     def _fill_one(self, b: dict, i: int, out: torch.Tensor, dst: np.ndarray, bt: int,
                   block_shape: tuple[int, ...], stats: ClientStats | None, defer: bool) -> bool | None:
