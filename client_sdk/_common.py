@@ -32,7 +32,8 @@ from kvstore.wire.rest import H_AGENT, H_NAMESPACE, encode_batch_head, encode_kv
 
 __all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor",
            "check_spec", "fill_from_batch", "batch_parts", "frames_of", "give_frame", "verified_header", "BlockSink",
-           "BlockWriter", "BlockFill", "headers_for", "warn_hint", "SHM_DIR", "VERIFIED_VIEW", "KVPutBody"]
+           "BlockWriter", "BlockFill", "headers_for", "warn_hint", "SHM_DIR", "VERIFIED_VIEW", "KVPutBody",
+           "raw_frame_of"]
 
 
 VERIFIED_VIEW = object()
@@ -387,6 +388,13 @@ def give_frame(frame: memoryview, namespace: str, i: int, sink: BlockSink, check
             return False
     sink(i, header, payload)
     return True
+
+
+def raw_frame_of(header: codec_mod.FrameHeader, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether ``header`` is a raw frame (no lz4) of a ``shape`` tensor of ``dtype``: one whose
+    payload a reader copies straight into its result, as same-size ints."""
+    return (header.codec is codec_mod.Codec.RAW and not header.lz4 and header.shape == shape
+            and codec_mod.DTYPES.get(header.dtype) == dtype)
 
 
 def verified_header(frame: memoryview, namespace: str, checksum: int | None, *,

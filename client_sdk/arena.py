@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from client_sdk._common import (VERIFIED_VIEW, BlockFill, BlockSink, BlockWriter, ClientStats, give_frame, kv_bytes,
-                                verified_header)
+                                raw_frame_of, verified_header)
 from client_sdk.arena_memory import AccessLog, HandleCache, VerifiedSlots
 from client_sdk.arena_runs import BATCH_MIN, TrustedRuns
 from client_sdk.slot_pool import SlotPool
@@ -205,9 +205,10 @@ class Arena:
         header, with no body hash: from two blocks up together (``TrustedRuns.fill``: one copy a
         run of equally spaced slots), else one at a time (``trusted_payload``). Any other slot's
         first read here verifies the whole frame: its payload is copied first, and checked after
-        every copy (``_copy_then_check``: vouched for by then, or hashed here). Either way a view of its payload is remembered: later reads of the same handle copy it
-        under the seqlock and hash nothing, since a generation is never reused, so an unchanged
-        one means the same bytes that verified. This guards the client against a wrong handle, a
+        every copy (``_copy_then_check``: vouched for by then, or hashed here). Either way a view
+        of its payload is remembered: later reads of the same handle copy it under the seqlock
+        and hash nothing, since a generation is never reused, so an unchanged one means the same
+        bytes that verified. This guards the client against a wrong handle, a
         tier mix-up or a frame damaged in the arena before it was first verified, without paying
         the hash (about 40% of a 32 MiB get here) on every get.
 
@@ -245,9 +246,8 @@ class Arena:
         each raw frame's payload copied first (its header checked, under the seqlock), and every
         copy then checked, last to first: a slot the server has verified meanwhile is taken as
         it stands, any other is hashed here, in the arena. The copies run while the server's
-        verifier hashes the same commit's frames first to last, so few are left to hash here (a
-        hand-off's first read of 16 blocks just put hashed about 6 itself when it hashed each
-        before its copy). A frame that fails leaves garbage in its part of ``out``.
+        verifier hashes the same commit's frames first to last, so few are left to hash here. A
+        frame that fails leaves garbage in its part of ``out``.
 
         Returns:
             The block indexes missed (changed meanwhile, or failed a check).
@@ -267,16 +267,16 @@ class Arena:
             else:
                 missing.append(i)
         for i, handle, src in reversed(copied):
-            if self.reader.verified(handle):
-                counted = "shm_frames_trusted"
-            elif self._body_sound(handle):
-                counted = "shm_frames_verified"
-            else:
+            trusted = self.reader.verified(handle)
+            if not (trusted or self._body_sound(handle)):
                 missing.append(i)
                 continue
             blocks[i][VERIFIED_VIEW] = src
             if stats is not None:
-                setattr(stats, counted, getattr(stats, counted) + 1)
+                if trusted:
+                    stats.shm_frames_trusted += 1
+                else:
+                    stats.shm_frames_verified += 1
         return missing
 
     def _unchecked_payload(self, handle: SlotHandle, checksum: int | None, shape: tuple[int, ...],
@@ -291,9 +291,8 @@ class Arena:
             header = codec_mod.read_header(self.reader.frame_view(handle))
         except FrameError:
             return None
-        if (header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
-                or codec_mod.DTYPES.get(header.dtype) != dtype
-                or (checksum is not None and header.body_checksum != checksum) or not self.reader.current(handle)):
+        if (not raw_frame_of(header, shape, dtype) or (checksum is not None and header.body_checksum != checksum)
+                or not self.reader.current(handle)):
             return None
         return self.reader.frame_array(handle, header.payload_offset, ints, header.shape)
 
@@ -366,8 +365,7 @@ class Arena:
             header = ok[0]  # the layout these checks passed for: a batch's blocks build no header each
         else:
             header = self.trusted_header(handle, view)
-            if (header is None or header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
-                    or codec_mod.DTYPES.get(header.dtype) != dtype):
+            if header is None or not raw_frame_of(header, shape, dtype):
                 return None
             ok = (header, codec_mod.layout_prefix(view, len(header.shape)), shape, dtype)
         if not self.reader.current(handle):  # what was read may be torn: the slot changed

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from client_sdk._common import VERIFIED_VIEW
+from client_sdk._common import VERIFIED_VIEW, raw_frame_of
 from kvstore import codec as codec_mod
 from kvstore.errors import FrameError
 from kvstore.keys import surely_names
@@ -159,8 +159,7 @@ class TrustedRuns:
         header = self._layouts.get(layout)
         if header is None:
             header = self._parse(layout, SlotHandle(self.reader.segment, h["index"], h["offset"], h["length"], h["gen"]))
-        if (header is None or header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
-                or codec_mod.DTYPES.get(header.dtype) != dtype):
+        if header is None or not raw_frame_of(header, shape, dtype):
             return None
         return header
 

@@ -22,7 +22,7 @@ import torch
 
 from client_sdk import _common as c
 from client_sdk import calls
-from client_sdk._common import VERIFIED_VIEW
+from client_sdk._common import VERIFIED_VIEW, raw_frame_of
 from client_sdk.arena import Arena
 from client_sdk.colocated import Colocation, Copy, Flow
 from kvstore import codec as codec_mod
@@ -68,8 +68,7 @@ def _payload(arena: Arena, b: dict, shape: tuple[int, ...], dtype: torch.dtype, 
             if view is None:  # moved or gone since the server looked
                 return None
             header = codec_mod.read_header(view)
-            if (header.codec is not codec_mod.Codec.RAW or header.lz4 or header.shape != shape
-                    or codec_mod.DTYPES.get(header.dtype) != dtype):
+            if not raw_frame_of(header, shape, dtype):
                 return None
             codec_mod.verify(view)
             expect = b.get("checksum")
