@@ -29,6 +29,7 @@ from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidKV, KVStoreError, ServiceError
 from kvstore.keys import meta_prefix, surely_names
+from kvstore.memory import halves
 from kvstore.memory.shm import SHM_DIR, IndexHit, ShmReader, ShmSlotWriter, SlotHandle
 from kvstore.spec import KVSpec
 
@@ -252,20 +253,33 @@ class Arena:
         Returns:
             The block indexes missed (changed meanwhile, or failed a check).
         """
+        def copy(lo: int, hi: int) -> list[tuple[int, SlotHandle | None, np.ndarray | None]]:
+            """Blocks ``later[lo:hi]`` copied: (i, handle, payload), or (i, None, None) when the
+            copy failed (the slot changed), or (i, handle, None) when not a raw frame of this shape."""
+            done: list[tuple[int, SlotHandle | None, np.ndarray | None]] = []
+            for i in later[lo:hi]:
+                b = blocks[i]
+                h = b["handle"]
+                handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
+                src = self._unchecked_payload(handle, b.get("checksum"), block_shape, out.dtype)
+                if src is None or self.reader.copy_current(h["index"], h["gen"], ints[:, :, :, i * bt:(i + 1) * bt], src):
+                    done.append((i, handle, src))
+                else:
+                    done.append((i, None, None))
+            return done
+
         missing: list[int] = []
         copied: list[tuple[int, SlotHandle, np.ndarray]] = []
-        for i in later:
-            b = blocks[i]
-            h = b["handle"]
-            handle = SlotHandle(self.segment, h["index"], h["offset"], h["length"], h["gen"])
-            src = self._unchecked_payload(handle, b.get("checksum"), block_shape, out.dtype)
-            if src is None:  # not a raw frame of this shape, or changed: the checked read, as before
-                if not self._fill_one(b, i, out, ints, bt, block_shape, stats, defer=False):
-                    missing.append(i)
-            elif self.reader.copy_current(h["index"], h["gen"], ints[:, :, :, i * bt:(i + 1) * bt], src):
-                copied.append((i, handle, src))
-            else:
+        block_bytes = ints[:, :, :, :bt].nbytes
+        # two halves on two threads (``halves``); the checked reads and the checks stay on this one
+        for i, handle, src in halves.run_halves(len(later), block_bytes * len(later), copy):
+            if handle is None:
                 missing.append(i)
+            elif src is None:  # not a raw frame of this shape, or changed: the checked read, as before
+                if not self._fill_one(blocks[i], i, out, ints, bt, block_shape, stats, defer=False):
+                    missing.append(i)
+            else:
+                copied.append((i, handle, src))
         for i, handle, src in reversed(copied):
             trusted = self.reader.verified(handle)
             if not (trusted or self._body_sound(handle)):
@@ -401,7 +415,7 @@ class Arena:
         src = np.frombuffer(kv_bytes(kv), np.uint8)
         # numpy, not torch's copy_: torch's threaded copy stalls when the cores are busy
         dst = np.frombuffer(self.staging, np.uint8, len(src), lease["offset"])
-        np.copyto(dst, src)
+        halves.copyto(dst, src)
         del dst  # drop the export, so the mapping can close
         return len(src)
 
@@ -416,23 +430,31 @@ class Arena:
             if self._writer is None:
                 self._writer = self._maps.writer = ShmSlotWriter(self.segment, self._shm_dir)
             writer = self._writer
-        bt, checksums = spec.block_tokens, []
+        bt = spec.block_tokens
         shape, ints = spec.kv_shape(bt), SAME_SIZE_INTS[spec.torch_dtype.itemsize][1]
-        for b in blocks:
-            depth = b["depth"]
-            meta = b["meta"] if isinstance(b["meta"], bytes) else bytes.fromhex(b["meta"])
-            with writer.slot(b["offset"], b["length"]) as view:
-                if isinstance(kv, torch.Tensor):
-                    n = codec_mod.encode_into(kv[:, :, :, depth * bt:(depth + 1) * bt], view, codec_mod.Codec.RAW,
-                                              meta=meta)
-                else:
-                    at = codec_mod.raw_payload_offset(len(shape), len(meta))
-                    dst = np.frombuffer(view, ints, spec.bytes_per_token * bt // ints().itemsize, at).reshape(shape)
-                    kv(depth, dst)
-                    del dst  # drop the export before the slot closes
-                    n = codec_mod.seal_raw(view, spec.dtype, shape, meta)
-                checksums.append(codec_mod.read_header(view[:n]).body_checksum)
-        return checksums
+
+        def part(lo: int, hi: int) -> list[int]:
+            checksums = []
+            for b in blocks[lo:hi]:
+                depth = b["depth"]
+                meta = b["meta"] if isinstance(b["meta"], bytes) else bytes.fromhex(b["meta"])
+                with writer.slot(b["offset"], b["length"]) as view:
+                    if isinstance(kv, torch.Tensor):
+                        n = codec_mod.encode_into(kv[:, :, :, depth * bt:(depth + 1) * bt], view, codec_mod.Codec.RAW,
+                                                  meta=meta)
+                    else:
+                        at = codec_mod.raw_payload_offset(len(shape), len(meta))
+                        dst = np.frombuffer(view, ints, spec.bytes_per_token * bt // ints().itemsize, at).reshape(shape)
+                        kv(depth, dst)
+                        del dst  # drop the export before the slot closes
+                        n = codec_mod.seal_raw(view, spec.dtype, shape, meta)
+                    checksums.append(codec_mod.read_header(view[:n]).body_checksum)
+            return checksums
+
+        if not isinstance(kv, torch.Tensor):  # an engine's fill runs on the caller's thread only
+            return part(0, len(blocks))
+        # the blocks in two halves, the second on the copy helper: copy and hash release the GIL
+        return halves.run_halves(len(blocks), spec.bytes_per_token * bt * len(blocks), part)
 
     def write_frames(self, slots: Sequence[dict], sizes: Sequence[int], writer: BlockWriter) -> list[int]:
         """``writer(i, view)`` writes frame ``i`` (at most ``sizes[i]`` bytes) straight into pool slot

@@ -26,6 +26,7 @@ from client_sdk._common import VERIFIED_VIEW, raw_frame_of
 from kvstore import codec as codec_mod
 from kvstore.errors import FrameError
 from kvstore.keys import surely_names
+from kvstore.memory import halves
 from kvstore.memory.shm import IndexHit, ShmReader, SlotHandle
 
 __all__ = ["BATCH_MIN", "TrustedRuns"]
@@ -148,7 +149,7 @@ class TrustedRuns:
             stride = starts[s + 1] - starts[s] if count > 1 else 0
             src = self.reader.spaced_arrays(starts[s], stride, count, ints.dtype, shape)
             first = took[s][0]
-            np.copyto(by_block[:, :, :, first:first + count], src.transpose(1, 2, 3, 0, 4, 5))
+            halves.copyto(by_block[:, :, :, first:first + count], src.transpose(1, 2, 3, 0, 4, 5))
             runs.append((s, count, src))
             s = j
         return runs

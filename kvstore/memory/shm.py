@@ -53,6 +53,7 @@ import numpy as np
 
 from kvstore.errors import InvalidInput, TierUnavailable
 from kvstore.keys import BlockHash, check_key
+from kvstore.memory import halves
 from kvstore.tier import Buffer
 
 __all__ = [
@@ -471,7 +472,7 @@ class ShmReader:
         at = index * ROW_WORDS + GEN
         if self._words[at] != gen:
             return False
-        np.copyto(dst, src)
+        halves.copyto(dst, src)
         return self._words[at] == gen
 
     def current(self, handle: SlotHandle) -> bool:
