@@ -38,6 +38,7 @@ import torch
 from bench.report import header
 from bench.rows import LIMIT_OF, PEER_OF
 from bench.sampling import interleave, summary
+from kvstore.memory import halves
 
 __all__ = ["run", "ROWS", "TARGETS", "LIMIT_OF", "PEER_OF", "Progress", "size_name"]
 
@@ -81,7 +82,7 @@ client against LMCache's server (get at least 1.0x). It is ``kvstore bench lmcac
 (``bench.lm_backend.TARGETS``), which runs both servers; this run serves no lm://."""
 TTFT_TARGETS = (("colocated", 2048, 50.0), ("http", 2048, 20.0))
 
-ROWS = ("limit memcpy", "limit memcpy+request", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
+ROWS = ("limit memcpy", "limit memcpy x2", "limit memcpy+request", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
         "colocated put", "colocated put, nowait", "handoff", "colocated get", "colocated get out=",
         "colocated get, asking", "colocated get, asking, 64 KiB blocks", "http put", "http get", "http get out=",
         "redis tier put", "redis tier get", "nvme tier put", "nvme tier get",
@@ -184,7 +185,8 @@ def _machine() -> dict:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": round(mem / GiB, 1),
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "copy_threads": halves.copy_threads()}
 
 
 def run(*, quick: bool = False, lmcache: str = "auto", repeats: int | None = None,

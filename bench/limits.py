@@ -4,6 +4,9 @@
 row           one operation
 ============  ===============================================================
 memcpy        ``np.copyto`` into a reused buffer (the co-located paths' limit)
+memcpy x2     the same copy in two halves on two threads, as kvstore's large
+              copies run (``kvstore.memory.halves``; one thread below its
+              16 MiB floor or with ``KVSTORE_COPY_THREADS=1``)
 shm out       a copy out of a pre-faulted ``/dev/shm`` segment into a reused
               buffer (what a co-located get does at best)
 tcp get/put   n bytes over a loopback TCP connection to a child process,
@@ -30,6 +33,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from bench.sampling import Row, timed
+from kvstore.memory import halves
 
 __all__ = ["Limits"]
 
@@ -119,6 +123,7 @@ class Limits:
         file_put()
         return {
             "limit memcpy": Row(n, timed(lambda: np.copyto(dst, src))),
+            "limit memcpy x2": Row(n, timed(lambda: halves.copyto(dst, src))),
             "limit shm out": Row(n, timed(lambda: np.copyto(dst, self._shm_view))),
             "limit tcp get": Row(n, timed(tcp_get)),
             "limit tcp put": Row(n, timed(tcp_put)),

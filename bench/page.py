@@ -51,12 +51,17 @@ def _size_table(s: dict) -> list[str]:
     return lines + [""]
 
 
+def _copy_threads(machine: dict) -> str:
+    n = machine.get("copy_threads")  # runs before stop 49 did not record it: one thread
+    return "" if n is None else f", {n} copy thread{'s' if n != 1 else ''} (kvstore.memory.halves)"
+
+
 def tables(result: dict) -> str:
     """Every section of ``result`` as markdown."""
     m = result["machine"]
     lines = [f"Run {result['when']}{' (--quick)' if result['quick'] else ''}, {result['elapsed_s']:.0f} s: "
-             f"{m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, Python {m['python']}, torch {m['torch']}. "
-             f"{result['repeats']} samples a row.", ""]
+             f"{m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, Python {m['python']}, torch {m['torch']}"
+             f"{_copy_threads(m)}. {result['repeats']} samples a row.", ""]
     lines += ["### Targets (same-run ratios)", "", "| figure | size | value | target | met |", "|---|---|---|---|---|"]
     for t in result["targets"]:
         rows = t.get("rows")

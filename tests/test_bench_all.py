@@ -17,7 +17,8 @@ from bench.page import END, START, render
 
 SIZES = ("64KiB", "256KiB")
 ROWS = {  # written out here, so a row the bench stops measuring fails this test
-    "limit memcpy", "limit memcpy+request", "limit shm out", "limit tcp get", "limit tcp put", "limit file put", "limit file get",
+    "limit memcpy", "limit memcpy x2", "limit memcpy+request", "limit shm out", "limit tcp get", "limit tcp put",
+    "limit file put", "limit file get",
     "colocated put", "colocated put, nowait", "handoff", "colocated get", "colocated get out=", "colocated get, asking",
     "colocated get, asking, 64 KiB blocks",
     "http put", "http get", "http get out=", "flight put", "flight get", "flight get out=",
