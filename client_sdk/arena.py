@@ -451,7 +451,9 @@ class Arena:
                     checksums.append(codec_mod.read_header(view[:n]).body_checksum)
             return checksums
 
-        if not isinstance(kv, torch.Tensor):  # an engine's fill runs on the caller's thread only
+        if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu":
+            # an engine's fill runs on the caller's thread only; so does a device tensor's copy
+            # to the host, which must follow the caller's stream (CUDA's current stream is per thread)
             return part(0, len(blocks))
         # the blocks in two halves, the second on the copy helper: copy and hash release the GIL
         return halves.run_halves(len(blocks), spec.bytes_per_token * bt * len(blocks), part)

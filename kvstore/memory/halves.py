@@ -78,6 +78,9 @@ class _Helper:
                 self._result, self._error = job(), None
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
                 self._result, self._error = None, exc
+            # the job's closure holds the caller's arrays (views of an arena, a user's tensor):
+            # kept here, they would pin them, and a mapping under them could not close
+            job = None
             self._done.set()
 
     def try_start(self, job: Callable[[], Any]) -> bool:
@@ -91,11 +94,21 @@ class _Helper:
         return True
 
     def finish(self) -> Any:
-        """Wait for the job ``try_start`` started; its result, or raise its error."""
-        self._done.wait()
+        """Wait for the job ``try_start`` started; its result, or raise its error. An interrupt
+        while waiting (Ctrl-C, a signal handler that raises) is raised only once the job has
+        ended: the caller's buffers are not written after it unwinds, and the helper is free."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                self._done.wait()
+                break
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the job has ended
+                interrupted = interrupted or exc
         result, error = self._result, self._error
         self._result = self._error = None
         self._idle.release()
+        if interrupted is not None:
+            raise interrupted
         if error is not None:
             raise error
         return result
@@ -178,12 +191,13 @@ def run_halves(n: int, nbytes: int, part: Callable[[int, int], list[T]]) -> list
 
 def copyto(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src)`` of arrays of one shape, split along the first axis that has two
-    or more entries when large (``run_halves``)."""
+    or more entries when large (``run_halves``). Arrays that may overlap are copied on one
+    thread, as numpy copies them (two halves of an overlapping copy would race)."""
     if dst.nbytes < SPLIT_MIN_BYTES or copy_threads() < 2:
         np.copyto(dst, src)
         return
     axis = next((a for a, size in enumerate(dst.shape) if size > 1), None)
-    if axis is None or dst.shape != src.shape:
+    if axis is None or dst.shape != src.shape or np.may_share_memory(dst, src):
         np.copyto(dst, src)
         return
     cut = [slice(None)] * axis

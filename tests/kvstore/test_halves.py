@@ -4,10 +4,12 @@ returns or raises; a busy or absent helper never blocks a caller; a fork leaves 
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import signal
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -92,6 +94,57 @@ def test_a_run_started_on_the_helper_does_not_wait_for_itself():
         return [halves.run_halves(4, BIG, _parts([]))]
     got = halves.run_halves(2, BIG, outer)
     assert got == [list(range(4)), list(range(4))]
+
+
+def test_the_helper_keeps_nothing_of_a_copy_once_it_returned():
+    """A mapping copied into can close right after (the staging lease's, an arena's), and the
+    arrays of a finished copy are freed: the helper holds no reference to its last job."""
+    src = np.ones(BIG, np.uint8)
+    gone = weakref.ref(src)
+    mapped = mmap.mmap(-1, BIG)
+    dst = np.frombuffer(mapped, np.uint8)
+    halves.copyto(dst, src)
+    assert dst.all()
+    del dst, src
+    mapped.close()  # BufferError while anything still exports the mapping
+    assert gone() is None
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def test_an_interrupt_while_waiting_for_the_helper_is_raised_once_its_half_ended():
+    ended = threading.Event()
+
+    def part(lo: int, hi: int) -> list[int]:
+        if threading.current_thread().name == "kvstore-copy-half":
+            threading.Event().wait(0.3)  # still writing when the interrupt comes
+            ended.set()
+        return []
+
+    def interrupt(*_):
+        raise _Interrupt()
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(_Interrupt):
+            halves.run_halves(4, BIG, part)
+        assert ended.is_set()  # the caller unwound only after the helper's half had ended
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    threads: list[str] = []
+    halves.run_halves(4, BIG, _parts(threads))
+    assert "kvstore-copy-half" in threads  # the helper is free for the next copy
+
+
+def test_arrays_that_may_overlap_are_copied_on_one_thread_as_numpy_does():
+    base = np.arange(BIG // 4 + 1024, dtype=np.int32)
+    want = base.copy()
+    want[1024:] = base[:-1024].copy()
+    halves.copyto(base[1024:], base[:-1024])
+    assert np.array_equal(base, want)
 
 
 def test_copyto_copies_a_strided_view_as_numpy_does():
