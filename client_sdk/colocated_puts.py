@@ -170,7 +170,11 @@ def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv:
     fp = spec.fingerprint()
     blocks = [{"depth": d, "offset": slot["offset"], "length": slot["length"], "meta": block_meta(namespace, fp, d)}
               for d, slot in zip(new, slots)]
-    checksums = (yield Copy(sum(b["length"] for b in blocks), arena.write_reserved, blocks, spec, kv)) if blocks else []
+    try:
+        checksums = (yield Copy(sum(b["length"] for b in blocks), arena.write_reserved, blocks, spec, kv)) if blocks else []
+    except BaseException:  # the copy failed: nothing was sent, the slots are still this pool's
+        arena.pool.untake(size, slots)
+        raise
     sent = time.monotonic()
     try:
         answer = yield calls.put_pooled(spec, toks, pid, arena.pool.name,
@@ -179,6 +183,9 @@ def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv:
     except Forbidden:  # the pool was reclaimed (idle, or a server restart): its slots are not ours
         arena.pool.clear()
         return None
+    except (CorruptFrame, InvalidInput, QuotaExceeded):  # refused: the server put the slots back in the pool
+        arena.pool.untake(size, slots)
+        raise
     if colo.changed(arena, answer.get("segment"), "segment"):
         return None
     arena.pool.add(size, answer["slots"], sent, float(answer["ttl_s"]))

@@ -335,3 +335,55 @@ def _keys(spec, tokens) -> list[bytes]:
     from kvstore.keys import block_hashes
 
     return block_hashes(spec, tokens, "default")
+
+
+def test_a_pooled_put_whose_copy_fails_keeps_its_pool_slots(server, spec, monkeypatch):
+    """A fault in the copy into pool slots (the kv cannot be encoded): the put raises, sends
+    nothing, and the slots it took are the pool's again, for the next put."""
+    from client_sdk import arena as arena_mod
+    from kvstore.errors import InvalidKV
+
+    with KVClient(server.url, plan=False) as c:
+        assert c.put_kv(spec, list(range(12_000, 12_064)), make_kv(spec, 64)) == 64  # the pool is granted
+        pool = c.colocation.arena.pool
+        free, lent = len(pool), server.store.reservations.pools.lent_bytes()
+        assert free >= 4
+
+        def failing(self, blocks, spec, kv):  # the fault
+            raise InvalidKV("injected: the copy failed")
+        with monkeypatch.context() as m:
+            m.setattr(arena_mod.Arena, "write_reserved", failing)
+            with pytest.raises(InvalidKV, match="injected"):
+                c.put_kv(spec, list(range(13_000, 13_064)), make_kv(spec, 64, seed=1))
+        assert len(pool) == free and server.store.reservations.pools.lent_bytes() == lent  # nothing lost
+        kv = make_kv(spec, 64, seed=1)
+        assert c.put_kv(spec, list(range(13_000, 13_064)), kv) == 64 and c.stats.last_medium == "shm"
+        assert len(pool) == free  # the put used 4 of them and was lent 4 back
+        got, n = c.get_kv(spec, list(range(13_000, 13_064)))
+        assert n == 64 and torch.equal(got, kv)
+
+
+def test_a_pooled_put_the_server_refuses_keeps_its_pool_slots(server, spec, monkeypatch):
+    """Checksums that are not the frames' (a writer's bug): the server refuses the put with
+    CorruptFrame and puts the slots back in the pool, and so does the client."""
+    from client_sdk import arena as arena_mod
+    from kvstore.errors import CorruptFrame
+
+    with KVClient(server.url, plan=False) as c:
+        assert c.put_kv(spec, list(range(14_000, 14_064)), make_kv(spec, 64)) == 64
+        pool = c.colocation.arena.pool
+        free, lent = len(pool), server.store.reservations.pools.lent_bytes()
+        real = arena_mod.Arena.write_reserved
+
+        def lying(self, blocks, spec, kv):  # the fault: every checksum off by one
+            return [(k + 1) % (1 << 64) for k in real(self, blocks, spec, kv)]
+        with monkeypatch.context() as m:
+            m.setattr(arena_mod.Arena, "write_reserved", lying)
+            with pytest.raises(CorruptFrame):
+                c.put_kv(spec, list(range(15_000, 15_064)), make_kv(spec, 64, seed=2))
+        assert len(pool) == free and server.store.reservations.pools.lent_bytes() == lent
+        assert c.lookup(spec, list(range(15_000, 15_064))) == 0
+        kv = make_kv(spec, 64, seed=2)
+        assert c.put_kv(spec, list(range(15_000, 15_064)), kv) == 64 and len(pool) == free
+        got, n = c.get_kv(spec, list(range(15_000, 15_064)))
+        assert n == 64 and torch.equal(got, kv)
