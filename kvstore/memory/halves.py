@@ -3,9 +3,9 @@
 Why: one thread's copy on these machines runs at a fraction of what the memory can take (on a
 2-core AMD EPYC VM, two threads copy 32 MiB 1.25-1.4x faster than one), and the copies a
 co-located get or put makes are strided besides (a block of a token-major KV is 4 KiB runs
-64 KiB apart), which one thread copies at 0.65-0.8x of a flat copy. numpy's ``copyto`` and
+64 KiB apart), which one thread copies at 0.63-0.8x of a flat copy. numpy's ``copyto`` and
 xxhash's hash of a large buffer both let the GIL go, so two halves run on two cores. Measured
-in ``docs/benchmarks.md`` ("Two copy threads").
+in ``docs/benchmarks.md`` ("Stop 49: large copies on two threads").
 
 One helper thread per process, started at the first large copy and gone at a fork (a child
 starts its own). A caller that finds the helper busy (another thread of the process is
@@ -56,7 +56,7 @@ def _default_threads() -> int:
 
 
 class _Helper:
-    """The helper thread: runs one job at a time; ``try_run`` hands it a job only when idle."""
+    """The helper thread: runs one job at a time; ``try_start`` hands it a job only when idle."""
 
     def __init__(self) -> None:
         self._idle = threading.Lock()  # held by the caller whose job the helper runs
