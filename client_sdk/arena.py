@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import threading
@@ -270,7 +271,7 @@ class Arena:
 
         missing: list[int] = []
         copied: list[tuple[int, SlotHandle, np.ndarray]] = []
-        block_bytes = ints[:, :, :, :bt].nbytes
+        block_bytes = math.prod(block_shape) * ints.itemsize
         # two halves on two threads (``halves``); the checked reads and the checks stay on this one
         for i, handle, src in halves.run_halves(len(later), block_bytes * len(later), copy):
             if handle is None:

@@ -84,8 +84,10 @@ class _Helper:
             self._done.set()
 
     def try_start(self, job: Callable[[], Any]) -> bool:
-        """Start ``job`` on the helper when it is idle (then ``finish`` must follow); False when busy."""
-        if threading.current_thread() is self.thread or not self._idle.acquire(blocking=False):
+        """Start ``job`` on the helper when it is idle (then ``finish`` must follow); False when busy.
+        The helper itself always finds it busy (its job's caller holds ``_idle``): a copy started
+        from a job runs on the helper alone, never waiting on itself."""
+        if not self._idle.acquire(blocking=False):
             return False
         self._done.clear()
         with self._ready:
