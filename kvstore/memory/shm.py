@@ -103,6 +103,11 @@ class IndexHit(NamedTuple):
     def handle(self) -> "SlotHandle":
         return SlotHandle(self.segment, self.index, self.offset, self.length, self.gen)
 
+
+_new_hit = tuple.__new__
+"""``IndexHit``'s constructor without its Python-level ``__new__`` (0.4 us a hit, a look-up's
+largest part): ``_new_hit(IndexHit, fields)`` for the six fields in order."""
+
 FLOCK = struct.Struct("hhxxxxqqi4x")  # struct flock on x86-64 Linux: type, whence, start, len, pid
 
 
@@ -353,7 +358,7 @@ class ShmReader:
         limit = len(self._view)
         for i, row, f, good in zip(found.tolist(), rows.tolist(), fields.tolist(), ok.tolist()):
             if good and f[OFF] + f[LEN] <= limit:
-                out[i] = IndexHit(self.segment, row, f[OFF], f[LEN], f[GEN], f[VER] == f[GEN])
+                out[i] = _new_hit(IndexHit, (self.segment, row, f[OFF], f[LEN], f[GEN], f[VER] == f[GEN]))
         return out
 
     def _look_up_few(self, keys: Sequence[bytes]) -> list[IndexHit | None]:
@@ -377,7 +382,7 @@ class ShmReader:
                     off, length, ver = words[at + OFF], words[at + LEN], words[at + VER]
                     same = words[at + KEY] == k0 and words[at + KEY + 3] == k3  # still this key's row
                     if not (gen % 2 or words[at + GEN] != gen or not same or off + length > limit):
-                        hit = IndexHit(segment, entry - 1, off, length, gen, ver == gen)
+                        hit = _new_hit(IndexHit, (segment, entry - 1, off, length, gen, ver == gen))
                     break  # else changing under us: ask the server
                 pos = (pos + 1) & mask
             out.append(hit)
