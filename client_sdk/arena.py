@@ -10,13 +10,12 @@ reads to report for heat (``AccessLog``) and its idle staging leases.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import mmap
 import os
 import threading
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +28,6 @@ from client_sdk.slot_pool import SlotPool
 from kvstore import codec as codec_mod
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidKV, KVStoreError, ServiceError
-from kvstore.keys import meta_prefix, surely_names
 from kvstore.memory import halves
 from kvstore.memory.shm import SHM_DIR, IndexHit, ShmReader, ShmSlotWriter, SlotHandle
 from kvstore.spec import KVSpec
@@ -108,7 +106,6 @@ class Arena:
         self._payload_ok: tuple[codec_mod.FrameHeader, bytes, tuple, torch.dtype] | None = None
         """The last layout ``trusted_payload`` took as a raw frame of a shape and dtype, with its
         layout bytes: a frame whose layout bytes equal them passes the same checks."""
-        self._prefixes: dict[str, bytes] = {}
         self.runs = TrustedRuns(self.reader)
         """A get's blocks checked and copied together (``client_sdk.arena_runs``)."""
         self._idle: list[dict] = []
@@ -127,8 +124,8 @@ class Arena:
         # A remembered slot whose generation moved on (moved, replaced) is looked up again
         found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
         ask = [i for i, b in enumerate(found) if b is None]
-        if not self.reader.owner_alive() or (self.namespaces is not None and namespace not in self.namespaces):
-            return None  # a killed server's arena is not the store; a namespace not granted: the server says so
+        if not self._may_read(namespace):
+            return None
         if ask:
             if not self.reader.indexed:
                 return None
@@ -141,14 +138,51 @@ class Arena:
             self.handles.remember(new)
         return found  # type: ignore[return-value]
 
+    def read_cached(self, spec: KVSpec, tokens: np.ndarray, namespace: str,
+                    result: Callable[[int], tuple[torch.Tensor, np.ndarray]],
+                    stats: ClientStats) -> tuple[list[dict], torch.Tensor] | None:
+        """``blocks_for`` then ``fill_from_handles`` into ``result(n_blocks)`` (a KV tensor and it as
+        same-size ints): the blocks and the KV, or None when a block is in neither the remembered
+        handles nor the key index, or a read missed (ask the server). A first get, none of whose
+        blocks is remembered here, looks up, checks and copies in one pass
+        (``TrustedRuns.first_fill``)."""
+        hexes, raw = self.handles.keys_of(spec, tokens, namespace)
+        bt = spec.block_tokens
+        if (len(hexes) >= BATCH_MIN and self.reader.indexed and not any(self.handles.blocks(hexes))
+                and self._may_read(namespace)):
+            kv, ints = result(len(hexes))
+            ints = int_view(kv) if ints is None else ints
+            got = self.runs.first_fill(raw, hexes, namespace, ints, bt, kv.dtype)
+            if got is None:
+                return None
+            blocks, done = got
+            self.handles.remember(blocks)
+            stats.shm_frames_trusted += len(done)
+            missed = self.fill_from_handles(blocks, kv, bt, stats, ints, done)
+        else:
+            found = self.blocks_for(spec, tokens, namespace)
+            if found is None:
+                return None
+            blocks = found
+            kv, ints = result(len(blocks))
+            missed = self.fill_from_handles(blocks, kv, bt, stats, ints)
+        if missed:
+            self.handles.forget(blocks)
+            return None
+        return blocks, kv
+
+    def _may_read(self, namespace: str) -> bool:
+        """Whether reads with no request may serve ``namespace`` here: a killed server's arena is
+        not the store, and a namespace not granted is the server's to refuse."""
+        return self.reader.owner_alive() and (self.namespaces is None or namespace in self.namespaces)
+
     def indexed(self, keys: Sequence[bytes], namespace: str) -> list[IndexHit | None]:
         """Each key's slot as the arena's key index shows it, when its frame is ``namespace``'s
         (else None, as for a key not there). A key hashed from tokens under a namespace is still
         only a key: anyone can compute it, and a put by key may name any key, so a frame another
         tenant put under it is never taken for this namespace's block (the server's own reads
         check the entry's namespace the same way). Its metadata is read under the slot's seqlock."""
-        return self.runs.names_checked(self.reader.look_up(keys), self._prefix(namespace),
-                                       lambda h: self._meta_names(self.reader.frame_view(h), namespace))
+        return self.runs.names_checked(self.reader.look_up(keys), namespace)
 
     def blocks_by_key(self, hexes: Sequence[str], keys: Sequence[bytes], namespace: str) -> list[dict | None]:
         """The slot of each key in this arena as far as this client can tell with no request (a
@@ -158,8 +192,8 @@ class Arena:
         another namespace's block: one the index finds counts only when its frame's metadata
         names ``namespace``, read under the slot's seqlock (the server's answers are checked so).
         """
-        if not self.reader.owner_alive() or (self.namespaces is not None and namespace not in self.namespaces):
-            return [None] * len(hexes)  # a killed server's arena is not the store; an ungranted namespace: ask
+        if not self._may_read(namespace):
+            return [None] * len(hexes)
         found = [b if b is not None and self.holds(b) else None for b in self.handles.blocks(hexes)]
         ask = [i for i, b in enumerate(found) if b is None]
         if ask and self.reader.indexed:
@@ -200,7 +234,8 @@ class Arena:
             self.leases = [x for x in self.leases if x is not lease]
 
     def fill_from_handles(self, blocks: Sequence[dict], out: torch.Tensor, bt: int,
-                          stats: ClientStats | None = None, dst: np.ndarray | None = None) -> list[int]:
+                          stats: ClientStats | None = None, dst: np.ndarray | None = None,
+                          done: set[int] | None = None) -> list[int]:
         """Copy each block with a handle straight out of the arena into its slice of ``out``.
 
         A slot the server verified at the handle's generation (its verified word) is read by its
@@ -216,6 +251,7 @@ class Arena:
 
         Args:
             dst: ``out`` as same-size ints in numpy, when the caller has it at hand.
+            done: positions copied already (``TrustedRuns.first_fill``): only the rest are read.
 
         Returns:
             Block indexes still to fetch (no handle, stale handle, or a frame that failed).
@@ -224,12 +260,12 @@ class Arena:
         later: list[int] = []
         block_shape = (*out.shape[:3], bt, out.shape[4])
         ints = int_view(out) if dst is None else dst
-        done: set[int] = set()
-        if len(blocks) >= BATCH_MIN:  # what the batch decides, the loop below skips
+        if done is None and len(blocks) >= BATCH_MIN:  # what the batch decides, the loop below skips
             done, fresh, again = self.runs.fill(blocks, ints, bt, out.dtype)
             if stats is not None:
                 stats.shm_frames_trusted += fresh
                 stats.shm_frames_copied += again
+        done = done or set()
         for i, b in enumerate(blocks):
             if i in done:
                 continue
@@ -520,26 +556,7 @@ class Arena:
         metadata's first bytes where that is sure (``keys.surely_names``), else parsed."""
         if checksum is not None and header.body_checksum != checksum:
             return False
-        return self._meta_names(frame, namespace)
-
-    def _meta_names(self, frame: memoryview, namespace: str) -> bool:
-        """Whether the metadata of a frame the server indexed (read as it lies, the caller checks
-        the slot's generation after) names ``namespace``: by its first bytes where that is sure
-        (``keys.surely_names``), else parsed as the server parsed it (``json.loads``)."""
-        meta = codec_mod.trusted_meta(frame)
-        if surely_names(meta, self._prefix(namespace)):
-            return True
-        try:
-            parsed = json.loads(meta)
-        except ValueError:  # torn or damaged: the caller's seqlock check or a full read says which
-            return False
-        return isinstance(parsed, dict) and parsed.get("ns") == namespace
-
-    def _prefix(self, namespace: str) -> bytes:
-        prefix = self._prefixes.get(namespace)
-        if prefix is None:
-            prefix = self._prefixes[namespace] = meta_prefix(namespace)
-        return prefix
+        return self.runs.meta_names(frame, namespace)
 
     def holds(self, block: dict) -> bool:
         """Whether a remembered block's slot still holds the generation the server named: the

@@ -17,7 +17,8 @@ last copy (``ShmReader.holds``) held the same bytes throughout.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import json
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ import torch
 from client_sdk._common import VERIFIED_VIEW, raw_frame_of
 from kvstore import codec as codec_mod
 from kvstore.errors import FrameError
-from kvstore.keys import surely_names
+from kvstore.keys import meta_prefix, surely_names
 from kvstore.memory import halves
 from kvstore.memory.shm import IndexHit, ShmReader, SlotHandle
 
@@ -45,31 +46,112 @@ class TrustedRuns:
 
     def __init__(self, reader: ShmReader) -> None:
         self.reader = reader
+        self._prefixes: dict[str, bytes] = {}
         self._layouts: dict[bytes, codec_mod.FrameHeader] = {}
         """Layout bytes (``codec.layout_prefix``) -> the header parsed from a server-verified frame
         of that layout: a frame whose layout bytes equal them has that payload offset and shape."""
 
-    def names_checked(self, hits: list[IndexHit | None], prefix: bytes,
-                      names: Callable[[SlotHandle], bool]) -> list[IndexHit | None]:
+    def names_checked(self, hits: list[IndexHit | None], namespace: str) -> list[IndexHit | None]:
         """``hits`` (a look-up's, changed in place) with None for every frame whose metadata does
-        not name the namespace of ``prefix`` (``keys.meta_prefix``), or whose slot changed
-        meanwhile. Sure answers come from the metadata's bytes (``keys.surely_names``);
-        ``names(handle)`` decides the rest (the metadata parsed, as the server parses it)."""
+        not name ``namespace``, or whose slot changed meanwhile. Sure answers come from the
+        metadata's bytes (``_surely_named``); the rest is parsed (``meta_names``)."""
         at = [i for i, hit in enumerate(hits) if hit is not None]
         if not at:
             return hits
         found: list[IndexHit] = [hits[i] for i in at]  # type: ignore[misc]
         heads = self.reader.heads([h.offset for h in found], META_WINDOW)
-        meta_span, holds = codec_mod.meta_span, self.reader.holds
+        holds, prefix = self.reader.holds, self.prefix(namespace)
         for i, h, head in zip(at, found, heads):
-            ok = False
-            if len(head) >= 16:
-                start, length = meta_span(head)
-                end = start + length
-                ok = end <= len(head) and end <= h.length and surely_names(head[start:end], prefix)
-            if not ((ok or names(h.handle)) and holds(h.index, h.gen)):
+            if not ((_surely_named(head, h.length, prefix) or self._names(h, namespace)) and holds(h.index, h.gen)):
                 hits[i] = None  # another namespace's, or changed while it was read
         return hits
+
+    def first_fill(self, keys: Sequence[bytes], hexes: Sequence[str], namespace: str, ints: np.ndarray, bt: int,
+                   dtype: torch.dtype) -> tuple[list[dict], set[int]] | None:
+        """A first get's blocks, none of them remembered: looked up in the arena's key index,
+        checked and copied in one pass. ``names_checked`` then ``fill`` decide the same, but read
+        each frame's first bytes twice and loop over the blocks four times; a first get of many
+        small blocks is that per-block cost (issue 33's 64 KiB rows).
+
+        Every block must be in the index, its frame ``namespace``'s (as ``names_checked`` checks); those the server verified, of ``ints``' block shape and ``dtype``, are
+        copied in runs (as ``fill``). A generation read at the look-up that stands after the last
+        copy covers everything read of its slot in between (a generation is never reused).
+
+        Returns:
+            The blocks (as ``_indexed`` builds them; a copied one keeps its payload's view,
+            ``VERIFIED_VIEW``) and the positions copied (the rest are the per-block path's); None
+            when a key is not there, not this namespace's, or its slot changed: ask the server.
+        """
+        reader = self.reader
+        hits = reader.look_up(keys)
+        if None in hits:
+            return None
+        heads = reader.heads([h.offset for h in hits], META_WINDOW)  # type: ignore[union-attr]
+        block_shape = (*ints.shape[:3], bt, ints.shape[4])
+        suits: dict[bytes, tuple[int, int] | None] = {}
+        blocks: list[dict] = []
+        took: list[tuple[int, dict]] = []
+        starts: list[int] = []
+        copies, verified, prefix = ints.flags.c_contiguous, reader.holds_verified, self.prefix(namespace)
+        meta_span, layout_of = codec_mod.meta_span, codec_mod.layout_of
+        i = 0
+        for hit, head, key in zip(hits, heads, hexes):
+            _, index, offset, length, gen, ver = hit  # type: ignore[misc]
+            if len(head) < 16:
+                return None  # the arena ends in it: ask the server
+            start, size = meta_span(head)  # ``_surely_named``, inlined: this loop is the per-block cost
+            end = start + size
+            if not (end <= len(head) and end <= length and surely_names(head[start:end], prefix)) \
+                    and not self._names(hit, namespace):  # type: ignore[arg-type]
+                return None
+            h = {"index": index, "offset": offset, "length": length, "gen": gen}
+            ver = ver or verified(index, gen)
+            blocks.append({"key": key, "checksum": None, "verified": ver, "handle": h})
+            if ver and copies:
+                layout = layout_of(head)
+                suit = suits.get(layout, 0)
+                if suit == 0:
+                    suit = self._suit(layout, h, block_shape, dtype, suits)
+                # a slot of another length than its layout's frame holds something else: the per-block path says what
+                if suit is not None and length == suit[0]:
+                    took.append((i, h))
+                    starts.append(offset + suit[1])
+            i += 1
+        runs = self._copy_runs(took, starts, ints, bt, block_shape) if took else []
+        holds = reader.holds
+        for hit in hits:
+            if not holds(hit.index, hit.gen):  # type: ignore[union-attr]
+                return None  # changed since the look-up: what was read of it may be another's
+        done: set[int] = set()
+        for first, count, arrays in runs:
+            for (i, _), array in zip(took[first:first + count], arrays):
+                blocks[i][VERIFIED_VIEW] = array
+                done.add(i)
+        return blocks, done
+
+    def prefix(self, namespace: str) -> bytes:
+        """How every block metadata of ``namespace`` begins (``keys.meta_prefix``), kept."""
+        prefix = self._prefixes.get(namespace)
+        if prefix is None:
+            prefix = self._prefixes[namespace] = meta_prefix(namespace)
+        return prefix
+
+    def meta_names(self, frame: memoryview, namespace: str) -> bool:
+        """Whether the metadata of a frame the server indexed (read as it lies, the caller checks
+        the slot's generation after) names ``namespace``: by its first bytes where that is sure
+        (``keys.surely_names``), else parsed as the server parsed it (``json.loads``)."""
+        meta = codec_mod.trusted_meta(frame)
+        if surely_names(meta, self.prefix(namespace)):
+            return True
+        try:
+            parsed = json.loads(meta)
+        except ValueError:  # torn or damaged: the caller's seqlock check or a full read says which
+            return False
+        return isinstance(parsed, dict) and parsed.get("ns") == namespace
+
+    def _names(self, hit: IndexHit, namespace: str) -> bool:
+        """``meta_names`` of a look-up's hit, its frame read where the hit says."""
+        return self.meta_names(self.reader.frame_view(hit.handle), namespace)
 
     def fill(self, blocks: Sequence[dict], ints: np.ndarray, bt: int, dtype: torch.dtype) -> tuple[set[int], int, int]:
         """Copy every block of ``blocks`` (a get's, in order: block ``i`` fills tokens
@@ -98,14 +180,14 @@ class TrustedRuns:
         suits: dict[bytes, tuple[int, int] | None] = {}  # this call's layouts: frame length, payload offset
         took: list[tuple[int, dict]] = []
         starts: list[int] = []
+        layout_of = codec_mod.layout_of
         for (i, h), head in zip(todo, heads):
             if len(head) < 16:
                 continue
-            layout = codec_mod.layout_of(head)
+            layout = layout_of(head)
             suit = suits.get(layout, 0)
             if suit == 0:
-                header = self._suited(layout, h, block_shape, dtype)
-                suit = suits[layout] = None if header is None else (header.frame_len, header.payload_offset)
+                suit = self._suit(layout, h, block_shape, dtype, suits)
             # a slot of another length than its layout's frame holds something else: the per-block path says what
             if suit is not None and h["length"] == suit[0]:
                 took.append((i, h))
@@ -154,6 +236,15 @@ class TrustedRuns:
             s = j
         return runs
 
+    def _suit(self, layout: bytes, h: dict, shape: tuple[int, ...], dtype: torch.dtype,
+              suits: dict[bytes, tuple[int, int] | None]) -> tuple[int, int] | None:
+        """A layout's first sight in a call (``suits``: that call's, updated here): its frames'
+        length and payload offset when they are raw frames of ``shape`` and ``dtype``, else None;
+        ``h`` is a server-verified slot of that layout."""
+        header = self._suited(layout, h, shape, dtype)
+        suit = suits[layout] = None if header is None else (header.frame_len, header.payload_offset)
+        return suit
+
     def _suited(self, layout: bytes, h: dict, shape: tuple[int, ...], dtype: torch.dtype) -> codec_mod.FrameHeader | None:
         """The header of frames of ``layout`` when they are raw frames of ``shape`` and ``dtype``
         (else None): remembered, else parsed from the frame of handle ``h`` (server-verified)."""
@@ -180,3 +271,13 @@ class TrustedRuns:
             self._layouts.clear()
         self._layouts[layout] = header
         return header
+
+
+def _surely_named(head: bytes, length: int, prefix: bytes) -> bool:
+    """Whether the frame whose first bytes are ``head`` (of a ``length``-byte slot) surely names the
+    namespace of ``prefix``, by its metadata's bytes (``keys.surely_names``); False: parse it."""
+    if len(head) < 16:
+        return False
+    start, size = codec_mod.meta_span(head)
+    end = start + size
+    return end <= len(head) and end <= length and surely_names(head[start:end], prefix)

@@ -24,6 +24,7 @@ import os
 import logging
 from typing import Any, Awaitable, Callable, Generator, Sequence, TypeVar
 
+import numpy as np
 import torch
 
 from client_sdk import _common as c
@@ -206,19 +207,18 @@ def cached_get(arena: Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPo
     """A get whose every block's slot is known with no request (remembered, or in the arena's
     shared key index), read with none; None when one is in neither or went stale (then
     ``get_flow`` asks the server)."""
-    cached = arena.blocks_for(spec, toks, namespace)
-    if cached is None:
-        return None
     bt = spec.block_tokens
-    if out is None:
-        kv, dst = pool.tensor_and_ints(spec.kv_shape(len(cached) * bt), spec.torch_dtype)
-    else:
-        kv, dst = out_views.get(spec, len(cached) * bt, out)
-    if arena.fill_from_handles(cached, kv, bt, stats, dst):
-        arena.handles.forget(cached)
+
+    def result(n_blocks: int) -> tuple[torch.Tensor, np.ndarray]:
+        if out is None:
+            return pool.tensor_and_ints(spec.kv_shape(n_blocks * bt), spec.torch_dtype)
+        return out_views.get(spec, n_blocks * bt, out)
+    got = arena.read_cached(spec, toks, namespace, result, stats)
+    if got is None:
         return None
-    arena.served_from_cache(cached, bt, stats)
-    return kv, len(cached) * bt
+    blocks, kv = got
+    arena.served_from_cache(blocks, bt, stats)
+    return kv, len(blocks) * bt
 
 
 def get_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, out: Any, pool: c.TensorPool,

@@ -154,3 +154,116 @@ def test_metadata_that_names_another_namespace_past_the_bytes_read_is_not_this_o
     with KVClient(srv.url, token=ACME, namespace="acme", plan=False) as acme:
         assert acme.get_kv(spec, tokens)[1] == 0
         assert acme.blocks_exist(ks, ask_server=False) == [False] * 4
+
+
+def _spy_first_fill(monkeypatch) -> list:
+    """What each ``TrustedRuns.first_fill`` returned, recorded as it reads: its blocks' keys and the
+    positions it copied, or None (not its blocks: their payload views die with the arena's mapping)."""
+    seen: list = []
+    real = TrustedRuns.first_fill
+
+    def spy(self, *args):
+        got = real(self, *args)
+        seen.append(None if got is None else ([b["key"] for b in got[0]], got[1]))
+        return got
+    monkeypatch.setattr(TrustedRuns, "first_fill", spy)
+    return seen
+
+
+def test_a_first_get_reads_each_frames_first_bytes_once(verified_server, spec, monkeypatch):
+    """A first get looks up, checks and copies its blocks in one pass: each frame's first bytes
+    are read once for its namespace and its layout both, and every block is copied there."""
+    tokens = list(range(BLOCKS * 16))
+    kv = make_kv(spec, len(tokens))
+    with KVClient(verified_server.url, plan=False, colocated=False) as writer:
+        assert writer.put_kv(spec, tokens, kv) == len(tokens)
+    assert verified_server.store.scrubber.caught_up(10.0)
+    passes = _spy_first_fill(monkeypatch)
+    reads: list[int] = []
+    real_heads = ShmReader.heads
+
+    def count_heads(self, offsets, length):
+        reads.append(len(offsets))
+        return real_heads(self, offsets, length)
+    with KVClient(verified_server.url, plan=False) as reader:
+        assert reader.lookup(spec, list(range(1 << 20, (1 << 20) + 16))) == 0  # maps the arena
+        monkeypatch.setattr(ShmReader, "heads", count_heads)
+        before = _requests_by_route(verified_server.url)
+        got, n = reader.get_kv(spec, tokens)
+        assert _requests_by_route(verified_server.url) == before
+    assert n == len(tokens) and torch.equal(got, kv)
+    assert reads == [BLOCKS]
+    (keys, done), = passes
+    assert done == set(range(BLOCKS)) and keys == [k.hex() for k in block_hashes(spec, tokens)]
+    assert reader.stats.shm_frames_trusted == BLOCKS
+
+
+def test_a_block_deleted_after_the_first_pass_read_it_ends_the_prefix_there(verified_server, spec, monkeypatch):
+    """The one pass reads a block's first bytes after the look-up and checks its generation once,
+    after the copies: a block deleted in between (its range free for another frame) is asked of
+    the server, which no longer has it."""
+    tokens = list(range(4 * 16))
+    kv = make_kv(spec, len(tokens))
+    keys = block_hashes(spec, tokens)
+    with KVClient(verified_server.url, plan=False, colocated=False) as writer:
+        assert writer.put_kv(spec, tokens, kv) == len(tokens)
+    assert verified_server.store.scrubber.caught_up(10.0)
+    passes = _spy_first_fill(monkeypatch)
+    real = ShmReader.heads
+
+    def heads_then_delete(self, offsets, length):
+        got = real(self, offsets, length)
+        verified_server.store.delete_blocks([keys[2]])
+        return got
+    with KVClient(verified_server.url, plan=False) as reader:
+        assert reader.lookup(spec, list(range(1 << 20, (1 << 20) + 16))) == 0  # maps the arena
+        monkeypatch.setattr(ShmReader, "heads", heads_then_delete)
+        got, n = reader.get_kv(spec, tokens)
+    assert passes == [None]
+    assert n == 2 * 16 and torch.equal(got, kv[:, :, :, :n])
+
+
+def test_blocks_the_server_has_not_verified_are_left_to_the_checked_reads(verified_server, spec, monkeypatch):
+    """A slot whose verified word does not show its generation is not trusted by the one pass:
+    it is left to the per-block reads, which hash it here before it is served."""
+    tokens = list(range(4 * 16))
+    kv = make_kv(spec, len(tokens))
+    with KVClient(verified_server.url, plan=False, colocated=False) as writer:
+        assert writer.put_kv(spec, tokens, kv) == len(tokens)
+    assert verified_server.store.scrubber.caught_up(10.0)
+    real_look_up = ShmReader.look_up
+    monkeypatch.setattr(ShmReader, "look_up", lambda self, keys: [
+        None if h is None else h._replace(verified=False) for h in real_look_up(self, keys)])
+    monkeypatch.setattr(ShmReader, "holds_verified", lambda self, index, gen: False)
+    monkeypatch.setattr(ShmReader, "verified", lambda self, handle: False)
+    passes = _spy_first_fill(monkeypatch)
+    with KVClient(verified_server.url, plan=False) as reader:
+        assert reader.lookup(spec, list(range(1 << 20, (1 << 20) + 16))) == 0  # maps the arena
+        got, n = reader.get_kv(spec, tokens)
+    assert n == len(tokens) and torch.equal(got, kv)
+    (_, done), = passes
+    assert done == set()
+    assert reader.stats.shm_frames_verified == 4 and reader.stats.shm_frames_trusted == 0
+
+
+def test_metadata_that_must_be_parsed_is_parsed_by_the_first_pass(verified_server, spec):
+    """A frame whose metadata holds an escape is not surely this namespace's by its bytes: the one
+    pass parses it, as the server does, and serves it when it names the namespace."""
+    from kvstore import codec
+    from kvstore.keys import block_meta
+
+    tokens = list(range(4 * 16))
+    keys = block_hashes(spec, tokens)
+    kvs = [make_kv(spec, 16, seed=d) for d in range(4)]
+    frames = [codec.encode(kvs[d], meta=block_meta("default", spec.fingerprint(), d, note='say "hi"'))
+              for d in range(4)]
+    assert all(b"\\" in f[:400] for f in frames)
+    with KVClient(verified_server.url, colocated=False) as writer:
+        def write(i, view):
+            view[:len(frames[i])] = frames[i]
+            return len(frames[i])
+        assert writer.put_blocks_with(keys, [len(f) for f in frames], write) == 4
+    assert verified_server.store.scrubber.caught_up(10.0)
+    got, n, reader = _first_get(verified_server.url, spec, tokens)
+    assert n == len(tokens) and torch.equal(got, torch.cat(kvs, dim=3))
+    assert reader.stats.shm_frames_trusted == 4

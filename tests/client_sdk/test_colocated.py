@@ -68,10 +68,10 @@ def test_a_slot_recycled_under_the_reader_is_caught_by_its_generation(server, sp
     keys = block_hashes(spec, tokens)
     real = Arena.fill_from_handles
 
-    def move_first(self, blocks, out, bt, stats=None, dst=None):  # fault: placement moves a block after it was found
+    def move_first(self, blocks, out, bt, stats=None, dst=None, done=None):  # fault: placement moves a block after it was found
         server.store.migrate(keys[0], "memory")
         server.store.migrate(keys[0], "shm")
-        return real(self, blocks, out, bt, stats, dst)
+        return real(self, blocks, out, bt, stats, dst, done)
 
     with KVClient(server.url, plan=False) as c:
         c.put_kv(spec, tokens, kv)
@@ -86,9 +86,9 @@ def test_a_block_deleted_under_the_reader_shortens_the_prefix(server, spec, monk
     keys = block_hashes(spec, tokens)
     real = Arena.fill_from_handles
 
-    def delete_middle(self, blocks, out, bt, stats=None, dst=None):
+    def delete_middle(self, blocks, out, bt, stats=None, dst=None, done=None):
         server.store.delete_blocks([keys[1]])
-        return real(self, blocks, out, bt, stats, dst)
+        return real(self, blocks, out, bt, stats, dst, done)
 
     kv = make_kv(spec, 48)
     with KVClient(server.url, plan=False) as c:
