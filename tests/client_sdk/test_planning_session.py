@@ -28,14 +28,41 @@ BROKEN_ERROR = 0.4
 """Under the 0.50-0.61 of the model before its fix; over the 0.30 a sound one measured on a loaded VM."""
 
 
+def _session() -> tuple[list[dict], dict]:
+    """One mixed session against a fresh ``kvstore serve`` child."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = ServeProcess(small_env(tmp, KVSTORE_SHM_BYTES="256MiB")).start()
+        try:
+            return run_session(proc.url)
+        finally:
+            proc.stop()
+
+
 @pytest.fixture(scope="module")
-def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict]:
+def session() -> tuple[list[dict], dict]:
     """The client's decision records, and ``/admin/decisions``' answer, after one mixed session."""
-    proc = ServeProcess(small_env(tmp_path_factory.mktemp("serve"), KVSTORE_SHM_BYTES="256MiB")).start()
-    try:
-        return run_session(proc.url)
-    finally:
-        proc.stop()
+    return _session()
+
+
+def _off_by_2x(local: list[dict]) -> list:
+    """What in a session's records misses "within 2x from the 5th transfer on": the share of all
+    transfers within 2x when under 0.8, and each (op, option, path) whose typical ratio is over
+    2x; empty when none misses."""
+    within, ratios = within_2x(local)
+    misses: list = []
+    # A loaded 2-core machine stalls a transfer now and then (a 64 KiB put took 114 ms among
+    # 1.6 ms ones): those are no prediction's to meet, but they are few.
+    if within < 0.8:
+        misses.append(("within 2x", round(within, 2), {k: [round(r, 2) for r in rs] for k, rs in ratios.items()}))
+    for key, rs in ratios.items():
+        if len(rs) > WARMUP_TRANSFERS:
+            later = rs[WARMUP_TRANSFERS:]
+            typical = sorted(abs(math.log(r)) for r in later)[len(later) // 2]
+            if typical > math.log(2):
+                misses.append((key, round(math.exp(typical), 2), [round(r, 2) for r in rs]))
+    return misses
 
 
 def test_the_served_prediction_error_is_the_clients_and_not_broken(session):
@@ -51,12 +78,13 @@ def test_the_served_prediction_error_is_the_clients_and_not_broken(session):
 
 
 def test_predictions_come_within_2x_by_the_5th_transfer_and_stay(session):
+    """One session on CI's loaded 2-core machine has missed now and then: in two of the four CI
+    runs of stops 49-50, shm puts' typical ratio was 2.1x, then 1 / 2.3x (an early stall, or a
+    size class first met late and predicted from the other classes' fit), while a broken model
+    misses in every session. A session that misses is run once more against a fresh server: both
+    must miss to fail."""
     local, _ = session
-    within, ratios = within_2x(local)
-    # A loaded 2-core machine stalls a transfer now and then (a 64 KiB put took 114 ms among
-    # 1.6 ms ones): those are no prediction's to meet, but they are few.
-    assert within >= 0.8, {k: [round(r, 2) for r in rs] for k, rs in ratios.items()}
-    for key, rs in ratios.items():
-        if len(rs) > WARMUP_TRANSFERS:
-            typical = sorted(abs(math.log(r)) for r in rs[WARMUP_TRANSFERS:])[len(rs[WARMUP_TRANSFERS:]) // 2]
-            assert typical <= math.log(2), (key, [round(r, 2) for r in rs])
+    misses = _off_by_2x(local)
+    if misses:
+        again = _off_by_2x(_session()[0])
+        assert not again, {"first session": misses, "second session": again}
