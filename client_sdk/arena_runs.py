@@ -93,30 +93,18 @@ class TrustedRuns:
         took: list[tuple[int, dict]] = []
         starts: list[int] = []
         copies, verified, prefix = ints.flags.c_contiguous, reader.holds_verified, self.prefix(namespace)
-        meta_span, layout_of = codec_mod.meta_span, codec_mod.layout_of
-        i = 0
-        for hit, head, key in zip(hits, heads, hexes):
+        for i, (hit, head, key) in enumerate(zip(hits, heads, hexes)):
             _, index, offset, length, gen, ver = hit  # type: ignore[misc]
-            if len(head) < 16:
-                return None  # the arena ends in it: ask the server
-            start, size = meta_span(head)  # ``_surely_named``, inlined: this loop is the per-block cost
-            end = start + size
-            if not (end <= len(head) and end <= length and surely_names(head[start:end], prefix)) \
-                    and not self._names(hit, namespace):  # type: ignore[arg-type]
+            if not (_surely_named(head, length, prefix) or self._names(hit, namespace)):  # type: ignore[arg-type]
                 return None
             h = {"index": index, "offset": offset, "length": length, "gen": gen}
             ver = ver or verified(index, gen)
             blocks.append({"key": key, "checksum": None, "verified": ver, "handle": h})
             if ver and copies:
-                layout = layout_of(head)
-                suit = suits.get(layout, 0)
-                if suit == 0:
-                    suit = self._suit(layout, h, block_shape, dtype, suits)
-                # a slot of another length than its layout's frame holds something else: the per-block path says what
-                if suit is not None and length == suit[0]:
+                start = self._payload_start(head, h, block_shape, dtype, suits)
+                if start is not None:
                     took.append((i, h))
-                    starts.append(offset + suit[1])
-            i += 1
+                    starts.append(start)
         runs = self._copy_runs(took, starts, ints, bt, block_shape) if took else []
         holds = reader.holds
         for hit in hits:
@@ -180,18 +168,11 @@ class TrustedRuns:
         suits: dict[bytes, tuple[int, int] | None] = {}  # this call's layouts: frame length, payload offset
         took: list[tuple[int, dict]] = []
         starts: list[int] = []
-        layout_of = codec_mod.layout_of
         for (i, h), head in zip(todo, heads):
-            if len(head) < 16:
-                continue
-            layout = layout_of(head)
-            suit = suits.get(layout, 0)
-            if suit == 0:
-                suit = self._suit(layout, h, block_shape, dtype, suits)
-            # a slot of another length than its layout's frame holds something else: the per-block path says what
-            if suit is not None and h["length"] == suit[0]:
+            start = self._payload_start(head, h, block_shape, dtype, suits)
+            if start is not None:
                 took.append((i, h))
-                starts.append(h["offset"] + suit[1])
+                starts.append(start)
         runs = self._copy_runs(took, starts, ints, bt, block_shape)
         # A slot copied from that still holds the generation it held before its header was read
         # did not change meanwhile: the copy is of that publication's bytes
@@ -236,14 +217,23 @@ class TrustedRuns:
             s = j
         return runs
 
-    def _suit(self, layout: bytes, h: dict, shape: tuple[int, ...], dtype: torch.dtype,
-              suits: dict[bytes, tuple[int, int] | None]) -> tuple[int, int] | None:
-        """A layout's first sight in a call (``suits``: that call's, updated here): its frames'
-        length and payload offset when they are raw frames of ``shape`` and ``dtype``, else None;
-        ``h`` is a server-verified slot of that layout."""
-        header = self._suited(layout, h, shape, dtype)
-        suit = suits[layout] = None if header is None else (header.frame_len, header.payload_offset)
-        return suit
+    def _payload_start(self, head: bytes, h: dict, shape: tuple[int, ...], dtype: torch.dtype,
+                       suits: dict[bytes, tuple[int, int] | None]) -> int | None:
+        """The data-region offset of the payload of slot ``h`` (a server-verified frame whose first
+        bytes are ``head``) when it is a raw frame of ``shape`` and ``dtype``, else None (the
+        per-block path says what it is). ``suits``: one call's layouts, each with its frames'
+        length and payload offset, or None."""
+        if len(head) < 16:
+            return None
+        layout = codec_mod.layout_of(head)
+        suit = suits.get(layout, 0)
+        if suit == 0:
+            header = self._suited(layout, h, shape, dtype)
+            suit = suits[layout] = None if header is None else (header.frame_len, header.payload_offset)
+        # a slot of another length than its layout's frame holds something else
+        if suit is None or h["length"] != suit[0]:
+            return None
+        return h["offset"] + suit[1]
 
     def _suited(self, layout: bytes, h: dict, shape: tuple[int, ...], dtype: torch.dtype) -> codec_mod.FrameHeader | None:
         """The header of frames of ``layout`` when they are raw frames of ``shape`` and ``dtype``

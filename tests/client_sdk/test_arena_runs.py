@@ -106,6 +106,17 @@ def test_a_block_deleted_under_the_batch_is_not_served(verified_server, spec, mo
     assert n == 5 * 16 and torch.equal(got, kv[:, :, :, :n])
 
 
+def _delete_after_heads(monkeypatch, server, key) -> None:
+    """From now on, each read of frames' first bytes deletes block ``key`` right after it."""
+    real = ShmReader.heads
+
+    def heads_then_delete(self, offsets, length):
+        got = real(self, offsets, length)
+        server.store.delete_blocks([key])
+        return got
+    monkeypatch.setattr(ShmReader, "heads", heads_then_delete)
+
+
 def test_a_hit_whose_slot_changes_while_its_metadata_is_read_is_a_miss(verified_server, spec, monkeypatch):
     """The namespace check reads the hits' frames after the index look-up; a block deleted in
     between (its range free for another frame) is a miss, not an answer from stale bytes."""
@@ -113,15 +124,9 @@ def test_a_hit_whose_slot_changes_while_its_metadata_is_read_is_a_miss(verified_
     keys = block_hashes(spec, tokens)
     with KVClient(verified_server.url, plan=False) as writer:
         assert writer.put_kv(spec, tokens, make_kv(spec, len(tokens))) == len(tokens)
-    real = ShmReader.heads
-
-    def heads_then_delete(self, offsets, length):
-        got = real(self, offsets, length)
-        verified_server.store.delete_blocks([keys[2]])
-        return got
     with KVClient(verified_server.url, plan=False) as reader:
         assert reader.lookup(spec, list(range(1 << 20, (1 << 20) + 16))) == 0  # maps the arena
-        monkeypatch.setattr(ShmReader, "heads", heads_then_delete)
+        _delete_after_heads(monkeypatch, verified_server, keys[2])
         assert reader.blocks_exist(keys, ask_server=False) == [True, True, False, True]
 
 
@@ -209,15 +214,9 @@ def test_a_block_deleted_after_the_first_pass_read_it_ends_the_prefix_there(veri
         assert writer.put_kv(spec, tokens, kv) == len(tokens)
     assert verified_server.store.scrubber.caught_up(10.0)
     passes = _spy_first_fill(monkeypatch)
-    real = ShmReader.heads
-
-    def heads_then_delete(self, offsets, length):
-        got = real(self, offsets, length)
-        verified_server.store.delete_blocks([keys[2]])
-        return got
     with KVClient(verified_server.url, plan=False) as reader:
         assert reader.lookup(spec, list(range(1 << 20, (1 << 20) + 16))) == 0  # maps the arena
-        monkeypatch.setattr(ShmReader, "heads", heads_then_delete)
+        _delete_after_heads(monkeypatch, verified_server, keys[2])
         got, n = reader.get_kv(spec, tokens)
     assert passes == [None]
     assert n == 2 * 16 and torch.equal(got, kv[:, :, :, :n])
