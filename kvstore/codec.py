@@ -56,6 +56,7 @@ __all__ = [
     "frame_meta",
     "raw_payload_offset",
     "seal_raw",
+    "raw_frame_into",
 ]
 
 # torch.frombuffer warns on read-only buffers; decode only ever reads from them.
@@ -202,7 +203,7 @@ def encode_into(
     if codec is Codec.RAW:
         scales_len, payload_off = 0, scales_off
         payload_len = raw_len = numel * kv.element_size()
-        body_sum = _encode_raw(mv, kv, header_len, payload_off, payload_len)
+        body_sum = _encode_raw(mv, int_view(kv), header_len, payload_off, payload_len)
         layout, sid = LAYOUT_NONE, 0
         return seal(mv, codec, dname, shape, len(meta), flags, layout, sid, scales_len, payload_len, raw_len,
                     body_sum=body_sum)
@@ -447,18 +448,49 @@ def int_view(t: torch.Tensor) -> np.ndarray:
 _FUSED_CHUNK_BYTES = 1 << 20  # hashed and copied while it sits in L2
 
 
-def _encode_raw(mv: memoryview, kv: torch.Tensor, header_len: int, payload_off: int, payload_len: int) -> int:
-    """Copy ``kv`` into the payload and hash the body, one cache-sized run of its outer rows at a time.
+def raw_frame_into(src: np.ndarray, dtype: str, out: Any, meta: bytes = b"") -> tuple[int, int]:
+    """Write the raw frame of a ``dtype`` tensor whose bits ``src`` holds (same-size ints, as
+    ``int_view`` gives: numpy has no bfloat16; any strides) into ``out``; its length and body
+    checksum.
+
+    Why beside ``encode_into``: a put of many blocks of one shape repeats encode_into's checks
+    and its tensor-to-numpy step for each, and then read the header back for the checksum; at
+    64 KiB a block that cost more than the block's copy. The caller views its KV as ints once.
+
+    Raises:
+        InvalidKV: an unsupported dtype, ``src`` not the same-size ints of ``dtype``, or
+            ``out`` too small or read-only. InvalidInput: bad ``meta``.
+    """
+    dname = _dtype_name(dtype)
+    if src.dtype != SAME_SIZE_INTS[FRAME_DTYPES[dname].itemsize][1] or not 1 <= src.ndim <= MAX_NDIM:
+        raise InvalidKV(f"a {dname} frame's bits come as {FRAME_DTYPES[dname].itemsize}-byte ints of 1 to "
+                        f"{MAX_NDIM} dims, got {src.dtype} of {src.ndim}")
+    meta = _check_meta(meta)
+    mv = bytes_view(out)
+    header_len = header_size(src.ndim)
+    payload_off = header_len + pad(len(meta))
+    if mv.readonly or len(mv) < payload_off + src.nbytes:
+        raise InvalidKV(f"output buffer must be writable and hold {payload_off + src.nbytes} bytes, got {len(mv)}")
+    mv[header_len:header_len + len(meta)] = meta
+    mv[header_len + len(meta):payload_off] = bytes(payload_off - header_len - len(meta))
+    body_sum = _encode_raw(mv, src, header_len, payload_off, src.nbytes)
+    n = seal(mv, Codec.RAW, dname, src.shape, len(meta), 0, LAYOUT_NONE, 0, 0, src.nbytes, src.nbytes,
+             body_sum=body_sum)
+    return n, body_sum
+
+
+def _encode_raw(mv: memoryview, src: np.ndarray, header_len: int, payload_off: int, payload_len: int) -> int:
+    """Copy ``src`` (a tensor's bits) into the payload and hash the body, one cache-sized run of
+    its outer rows at a time.
 
     The mirror of ``_decode_raw``: copying all of it and then hashing the frame reads
     a large payload from memory twice; this hashes each run while it is still cached.
-    ``kv`` may be a strided view (one block of a token-major KV). The body checksum.
+    ``src`` may be a strided view (one block of a token-major KV). The body checksum.
     """
     digest = xxhash.xxh3_64()
     digest.update(mv[header_len:payload_off])  # the meta and its padding
     if not payload_len:
         return digest.intdigest()
-    src = int_view(kv)  # numpy has no bfloat16: copy the bits
     dst = np.frombuffer(mv, dtype=src.dtype, count=src.size, offset=payload_off).reshape(src.shape)
     rows = src.shape[0] if src.ndim > 1 else 1
     row_bytes = payload_len // rows

@@ -71,7 +71,7 @@ def test_a_put_in_halves_reads_back_bit_exact_by_every_path(serve_app, spec, spl
 def test_a_put_whose_helper_half_fails_raises_and_stores_nothing(serve_app, spec, split, monkeypatch):
     srv = serve_app(KVStore([ShmTier(32 << 20), MemoryTier(64 << 20)], background=False, scrub_bytes_per_s=0))
     tokens, kv = list(range(TOKENS)), make_kv(spec, TOKENS, seed=6)
-    real = codec_mod.encode_into
+    real = codec_mod.raw_frame_into
 
     def failing_on_the_helper(*args, **kwargs):  # the fault: the helper's half cannot encode
         if threading.current_thread().name == "kvstore-copy-half":
@@ -80,12 +80,12 @@ def test_a_put_whose_helper_half_fails_raises_and_stores_nothing(serve_app, spec
     with KVClient(srv.url, plan=False) as writer:
         writer.lookup(spec, [1])
         writer.colocation.arena.pooled_puts = False  # a reservation: the failure aborts it
-        monkeypatch.setattr(codec_mod, "encode_into", failing_on_the_helper)
+        monkeypatch.setattr(codec_mod, "raw_frame_into", failing_on_the_helper)
         with pytest.raises(InvalidKV, match="injected"):
             writer.put_kv(spec, tokens, kv)
         assert writer.lookup(spec, tokens) == 0
         assert srv.store.reservations.open_count() == 0
-        monkeypatch.setattr(codec_mod, "encode_into", real)
+        monkeypatch.setattr(codec_mod, "raw_frame_into", real)
         assert writer.put_kv(spec, tokens, kv) == TOKENS
         got, n = writer.get_kv(spec, tokens)
         assert n == TOKENS and torch.equal(got, kv)

@@ -429,3 +429,40 @@ def test_encode_many_refuses_what_encode_refuses():
     with pytest.raises(InvalidInput):
         encode_many([good], [])
     assert encode_many([], []) == []
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.uint8])
+def test_raw_frame_into_writes_encode_intos_frame_and_returns_its_checksum(dtype):
+    from kvstore.codec import int_view, raw_frame_into
+
+    whole = (torch.randn(4, 2, 3, 48, 32, generator=torch.Generator().manual_seed(5)) * 50).to(dtype)
+    bits = int_view(whole)
+    name = str(dtype).removeprefix("torch.")
+    for lo, hi, meta in ((0, 16, b""), (16, 32, b"m" * 64), (32, 48, b"m" * 65)):  # strided blocks; meta pads
+        want = bytearray(frame_size((4, 2, 3, 16, 32), dtype, meta_len=len(meta)) + 40)
+        n = encode_into(whole[:, :, :, lo:hi], want, meta=meta)
+        got = bytearray(b"\xff" * len(want))  # stale bytes under the pads must not survive
+        length, checksum = raw_frame_into(bits[:, :, :, lo:hi], name, got, meta)
+        assert (length, bytes(got[:n])) == (n, bytes(want[:n]))
+        assert checksum == read_header(got[:n]).body_checksum
+        assert torch.equal(decode(bytes(got[:n])), whole[:, :, :, lo:hi])
+    big = torch.randn(4, 2, 1, 1024, 256).half()  # 4 MiB: copied and hashed in cache-sized runs
+    out = bytearray(frame_size(big.shape, big.dtype))
+    assert raw_frame_into(int_view(big), "float16", out)[1] == verify(out).body_checksum
+
+
+def test_raw_frame_into_refuses_bits_of_another_size_and_a_bad_buffer_or_meta():
+    from kvstore.codec import int_view, raw_frame_into
+
+    x = torch.randn(2, 2, 1, 4, 8).half()
+    room = bytearray(frame_size(x.shape, x.dtype, meta_len=8))
+    with pytest.raises(InvalidKV, match="2-byte ints"):
+        raw_frame_into(int_view(x.float()), "float16", room)  # float32 bits as a float16 frame
+    with pytest.raises(InvalidKV, match="dtypes"):
+        raw_frame_into(int_view(x), "float8", room)
+    with pytest.raises(InvalidKV, match="hold"):
+        raw_frame_into(int_view(x), "float16", room[:-1], b"m" * 8)
+    with pytest.raises(InvalidKV, match="hold"):
+        raw_frame_into(int_view(x), "float16", bytes(room))  # read-only
+    with pytest.raises(InvalidInput):
+        raw_frame_into(int_view(x), "float16", room, "meta")
