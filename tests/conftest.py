@@ -74,3 +74,19 @@ def shm_segments(pid: int) -> set[str]:
     machine makes or removes shared memory meanwhile."""
     return {name for name in os.listdir("/dev/shm") if re.fullmatch(rf"[^.]+\.[^.]+\.{pid}\.[0-9a-f]+", name)}
 
+
+
+def fail_nth_commit(monkeypatch, tier, n: int) -> None:
+    """Make ``tier``'s ``n``-th ``commit_reserved`` from now fail as a tier closing mid-commit
+    does: the slot taken back, ``StoreClosed`` raised (the others commit as before)."""
+    from kvstore.errors import StoreClosed
+
+    commit, calls = tier.commit_reserved, []
+
+    def nth_fails(key, slot, reserved, length):
+        calls.append(key)
+        if len(calls) == n:
+            tier.abort_reserved(slot, reserved)
+            raise StoreClosed("injected: the tier closed during the commit")
+        return commit(key, slot, reserved, length)
+    monkeypatch.setattr(tier, "commit_reserved", nth_fails)

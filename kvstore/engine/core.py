@@ -210,6 +210,10 @@ class EngineCore:
         """Exclusive right to change ``key``'s entry (and its frames) until the block exits."""
         return self._index.claim(key)
 
+    def claim_all(self, keys: Sequence[BlockHash]) -> AbstractContextManager[None]:
+        """``claim`` of each of ``keys`` (each once), taken and released together (``Index.claim_all``)."""
+        return self._index.claim_all(keys)
+
     # -- the index: changes -----------------------------------------------------------------
 
     def publish(self, entry: IndexEntry, *, access: bool = True, now: float | None = None, reason: str = "put",
@@ -227,6 +231,22 @@ class EngineCore:
         self._index.add(entry)
         self.placement.admitted(entry.key, entry.tier, entry.size, access=access, depth=entry.depth, now=now)
         self._stored(entry, reason, parent, tokens)
+
+    def publish_many(self, entries: Sequence[IndexEntry], *, now: float, reason: str,
+                     chain: Sequence[tuple[BlockHash | None, bytes | None]]) -> None:
+        """``publish`` of a put's frames, all in one tier, under their claims (``claim_all``): the
+        index, placement and the event log each taken once, not once a block. ``chain``: each
+        block's parent and token ids."""
+        if not entries:
+            return
+        if any(e.tier != entries[0].tier for e in entries):
+            raise ValueError("publish_many: frames of one tier")
+        self._index.add_many(entries)
+        self.placement.admitted_many(entries[0].tier, [(e.key, e.size, e.depth) for e in entries], now=now)
+        self.events.emit_many(STORED, [
+            {"key": e.key, "namespace": e.namespace, "tier": e.tier, "size": e.size, "depth": e.depth,
+             "spec_fp": e.spec_fp, "parent": parent, "reason": reason, "tokens": tokens}
+            for e, (parent, tokens) in zip(entries, chain)])
 
     def _stored(self, entry: IndexEntry, reason: str, parent: BlockHash | None,
                 tokens: bytes | None) -> None:

@@ -31,7 +31,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 __all__ = ["Event", "EventLog", "STORED", "MOVED", "REMOVED", "CLEARED", "KINDS", "DEFAULT_CAPACITY"]
 
@@ -123,15 +123,26 @@ class EventLog:
 
     def emit(self, kind: str, **fields) -> Event:
         """Append one event; wakes threads in ``wait`` and calls every hook with its number."""
+        return self.emit_many(kind, (fields,))[0]
+
+    def emit_many(self, kind: str, fields: Sequence[dict]) -> list[Event]:
+        """Append one ``kind`` event for each of ``fields``, numbered in order at one instant (a
+        put's blocks); wakes waiters and calls every hook once, with the last number (a hook is
+        a wake-up: the events before it are in the log when it reads)."""
         with self._cond:
-            self._seq += 1
-            ev = Event(self._seq, kind, self._clock(), **fields)
-            self._ring[self._seq % self.capacity] = ev
+            now, ring, cap, seq = self._clock(), self._ring, self.capacity, self._seq
+            events = []
+            for f in fields:
+                seq += 1
+                ev = ring[seq % cap] = Event(seq, kind, now, **f)
+                events.append(ev)
+            self._seq = seq
             self._cond.notify_all()
             hooks = self._hooks
-        for hook in hooks:  # outside the lock: a hook schedules a wake-up, it never reads here
-            hook(ev.seq)
-        return ev
+        if events:
+            for hook in hooks:  # outside the lock: a hook schedules a wake-up, it never reads here
+                hook(seq)
+        return events
 
     def add_hook(self, hook: Callable[[int], None]) -> Callable[[], None]:
         """Call ``hook(seq)`` after every emit (from the emitting thread: keep it O(1) and never

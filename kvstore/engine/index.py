@@ -94,18 +94,25 @@ class Index:
 
     def add(self, entry: IndexEntry) -> IndexEntry | None:
         """Publish ``entry`` (under its key's claim); returns the entry it replaced, if any."""
+        return self.add_many((entry,))[0]
+
+    def add_many(self, entries: Sequence[IndexEntry]) -> list[IndexEntry | None]:
+        """``add`` for each entry (each under its key's claim), under one take of the lock (a put's)."""
+        olds: list[IndexEntry | None] = []
         with self._cond:
-            self._check_claim(entry.key)
-            old = self._entries.get(entry.key)
-            if old is not None:
-                self._frame_bytes -= old.size
-                self._raw_bytes -= old.raw_bytes
-                if entry.engine_hash is None:  # a key names its tokens: the engine's name still holds
-                    entry.engine_hash = old.engine_hash
-            self._entries[entry.key] = entry
-            self._frame_bytes += entry.size
-            self._raw_bytes += entry.raw_bytes
-            return old
+            for entry in entries:
+                self._check_claim(entry.key)
+                old = self._entries.get(entry.key)
+                if old is not None:
+                    self._frame_bytes -= old.size
+                    self._raw_bytes -= old.raw_bytes
+                    if entry.engine_hash is None:  # a key names its tokens: the engine's name still holds
+                        entry.engine_hash = old.engine_hash
+                self._entries[entry.key] = entry
+                self._frame_bytes += entry.size
+                self._raw_bytes += entry.raw_bytes
+                olds.append(old)
+        return olds
 
     def remove(self, key: BlockHash, expected: IndexEntry | None = None) -> IndexEntry | None:
         """Unpublish ``key`` (under its claim). With ``expected``, only if that very entry is still current."""
@@ -154,7 +161,7 @@ class Index:
         """Exclusive section for multi-step changes to one key.
 
         Claims on different keys never block each other. Never hold two claims
-        at once: that is how deadlocks start.
+        at once (but through ``claim_all``): that is how deadlocks start.
         """
         with self._cond:
             while key in self._busy:
@@ -165,6 +172,29 @@ class Index:
         finally:
             with self._cond:
                 del self._busy[key]
+                self._cond.notify_all()
+
+    @contextmanager
+    def claim_all(self, keys: Sequence[BlockHash]) -> Iterator[None]:
+        """``claim`` of every key of ``keys`` (each once) at once: taken together when none is
+        claimed, so a thread never holds some while it waits for others (no deadlock), and
+        released together. One put publishes its blocks under one, not one claim a block.
+        """
+        if len(set(keys)) != len(keys):
+            raise ValueError("claim_all: each key once")
+        me = threading.get_ident()
+        with self._cond:
+            busy = self._busy
+            while not busy.keys().isdisjoint(keys):
+                self._cond.wait()
+            for key in keys:
+                busy[key] = me
+        try:
+            yield
+        finally:
+            with self._cond:
+                for key in keys:
+                    del self._busy[key]
                 self._cond.notify_all()
 
     def _check_claim(self, key: BlockHash) -> None:

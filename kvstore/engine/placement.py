@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 import threading
 import time
 from collections import deque
@@ -76,7 +75,7 @@ from typing import Callable, Iterable
 from kvstore.errors import InvalidInput
 from kvstore.engine.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 from kvstore.engine.heat_order import HeatOrder
-from kvstore.engine.placement_types import MoveOrder, MoveRecord, PlacementConfig, Resident, TierPolicy
+from kvstore.engine.placement_types import Heats, MoveOrder, MoveRecord, PlacementConfig, Resident, TierPolicy
 from kvstore.engine.retention import PREFETCH_OWNER, Retention
 from kvstore.engine.room import RoomHold, RoomMaker
 
@@ -94,26 +93,6 @@ def default_scorer(config: PlacementConfig) -> Scorer:
     if config.long_half_life_s is None:
         return short
     return AdaptiveRate(short, DecayedRate(config.long_half_life_s, config.margin_frac, config.long_max_count))
-
-
-class _Heats(Sequence):
-    """Every entry's heat, iterable more than once, and sliced in C (for ``Scorer.calibrate``)."""
-
-    __slots__ = ("_res",)
-
-    def __init__(self, res: dict[bytes, Resident]) -> None:
-        self._res = res
-
-    def __len__(self) -> int:
-        return len(self._res)
-
-    def __getitem__(self, at: slice) -> list[Heat]:
-        if not isinstance(at, slice):
-            raise TypeError("heats are sliced, not indexed: an index would copy every entry")
-        return [r.heat for r in list(self._res.values())[at]]
-
-    def __iter__(self):
-        return map(operator.attrgetter("heat"), self._res.values())
 
 
 class PlacementManager:
@@ -168,20 +147,28 @@ class PlacementManager:
             now: the clock reading to record; one put passes the same for all its
                 blocks, so they tie and ``depth`` decides.
         """
+        self.admitted_many(tier, ((key, size, depth),), access=access, now=now)
+
+    def admitted_many(self, tier: str, blocks: Iterable[tuple[bytes, int, int]], *, access: bool = True,
+                      now: float | None = None) -> None:
+        """``admitted`` for each ``(key, size, depth)`` written in ``tier``, under one take of the lock."""
         now = self.clock() if now is None else now
+        pos = self._pos[tier]
+        res, members, order = self._res, self._members[pos], self._order[pos]
         with self._lock:
-            r = self._res.get(key)
-            if r is None:
-                r = self._res[key] = Resident(tier=self._pos[tier], size=size, since_s=now)
-            else:
-                self._leave(key, r)
-                r.tier, r.size, r.since_s, r.came = self._pos[tier], size, now, 0
-            r.depth = depth
-            self._members[r.tier][key] = r
-            self._used[r.tier] += size
-            if access:
-                self.scorer.touch(r.heat, now)
-            self._order[r.tier].put(key, r.heat.score, depth)
+            for key, size, depth in blocks:
+                r = res.get(key)
+                if r is None:
+                    r = res[key] = Resident(tier=pos, size=size, since_s=now)
+                else:
+                    self._leave(key, r)
+                    r.tier, r.size, r.since_s, r.came = pos, size, now, 0
+                r.depth = depth
+                members[key] = r
+                self._used[pos] += size
+                if access:
+                    self.scorer.touch(r.heat, now)
+                order.put(key, r.heat.score, depth)
 
     def accessed(self, keys: Iterable[bytes], counts: Iterable[int] | None = None) -> None:
         """Each key was read (``counts[i]`` times): heat goes up; one below the top tier
@@ -370,7 +357,7 @@ class PlacementManager:
         now = self.clock()
         with self._lock:
             switches = getattr(self.scorer, "switches", 0)
-            self.scorer.calibrate(_Heats(self._res), len(self._members[0]), len(self._res), now)
+            self.scorer.calibrate(Heats(self._res), len(self._members[0]), len(self._res), now)
             if getattr(self.scorer, "switches", 0) != switches:  # every score changed: rank afresh
                 for i, (members, order) in enumerate(zip(self._members, self._order)):
                     order.rebuild((key, r.heat.score, r.depth) for key, r in members.items())

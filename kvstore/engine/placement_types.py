@@ -8,13 +8,15 @@ re-exports all but ``Resident`` (placement's own bookkeeping).
 
 from __future__ import annotations
 
+import operator
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidInput
 from kvstore.engine.heat import Heat
 
-__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "Resident"]
+__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "Resident", "Heats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +156,23 @@ class Resident(Heat):
 
     def retained(self, now: float) -> bool:
         return self.retained_until > now
+
+
+class Heats(Sequence):
+    """Every entry's heat, iterable more than once, and sliced in C (for ``Scorer.calibrate``)."""
+
+    __slots__ = ("_res",)
+
+    def __init__(self, res: dict[bytes, Resident]) -> None:
+        self._res = res
+
+    def __len__(self) -> int:
+        return len(self._res)
+
+    def __getitem__(self, at: slice) -> list[Heat]:
+        if not isinstance(at, slice):
+            raise TypeError("heats are sliced, not indexed: an index would copy every entry")
+        return [r.heat for r in list(self._res.values())[at]]
+
+    def __iter__(self):
+        return map(operator.attrgetter("heat"), self._res.values())

@@ -24,7 +24,8 @@ from kvstore.codec import Codec
 from kvstore.engine.core import EngineCore, is_current
 from kvstore.engine.index import IndexEntry
 from kvstore.engine.placement import RoomHold
-from kvstore.engine.slots import ReservedBlock, WrittenHeaders, block_tokens, check_written, give_back
+from kvstore.engine.slots import (Progress, ReservedBlock, WrittenHeaders, block_tokens, check_written, give_back,
+                                  publish_written)
 from kvstore.engine.recovery import entry_from_header
 from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput, TierFull
 from kvstore.keys import BlockHash, block_hashes, block_meta
@@ -311,35 +312,25 @@ class PooledPuts:
     def _publish(self, owner: str, pid: int, name: str, taken: list[PoolSlot], entries: list[IndexEntry],
                  heat_now: float, held: Callable[[IndexEntry | None, IndexEntry], bool],
                  chain: list[tuple[BlockHash | None, bytes | None]] | None = None) -> tuple[list[PoolSlot], int]:
-        """Commit each slot's frame and publish its entry, in order, each under its key's claim; a key
-        ``held(old, entry)`` already keeps its slot lent (stored meanwhile by another writer, or
-        another's). ``chain``: each block's parent and token ids, for its event. Returns the slots
-        kept and the raw bytes published; on a failure the slots not yet published go back to the pool.
+        """Commit each slot's frame and publish its entry, in order, as one batch (``publish_written``);
+        a key ``held(old, entry)`` already keeps its slot lent (stored meanwhile by another writer,
+        or another's). ``chain``: each block's parent and token ids, for its event. Returns the
+        slots kept and the raw bytes published; on a failure the slots not yet published go back
+        to the pool (but the one whose commit failed: the tier took it back).
         """
-        top = self._core.tiers[0]
-        returned: list[PoolSlot] = []
-        nbytes = 0
-        for i, (entry, ps) in enumerate(zip(entries, taken)):
-            kept = False
-            try:
-                with self._core.claim(entry.key):
-                    if held(self._core.entry(entry.key), entry):
-                        returned.append(ps)  # the slot stays lent
-                        kept = True
-                        self._core.count(blocks_deduped=1)
-                        continue
-                    top.commit_reserved(entry.key, ps.slot, ps.size, entry.size)
-                    parent, tokens = chain[i] if chain is not None else (None, None)
-                    self._core.publish(entry, now=heat_now, reason="reserved", parent=parent, tokens=tokens)
-                    self._core.count(blocks_written=1)
-                    nbytes += entry.raw_bytes
-            except BaseException:
-                self._back_to_pool(owner, pid, name, taken[i + 1:] + returned)
-                raise
-            finally:
-                if ps.room is not None and not kept:
-                    ps.room.release()  # published (placement counts the block now), or failed
-        return returned, nbytes
+        progress = Progress()
+        try:
+            nbytes = publish_written(self._core, entries, [(ps.slot, ps.size) for ps in taken], held, now=heat_now,
+                                     vouch=False, chain=chain or [(None, None)] * len(entries), progress=progress)
+        except BaseException:
+            self._back_to_pool(owner, pid, name,
+                               taken[progress.untouched():] + [taken[i] for i in progress.held])
+            raise
+        finally:  # placement counts a published block now; the failed one's slot is gone
+            for i in progress.published + ([progress.at] if progress.committing else []):
+                if taken[i].room is not None:
+                    taken[i].room.release()
+        return [taken[i] for i in progress.held], nbytes
 
     def _take(self, owner: str, pid: int, name: str, offsets: list[int]) -> list[PoolSlot]:
         """The writer's pool slots at ``offsets``, out of its pool (a put uses them), its pool refreshed.

@@ -48,7 +48,7 @@ from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.memory.shm import start_ticks
 from kvstore.engine.placement import RoomHold
 from kvstore.engine.pools import PooledPuts
-from kvstore.engine.slots import ReservedBlock, block_tokens, check_written, give_back
+from kvstore.engine.slots import Progress, ReservedBlock, block_tokens, check_written, give_back, publish_written
 from kvstore.spec import KVSpec
 
 __all__ = ["ReservedPuts", "Reservation", "ReservedBlock"]
@@ -211,26 +211,20 @@ class ReservedPuts:
             raise
         now, heat_now = self._core.clock(), self._core.placement.clock()
         spec_fp = res.spec.fingerprint()
-        for i, (b, header) in enumerate(zip(res.blocks, headers)):
-            try:
-                with self._core.claim(b.key):
-                    if is_current(self._core.entry(b.key), res.namespace, spec_fp):
-                        give_back(top, [b])
-                        self._core.count(blocks_deduped=1)
-                        continue
-                    top.commit_reserved(b.key, b.slot, b.size, header.frame_len)
-                    if sealed:  # this process hashed the bytes in place as it sealed them: verified
-                        top.vouch(b.key, b.slot.stamp)
-                    self._core.publish(IndexEntry(
-                        key=b.key, tier=top.name, size=header.frame_len, codec=header.codec,
-                        checksum=header.body_checksum, raw_bytes=header.raw_nbytes, namespace=res.namespace,
-                        spec_fp=spec_fp, depth=b.depth, created_s=now, last_access_s=now), now=heat_now,
-                        reason="reserved", parent=b.parent, tokens=b.tokens or None)
-                    self._core.count(blocks_written=1)
-            except BaseException:
-                give_back(top, res.blocks[i + 1:])
-                raise
-            finally:
+        entries = [IndexEntry(key=b.key, tier=top.name, size=h.frame_len, codec=h.codec, checksum=h.body_checksum,
+                              raw_bytes=h.raw_nbytes, namespace=res.namespace, spec_fp=spec_fp, depth=b.depth,
+                              created_s=now, last_access_s=now) for b, h in zip(res.blocks, headers)]
+        progress = Progress()
+        try:  # sealed: this process hashed the bytes in place as it sealed them: verified
+            publish_written(self._core, entries, [(b.slot, b.size) for b in res.blocks],
+                            lambda old, e: is_current(old, res.namespace, spec_fp), now=heat_now, vouch=sealed,
+                            chain=[(b.parent, b.tokens or None) for b in res.blocks], progress=progress)
+        except BaseException:
+            give_back(top, res.blocks[progress.untouched():])
+            raise
+        finally:
+            give_back(top, [res.blocks[i] for i in progress.held])  # another put's frame stays
+            for b in res.blocks:
                 if b.room is not None:
                     b.room.release()  # published (placement counts it now), given back, or failed
         return res.n_tokens, sum(h.raw_nbytes for h in headers)

@@ -1,6 +1,7 @@
 """Every change to the index runs under its key's claim: the index checks it, not a convention."""
 
 import threading
+import time
 
 import pytest
 
@@ -68,3 +69,52 @@ def test_every_engine_path_holds_the_claim(store):
     keys = block_hashes(spec, list(range(1000, 1064)))
     assert store.delete_blocks(keys[:2]) == 2
     assert store.lookup(spec, list(range(2000, 2064))) == 64
+
+
+def test_claim_all_waits_for_every_key_holding_none_meanwhile(store):
+    """``claim_all`` takes its keys together: while another thread holds one of them it holds
+    none of the others (a thread claiming those is not blocked), and it releases them together."""
+    a, b, c = (bytes([i]) * 32 for i in range(3))
+    index = store.core._index
+    taken = threading.Event()
+    release = threading.Event()
+    order: list[str] = []
+
+    def holder() -> None:
+        with index.claim(b):
+            taken.set()
+            release.wait(10)
+            order.append("holder done")
+
+    def batch() -> None:
+        with index.claim_all([a, b, c]):
+            order.append("batch in")
+
+    t1 = threading.Thread(target=holder)
+    t1.start()
+    assert taken.wait(10)
+    t2 = threading.Thread(target=batch)
+    t2.start()
+    deadline = time.monotonic() + 10
+    while not index._cond._waiters and time.monotonic() < deadline:  # the batch waits for b
+        time.sleep(0.001)
+    assert index._cond._waiters
+
+    def claim_a() -> None:
+        with index.claim(a):  # not held by the waiting batch: it would block here
+            order.append("a free")
+    t3 = threading.Thread(target=claim_a, daemon=True)
+    t3.start()
+    t3.join(5)
+    assert order == ["a free"]
+    release.set()
+    t1.join(10)
+    t2.join(10)
+    assert order == ["a free", "holder done", "batch in"]
+    with index.claim_all([c, a]):  # all released
+        pass
+    with pytest.raises(ValueError, match="each key once"):
+        with index.claim_all([a, a]):
+            pass
+    with index.claim(a):  # the refused claim_all took nothing
+        pass

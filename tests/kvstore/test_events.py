@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvstore.engine.events import EventLog
+from kvstore.engine.events import STORED, EventLog
 from kvstore.engine.store import KVStore
 from tests.conftest import make_kv, make_spec
 from tiers.memory import MemoryTier
@@ -152,3 +152,17 @@ def test_token_ids_kept_only_when_asked():
         import numpy as np
         assert [np.frombuffer(e.tokens, "<u4").tolist() for e in new] == [list(range(100, 116)),
                                                                           list(range(116, 132))]
+
+
+def test_emit_many_numbers_in_order_and_calls_each_hook_once_with_the_last():
+    log = EventLog(16)
+    seen: list[int] = []
+    log.add_hook(seen.append)
+    log.emit(STORED, key=b"\0" * 32)
+    events = log.emit_many(STORED, [{"key": bytes([i]) * 32, "depth": i} for i in range(1, 4)])
+    assert [e.seq for e in events] == [2, 3, 4] and [e.depth for e in events] == [1, 2, 3]
+    assert len({e.time_s for e in events}) == 1
+    assert seen == [1, 4]  # one wake-up for the batch
+    got, lost = log.read(0)
+    assert [e.seq for e in got] == [1, 2, 3, 4] and not lost
+    assert log.emit_many(STORED, []) == [] and seen == [1, 4] and log.last_seq == 4

@@ -15,10 +15,11 @@ import torch
 from kvstore import codec
 from kvstore.engine.pools import MAX_POOL_BYTES, SLOT_SLACK
 from kvstore.engine.store import KVStore
-from kvstore.errors import CorruptFrame, Forbidden, InvalidInput
+from kvstore.engine.events import STORED
+from kvstore.errors import CorruptFrame, Forbidden, InvalidInput, StoreClosed
 from kvstore.keys import block_hashes, block_meta
 from kvstore.memory.shm import ShmSlotWriter
-from tests.conftest import FakeClock, make_kv, make_spec
+from tests.conftest import FakeClock, fail_nth_commit, make_kv, make_spec
 from tiers.memory import MemoryTier
 from tiers.shm import ShmTier
 
@@ -212,3 +213,38 @@ def test_a_frame_whose_header_checksum_alone_is_damaged_is_dropped_before_a_read
         assert store.entry(keys[2]) is None and store.stats().counters.corrupt_blocks == 1
         got, n = store.get_kv(spec, tokens, NS)
         assert n == 32 and torch.equal(got, kv[:, :, :, :32])
+
+
+def test_a_pooled_put_publishes_its_blocks_as_one_batch_in_chain_order(store):
+    """One put, one batch: its stored events are numbered together, in chain order with their
+    parents, and the log's hooks (the verifier's wake-up) run once for it, not once a block."""
+    spec, res = make_spec(), store.reservations.pools
+    size = _size(store, spec)
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    slots = res.grant("a", PID, "p", size, 4)
+    writes = _write(store, spec, kv, slots, [0, 1, 2, 3])
+    wakes: list[int] = []
+    store.core.events.add_hook(wakes.append)
+    before = store.core.events.last_seq
+    res.put_pooled(spec, tokens, NS, "a", PID, "p", writes, 0)
+    events, _ = store.core.events.read(before)
+    keys = block_hashes(spec, tokens, NS)
+    assert [(e.kind, e.key, e.depth, e.parent, e.reason) for e in events] == [
+        (STORED, k, d, keys[d - 1] if d else None, "reserved") for d, k in enumerate(keys)]
+    assert wakes == [before + 4]
+
+
+def test_a_commit_that_fails_midway_keeps_the_blocks_before_it_and_pools_the_rest(store, monkeypatch):
+    spec, res = make_spec(), store.reservations.pools
+    size = _size(store, spec)
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    slots = res.grant("a", PID, "p", size, 4)
+    writes = _write(store, spec, kv, slots, [0, 1, 2, 3])
+    fail_nth_commit(monkeypatch, store.tiers[0], 3)
+    with pytest.raises(StoreClosed):
+        res.put_pooled(spec, tokens, NS, "a", PID, "p", writes, 0)
+    assert store.lookup(spec, tokens, NS) == 32  # blocks 0 and 1 are published and read back
+    got, n = store.get_kv(spec, tokens, NS)
+    assert n == 32 and torch.equal(got, kv[:, :, :, :32])
+    assert res.lent_bytes() == _reserved(store) == size  # block 3's slot is lent again
+    assert store.placement._incoming[0] == size  # the rooms of the published and the failed are given up

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from kvstore import codec
-from kvstore.errors import CorruptFrame, Forbidden, InvalidInput
+from kvstore.errors import CorruptFrame, Forbidden, InvalidInput, StoreClosed
 from kvstore.memory.shm import ShmSlotWriter
 from kvstore.engine.store import KVStore
-from tests.conftest import FakeClock, make_kv, make_spec
+from tests.conftest import FakeClock, fail_nth_commit, make_kv, make_spec
 from tiers.memory import MemoryTier
 from tiers.shm import ShmTier
 
@@ -209,3 +209,20 @@ def test_close_returns_open_reservations():
     store.reserve_put(spec, list(range(64)), NS, owner="a", pid=os.getpid())
     store.close()
     assert store.reservations.open_count() == 0
+
+
+def test_a_commit_that_fails_midway_keeps_the_blocks_before_it_and_returns_every_other_slot(store, monkeypatch):
+    spec = make_spec()
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    before = _free(store)
+    res = store.reserve_put(spec, tokens, NS, owner="a")
+    sums = _write(store, res, kv, spec)
+    fail_nth_commit(monkeypatch, store.tiers[0], 3)
+    with pytest.raises(StoreClosed):
+        store.commit_put(res.id, "a", sums)
+    got, n = store.get_kv(spec, tokens, NS)
+    assert n == 32 and torch.equal(got, kv[:, :, :, :32])  # blocks 0 and 1 are published
+    assert _free(store)[1] == before[1]  # no slot is left reserved
+    assert store.placement._incoming[0] == 0  # and no room held
+    store.delete(spec, tokens, NS)
+    assert _free(store) == before
