@@ -141,11 +141,11 @@ class PlacementManager:
         """``key`` was written (or found at start) in ``tier``; a write counts as an access.
 
         Args:
-            depth: the block's position in its chain. Among equally hot blocks the
-                deepest goes first: a chain without its head is unreachable, one
-                without its tail still serves a prefix.
-            now: the clock reading to record; one put passes the same for all its
-                blocks, so they tie and ``depth`` decides.
+            depth: the block's position in its chain. Among equally hot blocks the deepest goes
+                first: a chain without its head is unreachable, one without its tail still
+                serves a prefix.
+            now: the clock reading to record; one put passes the same for all its blocks, so
+                they tie and ``depth`` decides.
         """
         self.admitted_many(tier, ((key, size, depth),), access=access, now=now)
 
@@ -435,6 +435,19 @@ class PlacementManager:
                     or self.config.full_top == "evict"):
                 return top.name
             return self.tiers[1].name
+
+    def hold_free(self, nbytes: int, n: int) -> list[RoomHold]:
+        """Up to ``n`` holds of ``nbytes`` of free top-tier room (a pool's grant), in one take of the lock:
+        while the tier stays under the mark ``place_new`` admits new blocks under (or its capacity)."""
+        top = self.tiers[0]
+        with self._lock:
+            mark = (1.0 if self.config.full_top == "evict" or not self.config.admission or len(self.tiers) == 1
+                    else top.low_watermark_frac if self._draining[0] else top.high_watermark_frac)
+            holds: list[RoomHold] = []
+            while len(holds) < n and self._used[0] + self._incoming[0] + nbytes <= mark * top.capacity_bytes:
+                self._incoming[0] += nbytes
+                holds.append(RoomHold(self._room, 0, nbytes, []))
+        return holds
 
     def make_room(self, tier: str, nbytes: int, *, force: bool = False) -> list[MoveOrder]:
         """Orders that free ``nbytes`` in ``tier`` now, for a put that found it full.

@@ -27,7 +27,7 @@ from kvstore.engine.placement import RoomHold
 from kvstore.engine.slots import (Progress, ReservedBlock, WrittenHeaders, block_tokens, check_written, give_back,
                                   publish_written)
 from kvstore.engine.recovery import entry_from_header
-from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput, TierFull
+from kvstore.errors import CorruptFrame, Forbidden, FrameError, InvalidInput
 from kvstore.keys import BlockHash, block_hashes, block_meta
 from kvstore.memory.shm import start_ticks
 from kvstore.spec import KVSpec
@@ -127,16 +127,16 @@ class PooledPuts:
     """The pools of one store.
 
     Args:
-        core: the engine core (index, tiers, counters, clock).
-        take_room: the store's admission rule (as ``ReservedPuts``'s).
+        core: the engine core (index, tiers, placement, counters, clock): a grant holds free
+            room in placement's count for its slots (``PlacementManager.hold_free``).
         unavailable: why the store takes no writes into lent slots now, or None.
         lent: called once slots are lent (the reaper must run).
         ttl_s: how long a pool lives without a put, by the engine's clock.
     """
 
-    def __init__(self, core: EngineCore, take_room: Callable[[int], RoomHold], unavailable: Callable[[], str | None],
-                 lent: Callable[[], None], ttl_s: float) -> None:
-        self._core, self._take_room, self.unavailable, self._lent = core, take_room, unavailable, lent
+    def __init__(self, core: EngineCore, unavailable: Callable[[], str | None], lent: Callable[[], None],
+                 ttl_s: float) -> None:
+        self._core, self.unavailable, self._lent = core, unavailable, lent
         self.ttl_s = ttl_s
         self._pools: dict[tuple[str, int, str], Pool] = {}
         self._lock = threading.Lock()
@@ -185,17 +185,8 @@ class PooledPuts:
             # come would take the top tier from readers (a prefetch found it held apart). In a
             # full tier the writer reserves per put instead (two requests).
             count = min(count, max(0, top.room_bytes() // size - 1))
-        rooms: list[RoomHold] = []
+        rooms = self._core.placement.hold_free(size, count) if count else []  # free room: no demotion
         try:
-            for _ in range(count):
-                try:
-                    room = self._take_room(size)
-                except TierFull:
-                    break
-                if room.tier != 0:  # placement would put new blocks lower: no slot up top to lend
-                    room.release()
-                    break
-                rooms.append(room)
             slots = top.reserve_many(POOL_KEY, size, len(rooms))
         except BaseException:
             for room in rooms:

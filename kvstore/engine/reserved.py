@@ -100,7 +100,7 @@ class ReservedPuts:
         self._closed = False
         self.reaped = 0
         """Reservations aborted, and pools reclaimed, because their writer died or they expired."""
-        self.pools = PooledPuts(core, take_room, self.unavailable, self._lent, ttl_s)
+        self.pools = PooledPuts(core, self.unavailable, self._lent, ttl_s)
         """Slots lent ahead for one-request puts (``kvstore.engine.pools``); reaped with the reservations."""
 
     # -- why not --------------------------------------------------------------------------------

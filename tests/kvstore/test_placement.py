@@ -556,3 +556,21 @@ def test_a_promotion_a_round_gave_up_stays_a_candidate():
     assert m.tier_of(key(99)) == "top"
     m.settle(orders)  # carried out: nothing to ask again
     assert m.plan() == []
+
+
+@pytest.mark.parametrize("full_top, room", [("spill", 9), ("evict", 10)])
+def test_hold_free_holds_free_room_only_up_to_the_mark_new_blocks_are_admitted_under(full_top, room):
+    """A pool's grant: holds while the top tier, with them, stays under its high watermark (its
+    capacity where new blocks go up top anyway); nothing is ordered out, and each hold counts
+    until it is released."""
+    m, _ = manager(top_blocks=10, high=0.9, low=0.5, full_top=full_top)
+    for i in range(3):
+        m.admitted(key(i), "top", B)
+    holds = m.hold_free(B, 20)
+    assert len(holds) == room - 3 and all(h.tier == 0 and not h.orders for h in holds)
+    assert m.hold_free(B, 1) == []
+    assert m.place_new(B) == ("top" if full_top == "evict" else "low")  # the held bytes count
+    holds[0].release()
+    holds[0].release()  # twice is harmless
+    assert len(m.hold_free(B, 5)) == 1
+    assert m.hold_free(0, 0) == []
