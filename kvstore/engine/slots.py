@@ -163,12 +163,12 @@ def publish_written(core: Any, entries: list[Any], slots: list[tuple[Any, int]],
                     progress.committing = True
                     top.commit_reserved(entry.key, slot, size, entry.size)
                     progress.committing = False
-                    if vouch:
-                        top.vouch(entry.key, slot.stamp)
-                    done.append(entry)
+                    done.append(entry)  # committed: published below, whatever fails after
                     links.append(chain[i])
                     progress.published.append(i)
                     nbytes += entry.raw_bytes
+                    if vouch:
+                        top.vouch(entry.key, slot.stamp)
                 progress.at = i + 1
         finally:
             core.publish_many(done, now=now, reason="reserved", chain=links)
