@@ -123,26 +123,33 @@ class EventLog:
 
     def emit(self, kind: str, **fields) -> Event:
         """Append one event; wakes threads in ``wait`` and calls every hook with its number."""
-        return self.emit_many(kind, (fields,))[0]
+        with self._cond:
+            ev = self._append(kind, self._clock(), fields)
+            self._cond.notify_all()
+            hooks = self._hooks
+        for hook in hooks:  # outside the lock: a hook schedules a wake-up, it never reads here
+            hook(ev.seq)
+        return ev
 
     def emit_many(self, kind: str, fields: Sequence[dict]) -> list[Event]:
         """Append one ``kind`` event for each of ``fields``, numbered in order at one instant (a
         put's blocks); wakes waiters and calls every hook once, with the last number (a hook is
         a wake-up: the events before it are in the log when it reads)."""
+        if not fields:
+            return []
         with self._cond:
-            now, ring, cap, seq = self._clock(), self._ring, self.capacity, self._seq
-            events = []
-            for f in fields:
-                seq += 1
-                ev = ring[seq % cap] = Event(seq, kind, now, **f)
-                events.append(ev)
-            self._seq = seq
+            now = self._clock()
+            events = [self._append(kind, now, f) for f in fields]
             self._cond.notify_all()
             hooks = self._hooks
-        if events:
-            for hook in hooks:  # outside the lock: a hook schedules a wake-up, it never reads here
-                hook(seq)
+        for hook in hooks:
+            hook(events[-1].seq)
         return events
+
+    def _append(self, kind: str, now: float, fields: dict) -> Event:
+        self._seq += 1  # under the lock
+        ev = self._ring[self._seq % self.capacity] = Event(self._seq, kind, now, **fields)
+        return ev
 
     def add_hook(self, hook: Callable[[int], None]) -> Callable[[], None]:
         """Call ``hook(seq)`` after every emit (from the emitting thread: keep it O(1) and never

@@ -94,25 +94,27 @@ class Index:
 
     def add(self, entry: IndexEntry) -> IndexEntry | None:
         """Publish ``entry`` (under its key's claim); returns the entry it replaced, if any."""
-        return self.add_many((entry,))[0]
+        with self._cond:
+            return self._add(entry)
 
-    def add_many(self, entries: Sequence[IndexEntry]) -> list[IndexEntry | None]:
+    def add_many(self, entries: Sequence[IndexEntry]) -> None:
         """``add`` for each entry (each under its key's claim), under one take of the lock (a put's)."""
-        olds: list[IndexEntry | None] = []
         with self._cond:
             for entry in entries:
-                self._check_claim(entry.key)
-                old = self._entries.get(entry.key)
-                if old is not None:
-                    self._frame_bytes -= old.size
-                    self._raw_bytes -= old.raw_bytes
-                    if entry.engine_hash is None:  # a key names its tokens: the engine's name still holds
-                        entry.engine_hash = old.engine_hash
-                self._entries[entry.key] = entry
-                self._frame_bytes += entry.size
-                self._raw_bytes += entry.raw_bytes
-                olds.append(old)
-        return olds
+                self._add(entry)
+
+    def _add(self, entry: IndexEntry) -> IndexEntry | None:
+        self._check_claim(entry.key)  # under the lock
+        old = self._entries.get(entry.key)
+        if old is not None:
+            self._frame_bytes -= old.size
+            self._raw_bytes -= old.raw_bytes
+            if entry.engine_hash is None:  # a key names its tokens: the engine's name still holds
+                entry.engine_hash = old.engine_hash
+        self._entries[entry.key] = entry
+        self._frame_bytes += entry.size
+        self._raw_bytes += entry.raw_bytes
+        return old
 
     def remove(self, key: BlockHash, expected: IndexEntry | None = None) -> IndexEntry | None:
         """Unpublish ``key`` (under its claim). With ``expected``, only if that very entry is still current."""

@@ -73,9 +73,10 @@ from collections.abc import Sequence
 from typing import Callable, Iterable
 
 from kvstore.errors import InvalidInput
-from kvstore.engine.heat import AdaptiveRate, DecayedRate, Heat, Scorer
+from kvstore.engine.heat import Heat, Scorer
 from kvstore.engine.heat_order import HeatOrder
-from kvstore.engine.placement_types import Heats, MoveOrder, MoveRecord, PlacementConfig, Resident, TierPolicy
+from kvstore.engine.placement_types import (Heats, MoveOrder, MoveRecord, PlacementConfig, Resident, TierPolicy,
+                                           default_scorer)
 from kvstore.engine.retention import PREFETCH_OWNER, Retention
 from kvstore.engine.room import RoomHold, RoomMaker
 
@@ -84,15 +85,6 @@ __all__ = ["PREFETCH_OWNER", "TierPolicy", "PlacementConfig", "MoveOrder", "Move
 
 _SATURATING_READS = 64
 """Reads of one key reported at one instant that still raise its heat: scores saturate well before."""
-
-
-def default_scorer(config: PlacementConfig) -> Scorer:
-    """``AdaptiveRate`` over the config's short and long memories, or ``DecayedRate``
-    over the short one when ``long_half_life_s`` is None."""
-    short = DecayedRate(config.half_life_s, config.margin_frac, config.heat_max_count)
-    if config.long_half_life_s is None:
-        return short
-    return AdaptiveRate(short, DecayedRate(config.long_half_life_s, config.margin_frac, config.long_max_count))
 
 
 class PlacementManager:
@@ -147,28 +139,30 @@ class PlacementManager:
             now: the clock reading to record; one put passes the same for all its blocks, so
                 they tie and ``depth`` decides.
         """
-        self.admitted_many(tier, ((key, size, depth),), access=access, now=now)
+        with self._lock:
+            self._admit(key, self._pos[tier], size, depth, access, self.clock() if now is None else now)
 
     def admitted_many(self, tier: str, blocks: Iterable[tuple[bytes, int, int]], *, access: bool = True,
                       now: float | None = None) -> None:
         """``admitted`` for each ``(key, size, depth)`` written in ``tier``, under one take of the lock."""
-        now = self.clock() if now is None else now
-        pos = self._pos[tier]
-        res, members, order = self._res, self._members[pos], self._order[pos]
+        now, pos = self.clock() if now is None else now, self._pos[tier]
         with self._lock:
             for key, size, depth in blocks:
-                r = res.get(key)
-                if r is None:
-                    r = res[key] = Resident(tier=pos, size=size, since_s=now)
-                else:
-                    self._leave(key, r)
-                    r.tier, r.size, r.since_s, r.came = pos, size, now, 0
-                r.depth = depth
-                members[key] = r
-                self._used[pos] += size
-                if access:
-                    self.scorer.touch(r.heat, now)
-                order.put(key, r.heat.score, depth)
+                self._admit(key, pos, size, depth, access, now)
+
+    def _admit(self, key: bytes, pos: int, size: int, depth: int, access: bool, now: float) -> None:
+        r = self._res.get(key)  # under the lock
+        if r is None:
+            r = self._res[key] = Resident(tier=pos, size=size, since_s=now)
+        else:
+            self._leave(key, r)
+            r.tier, r.size, r.since_s, r.came = pos, size, now, 0
+        r.depth = depth
+        self._members[pos][key] = r
+        self._used[pos] += size
+        if access:
+            self.scorer.touch(r.heat, now)
+        self._order[pos].put(key, r.heat.score, depth)
 
     def accessed(self, keys: Iterable[bytes], counts: Iterable[int] | None = None) -> None:
         """Each key was read (``counts[i]`` times): heat goes up; one below the top tier
@@ -424,27 +418,30 @@ class PlacementManager:
         demotion: where the top tier holds blocks colder than a new one, the mover sends them
         down (``plan``) and later puts land in the room they leave.
         """
-        if not self.config.admission or len(self.tiers) == 1:
+        if self._always_top():
             return self.tiers[0].name
         with self._lock:
-            top = self.tiers[0]
-            # A draining top tier takes new blocks under its low watermark only: room above it is
-            # what the drain is making, and blocks put there would go down again next round.
-            mark = top.low_watermark_frac if self._draining[0] else top.high_watermark_frac
-            if (self._used[0] + self._incoming[0] + nbytes <= mark * top.capacity_bytes
-                    or self.config.full_top == "evict"):
-                return top.name
-            return self.tiers[1].name
+            return self.tiers[0].name if self._fits(nbytes, admitted=True) else self.tiers[1].name
+
+    def _always_top(self) -> bool:
+        """New blocks go up top whatever its use: no admission filter, one tier, or ``full_top="evict"``."""
+        return self.config.full_top == "evict" or not self.config.admission or len(self.tiers) == 1
+
+    def _fits(self, nbytes: int, *, admitted: bool) -> bool:
+        """Under the lock: whether ``nbytes`` more keep the top tier (and what is held) within its capacity,
+        or (``admitted``) its mark for new blocks: a draining tier's is its low watermark (room above it
+        is what the drain is making: blocks put there would go down again next round)."""
+        top = self.tiers[0]
+        mark = 1.0 if not admitted else top.low_watermark_frac if self._draining[0] else top.high_watermark_frac
+        return self._used[0] + self._incoming[0] + nbytes <= mark * top.capacity_bytes
 
     def hold_free(self, nbytes: int, n: int) -> list[RoomHold]:
         """Up to ``n`` holds of ``nbytes`` of free top-tier room (a pool's grant), in one take of the lock:
-        while the tier stays under the mark ``place_new`` admits new blocks under (or its capacity)."""
-        top = self.tiers[0]
+        each while the tier stays where ``place_new`` admits new blocks (nothing is ordered out)."""
+        admitted = not self._always_top()
+        holds: list[RoomHold] = []
         with self._lock:
-            mark = (1.0 if self.config.full_top == "evict" or not self.config.admission or len(self.tiers) == 1
-                    else top.low_watermark_frac if self._draining[0] else top.high_watermark_frac)
-            holds: list[RoomHold] = []
-            while len(holds) < n and self._used[0] + self._incoming[0] + nbytes <= mark * top.capacity_bytes:
+            while len(holds) < n and self._fits(nbytes, admitted=admitted):
                 self._incoming[0] += nbytes
                 holds.append(RoomHold(self._room, 0, nbytes, []))
         return holds

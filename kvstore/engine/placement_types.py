@@ -1,5 +1,6 @@
 """What placement's parts share: the tier policies and knobs they read, the record they keep per
-entry (``Resident``), the orders they give and the moves they log.
+entry (``Resident``), the orders they give and the moves they log; the scorer a config names by
+default (``default_scorer``) and the records' heats as the scorer calibrates over them (``Heats``).
 
 They live apart from ``kvstore.engine.placement`` so that ``room`` and ``retention``, which it
 imports, can name them without importing it back; callers import them from ``placement``, which
@@ -14,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidInput
-from kvstore.engine.heat import Heat
+from kvstore.engine.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
-__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "Resident", "Heats"]
+__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "Resident", "Heats", "default_scorer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,3 +177,12 @@ class Heats(Sequence):
 
     def __iter__(self):
         return map(operator.attrgetter("heat"), self._res.values())
+
+
+def default_scorer(config: PlacementConfig) -> Scorer:
+    """``AdaptiveRate`` over the config's short and long memories, or ``DecayedRate``
+    over the short one when ``long_half_life_s`` is None."""
+    short = DecayedRate(config.half_life_s, config.margin_frac, config.heat_max_count)
+    if config.long_half_life_s is None:
+        return short
+    return AdaptiveRate(short, DecayedRate(config.long_half_life_s, config.margin_frac, config.long_max_count))
