@@ -297,10 +297,13 @@ def commit_put(reservation: str, checksums: list[int]) -> Call[int]:
                      parse=lambda answer: int(answer["stored_tokens"]))
 
 
-def pool_slots(spec: KVSpec, pid: int, pool: str, count: int, slot_bytes: int) -> Call[dict]:
-    """Pool slots for this client's pooled puts (``/v1/kv/pool``): the KV body without tokens or KV."""
+def pool_slots(spec: KVSpec, pid: int, pool: str, count: int, slot_bytes: int,
+               returning: Sequence[int] = ()) -> Call[dict]:
+    """Pool slots for this client's pooled puts (``/v1/kv/pool``): the KV body without tokens or KV.
+    ``returning``: offsets of idle slots (of another size) given back first."""
+    extra = (',"returning":[' + ",".join(str(o) for o in returning) + "]") if returning else ""
     return Call("POST", f"/v1/kv/pool?pid={pid}&pool={pool}&count={count}&slot_bytes={slot_bytes}",
-                c.kv_parts(spec, c.tokens_of([]), None), KV_MEDIA)
+                c.kv_parts(spec, c.tokens_of([]), None, extra=extra), KV_MEDIA)
 
 
 def put_pooled(spec: KVSpec, toks: Any, pid: int, pool: str, writes: Sequence[tuple[int, int, int]], count: int,
@@ -313,11 +316,15 @@ def put_pooled(spec: KVSpec, toks: Any, pid: int, pool: str, writes: Sequence[tu
 
 
 def put_pooled_blocks(pid: int, pool: str, writes: Sequence[tuple[str, int, int]], count: int,
-                      slot_bytes: int) -> Call[dict]:
+                      slot_bytes: int, returning: Sequence[int] = ()) -> Call[dict]:
     """Frames written into pool slots, stored by key (``/v1/blocks/put-pooled``): one request.
-    ``writes``: (key hex, slot offset, body checksum) per frame (none: a grant only)."""
+    ``writes``: (key hex, slot offset, body checksum) per frame (none: a grant only, which may
+    give back the idle slots at ``returning`` first)."""
+    body: dict[str, Any] = {"blocks": [{"key": k, "offset": o, "checksum": c} for k, o, c in writes]}
+    if returning:
+        body["returning"] = list(returning)
     return json_call("POST", f"/v1/blocks/put-pooled?pid={pid}&pool={pool}&count={count}&slot_bytes={slot_bytes}",
-                     {"blocks": [{"key": k, "offset": o, "checksum": c} for k, o, c in writes]})
+                     body)
 
 
 def release_pool(pid: int, pool: str) -> Call[Any]:

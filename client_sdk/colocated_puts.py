@@ -25,7 +25,7 @@ from kvstore.spec import KVSpec
 from kvstore.wire.rest import KV_MEDIA, RESERVE_NO_ROOM, RESERVE_OFF
 
 __all__ = ["put_flow", "asking_for_slots", "pooled_put_flow", "reserved_put_flow", "put_blocks_flow",
-           "pooled_blocks_flow", "filled_kv", "pool_slot_bytes", "staged_flow"]
+           "pooled_blocks_flow", "filled_kv", "pool_slot_bytes", "staged_flow", "lent_flow"]
 
 T = TypeVar("T")
 
@@ -136,6 +136,39 @@ def filled_kv(spec: KVSpec, toks: Any, kv: "torch.Tensor | c.BlockFill") -> torc
     return out
 
 
+def lent_flow(colo: Colocation, arena: Arena, size: int, n: int,
+              ask: Callable[[list[int]], Call[dict]]) -> Flow[list[dict] | None]:
+    """``n`` pool slots of ``size`` bytes, asked for (``ask(returning)``: a grant request) because the
+    pool lacks them; None when the server lends too few now (no room), takes no pooled puts
+    (``arena.pooled_puts`` is cleared) or changed its arena. A grant that falls short while the
+    pool holds idle slots of other sizes is asked for once more, giving those back: the server
+    caps a pool's bytes across sizes, so a writer that moved from one spec to another would
+    otherwise be lent nothing while it held the old spec's slots."""
+    returning: list[dict] = []
+    for _ in range(2):
+        sent = time.monotonic()
+        try:
+            got = yield ask([s["offset"] for s in returning])
+        except Forbidden:
+            if not returning:
+                raise
+            arena.pool.clear()  # this pool is not what the server holds (reclaimed meanwhile): start over
+            return None
+        if got.get("reason") == RESERVE_OFF:
+            arena.pooled_puts = False
+            return None
+        if colo.changed(arena, got.get("segment"), "segment"):
+            return None  # the slots are another arena's: the server reclaims them (this put: HTTP)
+        arena.pool.add(size, got["slots"], sent, float(got["ttl_s"]))
+        slots = arena.pool.take(size, n)
+        if slots is not None or returning:
+            return slots
+        returning = arena.pool.take_others(size)
+        if not returning:
+            return None  # no room for them all now
+    return None
+
+
 def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv: "torch.Tensor | c.BlockFill",
                     stats: c.ClientStats, namespace: str) -> Flow[int | None]:
     """A put in one request: the blocks the arena's key index does not show stored are written
@@ -152,20 +185,13 @@ def pooled_put_flow(colo: Colocation, arena: Arena, spec: KVSpec, toks: Any, kv:
     pid = os.getpid()
     slots = arena.pool.take(size, len(new))
     if slots is None:
-        sent = time.monotonic()
         try:
-            got = yield calls.pool_slots(spec, pid, arena.pool.name, max(len(new), 1), size)
+            slots = yield from lent_flow(colo, arena, size, len(new), lambda back: calls.pool_slots(
+                spec, pid, arena.pool.name, max(len(new), 1), size, back))
         except InvalidInput:  # this server sizes slots otherwise (an older one): reservations only
             arena.pooled_puts = False
             return None
-        if got.get("reason") == RESERVE_OFF:
-            arena.pooled_puts = False
-            return None
-        if colo.changed(arena, got.get("segment"), "segment"):
-            return None  # the slots are another arena's: the server reclaims them (this put: HTTP)
-        arena.pool.add(size, got["slots"], sent, float(got["ttl_s"]))
-        slots = arena.pool.take(size, len(new))
-        if slots is None:  # no room for them all now
+        if slots is None:
             return None
     fp = spec.fingerprint()
     blocks = [{"depth": d, "offset": slot["offset"], "length": slot["length"], "meta": block_meta(namespace, fp, d)}
@@ -243,16 +269,9 @@ def pooled_blocks_flow(colo: Colocation, arena: Arena, keys: list[BlockHash], of
     pid, name = os.getpid(), arena.pool.name
     slots = arena.pool.take(size, len(keys))
     if slots is None:
-        sent = time.monotonic()
-        got = yield calls.put_pooled_blocks(pid, name, [], len(keys), size)
-        if got.get("reason") == RESERVE_OFF:
-            arena.pooled_puts = False
-            return None
-        if colo.changed(arena, got.get("segment"), "segment"):
-            return None
-        arena.pool.add(size, got["slots"], sent, float(got["ttl_s"]))
-        slots = arena.pool.take(size, len(keys))
-        if slots is None:  # no room for them all now
+        slots = yield from lent_flow(colo, arena, size, len(keys),
+                                     lambda back: calls.put_pooled_blocks(pid, name, [], len(keys), size, back))
+        if slots is None:
             return None
     try:
         checksums = yield Copy(offsets[-1], arena.write_frames, slots, sizes, writer)

@@ -50,6 +50,16 @@ class SlotPool:
             self._fresh_until = sent_s + ttl_s / 2
             self._free.setdefault(size, []).extend(s for s in slots if s["length"] == size)
 
+    def take_others(self, size: int) -> list[dict]:
+        """Every free slot of a size other than ``size``, now this caller's alone: to give back to the
+        server, whose cap on a pool's bytes counts every size (a writer that moved to another
+        spec is lent nothing while it holds the old spec's slots)."""
+        with self._lock:
+            got = [s for other, free in self._free.items() if other != size for s in free]
+            for other in [o for o in self._free if o != size]:
+                del self._free[other]
+            return got
+
     def untake(self, size: int, slots: Sequence[dict]) -> None:
         """Slots a put took but did not use (it failed first): free again, the pool's age unchanged."""
         with self._lock:

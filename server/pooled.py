@@ -59,12 +59,29 @@ def _pool_query(query: Mapping[str, str], svc: Service, spec) -> tuple[int, int,
     return got["pid"], got["count"], got["slot_bytes"]
 
 
+def _returning(value: Any, field: str) -> list[int]:
+    """The ``returning`` member: offsets of the caller's idle pool slots it gives back before a grant.
+
+    Raises:
+        MalformedRequest: (naming ``field``) not a list of at most ``MAX_POOL_SLOTS`` non-negative ints.
+    """
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_POOL_SLOTS or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in value):
+        raise MalformedRequest(f"{field}: a list of at most {MAX_POOL_SLOTS} slot offsets (non-negative ints)",
+                               field=field)
+    return value
+
+
 @router.post("/v1/kv/pool")
 async def kv_pool(request: Request) -> JSONResponse:
     """Pool slots for the caller's process, which its pooled puts write into (``/v1/kv/put-pooled``).
 
     Body: a KV body without its KV (it names the spec; its tokens are ignored). Query: ``pid``,
-    ``pool`` (the client's name for its pool), ``count``, ``slot_bytes``. Answer: ``{"segment", "ttl_s", "slots": [{"offset", "length"}]}``,
+    ``pool`` (the client's name for its pool), ``count``, ``slot_bytes``. The JSON head may hold
+    ``returning``: offsets of the caller's idle slots (of another size) to give back first, since
+    the pool's bytes are capped across sizes. Answer: ``{"segment", "ttl_s", "slots": [{"offset", "length"}]}``,
     as many as the top tier had room for (none: put another way). ``reservation_off`` (with
     ``why``) when this store takes no reserved puts.
     """
@@ -77,8 +94,9 @@ async def kv_pool(request: Request) -> JSONResponse:
         return JSONResponse({"slots": [], "reason": RESERVE_OFF, "why": why})
     pid, count, size = _pool_query(request.query_params, svc, spec)
     name = _pool_name(request.query_params)
+    returning = _returning(head.fields.get("returning"), "header.returning")
     try:
-        slots = await svc.run(svc.store.reservations.pools.grant, p.name, pid, name, size, count)
+        slots = await svc.run(svc.store.reservations.pools.grant, p.name, pid, name, size, count, returning)
     except InvalidInput as exc:
         raise_named(exc, "pid")
         raise
@@ -155,7 +173,8 @@ async def blocks_put_pooled(request: Request) -> JSONResponse:
     request, no staging copy (co-located only; ``put_pooled_blocks``, which the commit channel
     runs too).
 
-    Body: ``{"blocks": [{"key", "offset", "checksum"}]}`` (may be empty: a first grant). Query:
+    Body: ``{"blocks": [{"key", "offset", "checksum"}]}`` (may be empty: a first grant; then
+    ``"returning": [offsets]`` may name idle slots of another size to give back first). Query:
     ``pid``, ``pool``, ``count`` (slots to grant back), ``slot_bytes`` (their size, 4 KiB to 64
     MiB). Each frame must name the request's namespace in its metadata, as ``/v1/blocks/put``'s
     do, and carry the claimed body checksum. Answer: ``{"stored", "slots", "segment", "ttl_s"}``,
@@ -176,7 +195,11 @@ def put_pooled_blocks(svc: Service, p: Principal, ns: str, raw: bytes, query: Ma
         MalformedRequest, InvalidInput: the body or query, naming the field.
         KVStoreError: the store's, as a put's.
     """
-    blocks = require(json_object(raw), "blocks", list)
+    body = json_object(raw)
+    blocks = require(body, "blocks", list)
+    returning = _returning(body.get("returning"), "returning")
+    if returning and blocks:
+        raise MalformedRequest("returning: only in a grant (no blocks)", field="returning")
     if len(blocks) > MAX_POOL_SLOTS:
         raise MalformedRequest(f"blocks: at most {MAX_POOL_SLOTS} per request, got {len(blocks)}", field="blocks")
     writes = []
@@ -205,7 +228,7 @@ def put_pooled_blocks(svc: Service, p: Principal, ns: str, raw: bytes, query: Ma
     pools, name = svc.store.reservations.pools, _pool_name(query)
     try:
         if not writes:
-            done, slots = None, pools.grant(p.name, got["pid"], name, got["slot_bytes"], got["count"])
+            done, slots = None, pools.grant(p.name, got["pid"], name, got["slot_bytes"], got["count"], returning)
         else:
             done = pools.put_frames(ns, p.name, got["pid"], name, writes, got["count"], got["slot_bytes"],
                                     lambda nbytes: svc.quotas.check(p, ns, nbytes))

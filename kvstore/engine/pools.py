@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
@@ -157,17 +157,27 @@ class PooledPuts:
             self._slot_bytes[fp] = size
         return size
 
-    def grant(self, owner: str, pid: int, name: str, size: int, count: int) -> list[dict[str, int]]:
+    def grant(self, owner: str, pid: int, name: str, size: int, count: int,
+              returning: Sequence[int] = ()) -> list[dict[str, int]]:
         """Up to ``count`` more pool slots of ``size`` bytes for ``owner``'s pool ``name`` in process ``pid``, as
         many as the top tier has free (nothing is demoted or evicted for them) and ``MAX_POOL_BYTES``
         allows: their offsets and length.
 
+        Args:
+            returning: offsets of slots of this pool that its writer no longer wants (idle slots of
+                another size: ``MAX_POOL_BYTES`` counts every size, so a writer that moved to
+                another spec would otherwise hold its old slots and be lent none), given back to
+                the tier first.
+
         Raises:
             InvalidInput: the store takes no reserved puts, or no process ``pid`` runs here.
+            Forbidden: a ``returning`` offset is not a slot of this pool; nothing is given back or lent.
         """
         why = self.unavailable()
         if why is not None:
             raise InvalidInput(f"reserved puts are off here: {why}")
+        if returning:
+            self._give_back_pool(self._take(owner, pid, name, list(returning)))
         top = self._core.tiers[0]
         cap = min(MAX_POOL_BYTES, top.capacity_bytes // 8) if hasattr(top, "capacity_bytes") else MAX_POOL_BYTES
         with self._lock:

@@ -254,6 +254,27 @@ def test_a_colocated_put_makes_one_request_once_its_pool_is_lent(server, spec):
     assert _details(server)["reserved_bytes"] == "0"
 
 
+def test_a_writer_that_moves_to_another_spec_is_lent_slots_for_it(server, spec):
+    """The pool's cap counts every slot size: the idle slots of the spec a writer left go back, in
+    the grant request for the new one's, instead of holding the pool at its cap for good."""
+    big, other = make_spec(num_layers=32, head_dim=128), make_spec(num_layers=8, head_dim=128)
+    with KVClient(server.url, plan=False) as c:
+        assert c.put_kv(big, list(range(50_000, 50_112)), make_kv(big, 112)) == 112  # 7 blocks: the cap
+        before = _requests_by_route(server.url)
+        assert c.put_kv(other, list(range(51_000, 51_064)), make_kv(other, 64)) == 64
+        after = _requests_by_route(server.url)
+        made = {r: after[r] - before.get(r, 0) for r in after if after[r] != before.get(r, 0)}
+        assert made == {"/v1/kv/pool": 2, "/v1/kv/put-pooled": 1}, made  # short, then with the big slots back
+        sizes = {ps.size for pool in server.store.reservations.pools._pools.values() for ps in pool.slots.values()}
+        assert len(sizes) == 1  # only the new spec's slots are lent now
+        before = _requests_by_route(server.url)
+        assert c.put_kv(other, list(range(52_000, 52_064)), make_kv(other, 64, seed=2)) == 64
+        assert sum(_requests_by_route(server.url).values()) - sum(before.values()) == 1
+        got, n = c.get_kv(other, list(range(52_000, 52_064)))
+        assert n == 64 and torch.equal(got, make_kv(other, 64, seed=2))
+        assert c.stats.http_puts == 0
+
+
 def _pooled_body(spec, tokens, writes) -> bytes:
     from client_sdk._common import kv_parts, tokens_of
 
@@ -262,6 +283,7 @@ def _pooled_body(spec, tokens, writes) -> bytes:
 
 
 def test_bad_pooled_puts_are_4xx_naming_the_field_and_store_nothing(server, spec):
+    from client_sdk._common import kv_parts, tokens_of
     from kvstore.engine.pools import SLOT_SLACK
 
     size = server.store.reservations.pools.slot_bytes(spec) + 64
@@ -286,6 +308,13 @@ def test_bad_pooled_puts_are_4xx_naming_the_field_and_store_nothing(server, spec
         for query, writes, field in cases:
             r = http.post(f"/v1/kv/put-pooled?{query}", content=_pooled_body(spec, tokens, writes), headers=h)
             assert r.status_code in (400, 422) and r.json()["error"].get("field") == field, (field, r.text)
+        for returning in ("nope", [-1], [True]):
+            body = b"".join(bytes(p) for p in kv_parts(spec, tokens_of([]), None,
+                                                         extra=',"returning":' + json.dumps(returning)))
+            r = http.post(f"/v1/kv/pool?{q}", content=body, headers=h)
+            assert r.status_code in (400, 422) and r.json()["error"].get("field") == "header.returning", r.text
+        r = http.post(f"/v1/blocks/put-pooled?{q}", json={"blocks": [], "returning": "nope"})
+        assert r.status_code in (400, 422) and r.json()["error"].get("field") == "returning", r.text
         r = http.post(f"/v1/kv/put-pooled?{q}", content=_pooled_body(spec, tokens, [[0, slot["offset"], 1]]),
                       headers=h)
         assert r.status_code == 422 and r.json()["error"]["type"] == "CorruptFrame"  # the slot holds no frame

@@ -167,6 +167,25 @@ def test_a_pool_is_bounded_released_on_request_and_at_close():
     assert res.lent_bytes() == 0  # closed: given back
 
 
+def test_a_grant_first_takes_back_the_idle_slots_its_writer_hands_it():
+    """The cap counts every slot size: a writer that moved to another spec gives its old slots back."""
+    big, other = make_spec(num_layers=32, head_dim=128), make_spec(num_layers=8, head_dim=128)
+    with KVStore([ShmTier(32 << 20)], background=False) as store:
+        res = store.reservations.pools
+        held = res.grant("a", PID, "p", _size(store, big), 1000)
+        size = _size(store, other)
+        some = res.grant("a", PID, "p", size, 4)
+        assert len(some) < 4  # the big slots hold the pool at its cap (an eighth of 32 MiB)
+        lent = res.lent_bytes()
+        with pytest.raises(Forbidden):  # one offset not of this pool: nothing given back, nothing lent
+            res.grant("a", PID, "p", size, 4, returning=[held[0]["offset"], 64])
+        assert res.lent_bytes() == lent
+        got = res.grant("a", PID, "p", size, 4, returning=[s["offset"] for s in held])
+        assert len(got) == 4 and res.lent_bytes() == (len(some) + 4) * size == _reserved(store)
+        with pytest.raises(Forbidden):  # given back: no longer this pool's
+            res.grant("a", PID, "p", size, 1, returning=[held[1]["offset"]])
+
+
 def test_slot_sizes_and_pids_are_checked(store):
     spec, res = make_spec(), store.reservations.pools
     assert res.slot_bytes(spec) + SLOT_SLACK > res.slot_bytes(spec)
