@@ -82,8 +82,10 @@ class Mover:
         self._placement = core.placement
         self._on_move = on_move
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._tokens = float(self._placement.config.move_bytes_per_s)
+        self._refilled = time.monotonic()
         self._move_cpu_s = MOVE_CPU_S  # a move's CPU time, as rounds measure it
 
     # -- one move ----------------------------------------------------------------
@@ -242,7 +244,11 @@ class Mover:
                 all the byte budget allows.
         """
         cfg = self._placement.config
-        self._tokens = min(self._tokens + cfg.move_bytes_per_s * cfg.interval_s, float(cfg.move_bytes_per_s))
+        now = time.monotonic()
+        # a round on demand gets an interval's bytes; the thread's (woken ones too) what time has added
+        gain = min(now - self._refilled, cfg.interval_s) if bounded else cfg.interval_s
+        self._refilled = now
+        self._tokens = min(self._tokens + cfg.move_bytes_per_s * gain, float(cfg.move_bytes_per_s))
         slice_s = cfg.move_cpu_frac * cfg.interval_s if bounded else float("inf")
         limit = max(PLAN_MIN, int(1.5 * slice_s / self._move_cpu_s)) if bounded else None
         started = yielded = time.thread_time()
@@ -314,12 +320,26 @@ class Mover:
 
     def start(self) -> None:
         if self._thread is None:
+            self._placement.on_pressure = self.wake
             self._thread = threading.Thread(target=self._loop, name="kvstore-mover", daemon=True)
             self._thread.start()
 
+    def wake(self) -> None:
+        """Start a round now, not at the next interval (a put took the top tier past its low
+        watermark: the room the next puts need is made while they come). Safe under any lock."""
+        self._wake.set()
+
     def _loop(self) -> None:
-        interval = self._placement.config.interval_s
-        while not self._stop.wait(interval):
+        cfg = self._placement.config
+        rest = 0.0
+        # A round every interval_s, or sooner when woken; after a round that used c seconds of CPU,
+        # none for c * (1 / move_cpu_frac - 1) seconds: woken rounds keep the mover within its share.
+        while not self._stop.wait(rest):
+            self._wake.wait(max(0.0, cfg.interval_s - rest))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            started = time.thread_time()
             try:
                 self.run_once(bounded=True)
             except Exception:  # keep moving next round; a bug here must not kill placement
@@ -327,9 +347,11 @@ class Mover:
             # a store that closed mid-round has cleared its index; nothing more to do
             if self._core.closed:
                 return
+            rest = (time.thread_time() - started) * (1 / cfg.move_cpu_frac - 1)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._thread = None

@@ -20,10 +20,10 @@ Rules, in the order ``plan`` applies them:
    low watermark, and meanwhile new blocks (``place_new``) and promotions into
    free room get only the room under it; a pass over the whole tier that finds
    nothing that can go ends the drain. ``make_room`` does the same at once, for a put that found the tier full.
-   Above its low watermark, the top tier (with ``full_top="spill"``) also sends
-   down residents that a block read once now would beat by the margin: the room
-   new blocks need, made ahead of them (past the high watermark ``place_new``
-   puts them one tier down, so that a put never waits for a demotion).
+   While writes leave the top tier above its low watermark, it sends its coldest
+   down to it (the first such write wakes the mover, ``on_pressure``): room for new
+   blocks made ahead of them; with ``spill``, reads alone send down only residents
+   a block read once now would beat by the margin.
    ``hold_room`` also counts the put's bytes as on their way in until the put is
    done, and keeps the entries it sends down from being picked again meanwhile:
    concurrent puts into a full tier then each make room of their own instead of
@@ -55,11 +55,9 @@ store-wide (bounded).
 
 The rules decide over one record per entry (``placement_types.Resident``) under one lock, the
 manager's, and read each other's state (a retained entry is looked past by demotion, preferred by
-promotion, charged to its owner). The manager is therefore one object in three modules that share
-its records and its lock: ``room`` (``RoomMaker``) chooses the residents that go down, for a put's
-room, a watermark or a promotion; ``retention`` (``Retention``) keeps the owners' books; this module
-admits, plans and promotes, and is the manager's public face. Its value types are in
-``placement_types``, re-exported here.
+promotion, charged to its owner): one object in three modules sharing its records and lock. ``room``
+(``RoomMaker``) chooses the residents that go down; ``retention`` (``Retention``) keeps the owners'
+books; this module admits, plans, promotes, and is the public face (value types: ``placement_types``).
 """
 
 from __future__ import annotations
@@ -119,12 +117,15 @@ class PlacementManager:
         self._leaving: set[bytes] = set()  # ordered by a held make_room or plan, not moved yet: not picked again
         self._candidates: dict[bytes, None] = {}  # an ordered set
         self._log: deque[MoveRecord] = deque(maxlen=self.config.store_log)
-        self._moved = {"promoted": 0, "demoted": 0, "evicted": 0}
-        self._moved_bytes = 0
+        self._moved, self._moved_bytes = {"promoted": 0, "demoted": 0, "evicted": 0}, 0
         self._lock = threading.Lock()
         self._room = RoomMaker(self.tiers, self.config, self.scorer, self.clock, self._lock, members=self._members,
                                order=self._order, used=self._used, incoming=self._incoming, leaving=self._leaving)
         self._retention = Retention(self._res, self._candidates, self.config)
+        self._wake_above = self.tiers[0].low_watermark_frac * self.tiers[0].capacity_bytes if len(tiers) > 1 else math.inf
+        self._written_above = False  # since the last plan, writes left the top tier above its low watermark
+        self._spill_ahead = self.config.full_top == "spill" and len(self.tiers) > 1
+        self.on_pressure: Callable[[], None] | None = None  # called when that starts, under the lock (must not block)
 
     # -- events from the store ------------------------------------------------------
 
@@ -160,6 +161,10 @@ class PlacementManager:
         r.depth = depth
         self._members[pos][key] = r
         self._used[pos] += size
+        if pos == 0 and self._used[0] > self._wake_above and not self._written_above:
+            self._written_above = True
+            if self.on_pressure is not None:
+                self.on_pressure()
         if access:
             self.scorer.touch(r.heat, now)
         self._order[pos].put(key, r.heat.score, depth)
@@ -357,6 +362,7 @@ class PlacementManager:
                     order.rebuild((key, r.heat.score, r.depth) for key, r in members.items())
                     self._room.forget_walk(i)  # a place in the old order means nothing in the new
             projected = list(self._used)
+            written, self._written_above = self._written_above, False
             for i, tier in enumerate(self.tiers):  # from real use: never from a plan's projection
                 if projected[i] <= tier.low_watermark_frac * tier.capacity_bytes:
                     self._draining[i] = False
@@ -383,16 +389,16 @@ class PlacementManager:
                     if not down and self._room.walked_all[i]:
                         self._draining[i] = False  # nothing left to move (pinned, retained): stop draining
                     orders += down
-                elif i == 0 and projected[0] > target and len(self.tiers) > 1 and self.config.full_top == "spill":
-                    # Room for new blocks, made here and not on a put's path: puts past the high
-                    # watermark go one tier down (``place_new``), so residents that a block read
-                    # once now would beat go down first, to the low watermark, and later puts land
-                    # in the room they leave.
+                elif i == 0 and projected[0] > target and (written or self._spill_ahead):
+                    # Room for new blocks, off the puts' path: while writes leave the top tier above its
+                    # low watermark, its coldest go down to it (puts land in the band above at the top
+                    # tier's speed); else, with ``spill``, those a block read once now beats by the margin.
                     probe = Heat()
                     self.scorer.touch(probe, now)
-                    orders += self._room.demote(0, projected[0] - target, now, projected, ordered,
-                                                f"demoted: {tier.name} holds blocks colder than a new one",
-                                                respect_residency=True, colder_than=probe.score, limit=limit)
+                    why = "above low watermark (room for new blocks)" if written else "holds blocks colder than a new one"
+                    orders += self._room.demote(0, projected[0] - target, now, projected, ordered, f"demoted: {tier.name} "
+                                                f"{why}", respect_residency=True, limit=limit,
+                                                colder_than=None if written else probe.score)
             if hold:
                 self._leaving.update(order.key for order in orders)
             return orders
@@ -410,13 +416,10 @@ class PlacementManager:
     def place_new(self, nbytes: int) -> str:
         """The tier a new block should be written to.
 
-        The top tier while it has room under its high watermark; past that, with
-        ``full_top="evict"``, the top tier still (the coldest residents are dropped to make
-        room), and with ``spill`` one tier down: the block earns its way up with a second read
-        (admission filtering: one-off blocks such as a scan do not push out what is being
-        reused, nor a prefetched context waiting for its reader). A put never waits for a
-        demotion: where the top tier holds blocks colder than a new one, the mover sends them
-        down (``plan``) and later puts land in the room they leave.
+        The top tier while it has room under its high watermark (the mover keeps it at its low
+        one, ``plan``). Past that, puts outran the mover: with ``full_top="evict"`` the top tier
+        still (the coldest residents are dropped to make room), with ``spill`` one tier down (it
+        earns its way up with a second read). A put never waits for a demotion.
         """
         if self._always_top():
             return self.tiers[0].name

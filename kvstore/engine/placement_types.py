@@ -58,8 +58,8 @@ class PlacementConfig:
     (``place_new``); False: always the top tier, room made there on the put's path."""
     full_top: str = "spill"
     """What a put does when the top tier is past its high watermark: ``spill``: the block is written
-    one tier down (admission as above; nothing dropped, no demotion on the put's path: the mover
-    sends residents colder than a new block down behind the puts, to the low watermark, and later
+    one tier down (admission as above; nothing dropped, no demotion on the put's path: while puts
+    leave the top tier above its low watermark the mover sends its coldest down to it, and later
     puts land in that room); ``evict``: the block enters the top tier and the coldest residents
     there are dropped to make room (no lower-tier write on the put's path)."""
     margin_frac: float = 0.2

@@ -88,7 +88,7 @@ def test_above_high_watermark_demotes_coldest_down_to_low_watermark():
 
 
 def test_hot_candidate_displaces_the_coldest_resident_demotion_first():
-    m, clock = manager(high=1.0, low=0.9, min_residency_s=0)
+    m, clock = manager(high=1.0, low=1.0, min_residency_s=0)  # no room made ahead: only the exchange
     for i in range(10):
         m.admitted(key(i), "top", B)
     touch(m, clock, [key(i) for i in range(1, 10)], times=3)  # key 0 is the coldest
@@ -441,9 +441,11 @@ def test_a_bounded_plan_drains_a_tier_over_rounds_to_its_low_watermark_and_stops
         rounds += 1
         assert rounds < 20
     assert m.usage()["top"] == 50 * B and rounds == 7  # 100 -> 50: past the high watermark, 8 a round
+    assert m.plan(limit=8) == []  # drained: the tier holds
     for i in range(100, 120):
-        m.admitted(key(i), "top", B)  # back inside the band: it holds, the drain is over
-    assert m.plan(limit=8) == []
+        m.admitted(key(i), "top", B)  # writes back inside the band: room for more is made ahead
+    orders = m.plan()
+    assert len(orders) == 20 and all("room for new blocks" in o.reason for o in orders)
 
 
 def test_a_draining_top_tier_lends_no_room_between_its_watermarks():

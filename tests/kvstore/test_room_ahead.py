@@ -1,8 +1,11 @@
-"""Room for new blocks made ahead of them: puts past the top tier's high watermark never wait for
-a demotion; the mover sends residents colder than a new block down (to the low watermark), in
-batches re-encoded together, and later puts land in the room they leave."""
+"""Room for new blocks made ahead of them: once writes take the top tier above its low watermark, the
+mover sends its coldest residents down to it (woken by the write that crossed it), in batches
+re-encoded together, and later puts land in the room they leave; puts past the high watermark (they
+outran the mover) never wait for a demotion."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -26,23 +29,59 @@ def _manager():
     return PlacementManager(tiers, config=PlacementConfig(), clock=clock), clock
 
 
-def test_residents_colder_than_a_new_block_go_down_to_the_low_watermark_and_no_further():
-    m, clock = _manager()
+def test_writes_past_the_low_watermark_send_the_coldest_down_to_it_and_no_further():
+    m, _ = _manager()
+    woken = []
+    m.on_pressure = lambda: woken.append(len(written))  # under placement's lock: it asks nothing of it
+    written: list[int] = []
     for i in range(9):  # 90%: at the high watermark, not above it
         m.admitted(b"k%04d" % i, "top", B)
-    assert m.place_new(B) == "low"  # past the watermark a put goes one tier down, never waits
-    assert m.plan() == []  # fresh residents: nothing to send down
-    clock.advance(600)  # nobody read them since: a block read once now beats them all
-    for i in (7, 8):
-        m.accessed([b"k%04d" % i])  # but these two are in use
+        written.append(i)
+    assert woken == [5]  # once, by the sixth write: it took the tier past its low watermark (50%)
+    assert m.place_new(B) == "low"  # past the high watermark a put goes one tier down, never waits
+    for i in (0, 1):
+        m.accessed([b"k%04d" % i])  # the oldest two are in use
     orders = m.plan()
     assert [(o.src, o.dst) for o in orders] == [("top", "low")] * 4  # 9 -> 5 blocks: the low watermark
-    assert {o.key for o in orders}.isdisjoint({b"k0007", b"k0008"})
-    assert all("colder than a new one" in o.reason for o in orders)
+    assert {o.key for o in orders}.isdisjoint({b"k0000", b"k0001"})
+    assert all("room for new blocks" in o.reason for o in orders)
     for o in orders:
         m.moved(o)
     assert m.place_new(B) == "top"  # the room they left takes the next put
     assert m.plan() == []  # at the low watermark: the rest stay
+    m.admitted(b"k0100", "top", B)
+    assert len(woken) == 2  # above it again: woken again
+
+
+def test_without_new_writes_only_residents_colder_than_a_new_block_go_down():
+    m, clock = _manager()
+    for i in range(9):
+        m.admitted(b"k%04d" % i, "top", B)
+    assert len(m.plan()) == 4  # writes: room made ahead (not carried out here)
+    assert m.plan() == []  # no write since: fresh residents stay
+    clock.advance(600)  # nobody read them since: a block read once now beats them all
+    orders = m.plan()
+    assert len(orders) == 4 and all("colder than a new one" in o.reason for o in orders)
+
+
+def test_the_write_that_crosses_the_low_watermark_wakes_the_mover(tmp_path):
+    """A round every 60 s: the demotions that come within seconds are the wake's."""
+    top = ShmTier(8 * MiB)
+    config = PlacementConfig(interval_s=60.0)
+    with KVStore([top, LogTier(str(tmp_path / "nvme"), 64 * MiB)], placement=config) as store:
+        low = top.capacity_bytes * store.placement.tiers[0].low_watermark_frac
+        n = 0
+        while store.placement.usage()[top.name] <= low:
+            store.put_kv(SPEC, list(range(n * 16, n * 16 + 16)), make_kv(SPEC, 16, seed=n))
+            n += 1
+        deadline = time.monotonic() + 10
+        while store.stats().counters.blocks_demoted == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.stats().counters.blocks_demoted > 0
+        deadline = time.monotonic() + 10
+        while store.placement.usage()[top.name] > low and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.placement.usage()[top.name] <= low
 
 
 def test_a_put_into_a_full_top_tier_never_demotes_on_its_path(tmp_path):
@@ -54,13 +93,12 @@ def test_a_put_into_a_full_top_tier_never_demotes_on_its_path(tmp_path):
         while placement.place_new(64 << 10) == top.name:
             store.put_kv(SPEC, list(range(n * 16, n * 16 + 16)), make_kv(SPEC, 16, seed=n))
             n += 1
-        clock.advance(600)  # what fills the top tier is cold now
         toks = list(range(900_000, 900_064))
         store.put_kv(SPEC, toks, make_kv(SPEC, 64, seed=7))
         keys = block_hashes(SPEC, toks, "default")
         assert {store.entry(k).tier for k in keys} == {"nvme"}
         assert store.stats().counters.blocks_demoted == 0  # the put made no room by moving others
-        moved = store.run_placement()  # the mover's round: cold residents down, to the low watermark
+        moved = store.run_placement()  # the mover's round: the coldest down, to the low watermark
         assert moved > 0 and store.stats().counters.blocks_demoted == moved
         low = top.capacity_bytes * placement.tiers[0].low_watermark_frac
         assert placement.usage()[top.name] <= low
