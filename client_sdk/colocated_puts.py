@@ -144,6 +144,9 @@ def lent_flow(colo: Colocation, arena: Arena, size: int, n: int,
     pool holds idle slots of other sizes is asked for once more, giving those back: the server
     caps a pool's bytes across sizes, so a writer that moved from one spec to another would
     otherwise be lent nothing while it held the old spec's slots."""
+    # Slots named in ``returning`` are dropped here before the request is sent, and not taken back
+    # if it fails: the server may have given them back already, and a write into one would damage
+    # whatever it holds next. At worst they stay lent, unused, until the pool is released or reaped.
     returning: list[dict] = []
     for _ in range(2):
         sent = time.monotonic()
