@@ -390,15 +390,15 @@ class PlacementManager:
                         self._draining[i] = False  # nothing left to move (pinned, retained): stop draining
                     orders += down
                 elif i == 0 and projected[0] > target and (written or self._spill_ahead):
-                    # Room for new blocks, off the puts' path: while writes leave the top tier above its
-                    # low watermark, its coldest go down to it (puts land in the band above at the top
-                    # tier's speed); else, with ``spill``, those a block read once now beats by the margin.
-                    probe = Heat()
-                    self.scorer.touch(probe, now)
-                    why = "above low watermark (room for new blocks)" if written else "holds blocks colder than a new one"
-                    orders += self._room.demote(0, projected[0] - target, now, projected, ordered, f"demoted: {tier.name} "
-                                                f"{why}", respect_residency=True, limit=limit,
-                                                colder_than=None if written else probe.score)
+                    # Room for new blocks, off the puts' path (rule 2): after writes, the coldest go down
+                    why, colder = "above low watermark (room for new blocks)", None
+                    if not written:
+                        probe = Heat()
+                        self.scorer.touch(probe, now)
+                        why, colder = "holds blocks colder than a new one", probe.score
+                    orders += self._room.demote(0, projected[0] - target, now, projected, ordered,
+                                                f"demoted: {tier.name} {why}", respect_residency=True,
+                                                colder_than=colder, limit=limit)
             if hold:
                 self._leaving.update(order.key for order in orders)
             return orders
