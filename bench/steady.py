@@ -19,7 +19,9 @@ Sizes: 1 MiB puts of 64 KiB blocks (16 blocks of a small model: 8 layers, 2 KV h
 64, fp16, 16-token blocks) and 32 MiB puts of 2 MiB blocks (an 8B model's 16-token block: 32
 layers, 8 KV heads, head_dim 128, fp16). Media: co-located (shared memory) and HTTP. Samples
 are interleaved (every row once per round, order rotated each round); the figure is the
-median. After the runs the bench reads where the full store's last burst landed (its blocks'
+median. While one store is sampled the other two servers are stopped (SIGSTOP), so that a full
+store's background work (re-encoder, compaction, mover) is charged to its own puts, not to its
+neighbour's. After the runs the bench reads where the full store's last burst landed (its blocks'
 tiers) and how many blocks placement demoted, so a ratio comes with its cause. Then 1 and 8
 client processes put and get at once on the full store (``bench/steady_clients.py``). A scale row
 (``bench/steady_scale.py``) puts into a full top tier of 1M blocks against one of 10k, in process,
@@ -34,18 +36,20 @@ data dir).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from bench.report import header, publish
-from bench.serving import kvstore_serve, kvstore_server
+from bench.serving import kvstore_server
 from bench.steady_clients import format_clients, run_clients
 from bench.steady_specs import block_spec
 from bench.steady_scale import format_scale, run_arena_scale, run_scale
@@ -109,7 +113,27 @@ def fill(url: str, fresh: _Fresh) -> int:
             put += size
 
 
-def measure(urls: dict[str, str], repeats: int, fresh: _Fresh) -> dict:
+@contextlib.contextmanager
+def _alone(pids: dict[str, int], store: str) -> Iterator[None]:
+    """The other stores' servers stopped (SIGSTOP) while ``store`` is sampled, continued after.
+
+    The three servers share two cores: a full store's background work (its re-encoder, its log's
+    compaction, its mover) would otherwise run during its neighbour's sample and be charged to
+    it. Stopped, each store is timed as if alone, with its own background work included: that
+    runs in its own samples and in the gaps between rounds."""
+    others = [pid for name, pid in pids.items() if name != store]
+    try:
+        for pid in others:
+            os.kill(pid, signal.SIGSTOP)
+        yield
+    finally:
+        for pid in others:
+            os.kill(pid, signal.SIGCONT)
+
+
+def measure(urls: dict[str, str], repeats: int, fresh: _Fresh, pids: dict[str, int] | None = None) -> dict:
+    """Interleaved samples of every row on every store; ``pids`` (store -> server pid) stops
+    the other stores' servers during each sample (see ``_alone``)."""
     from client_sdk import KVClient
 
     stores = list(urls)
@@ -126,10 +150,11 @@ def measure(urls: dict[str, str], repeats: int, fresh: _Fresh) -> dict:
 
         def once() -> None:
             seqs = [fresh(tokens) for _ in range(burst)]
-            start = time.perf_counter()
-            for toks in seqs:
-                client.put_kv(spec, toks, kv)
-            times.setdefault(name, []).append(time.perf_counter() - start)
+            with _alone(pids, store) if pids else contextlib.nullcontext():
+                start = time.perf_counter()
+                for toks in seqs:
+                    client.put_kv(spec, toks, kv)
+                times.setdefault(name, []).append(time.perf_counter() - start)
             last[name] = seqs[-1]
             if store == "empty":  # untimed: the empty store keeps its room
                 for toks in seqs:
@@ -186,15 +211,17 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
     # 1,460-1,550 alone (same machine, same minute), and the ratios meant nothing
     spill = run_spill(quick=quick)
     fresh = _Fresh(10_000_000)
-    with kvstore_serve("steady-empty", **env) as empty, kvstore_server("steady-full", **env) as (full, full_proc), \
-            kvstore_serve("steady-evict", **env, KVSTORE_FULL_TOP_TIER="evict") as evict:
+    with kvstore_server("steady-empty", **env) as (empty, empty_proc), \
+            kvstore_server("steady-full", **env) as (full, full_proc), \
+            kvstore_server("steady-evict", **env, KVSTORE_FULL_TOP_TIER="evict") as (evict, evict_proc):
         urls = {"empty": empty, "full": full, "full evict": evict}
+        pids = {"empty": empty_proc.pid, "full": full_proc.pid, "full evict": evict_proc.pid}
         filled = {}
         for store in ("full", "full evict"):
             t0 = time.perf_counter()
             filled[store] = (fill(urls[store], fresh), time.perf_counter() - t0)
         before = {store: _moves(urls[store]) for store in filled}
-        result = measure(urls, repeats, fresh)
+        result = measure(urls, repeats, fresh, pids)
         result["clients"] = run_clients(full, window_s=2.0 if quick else 5.0, server_pid=full_proc.pid)
         result["full stores"] = {
             store: {"filled_mib": filled[store][0] / (1 << 20), "fill_s": filled[store][1],

@@ -52,3 +52,44 @@ def test_the_steady_bench_fills_two_stores_and_reports_every_row(tmp_path):
                                   "log, sync each put"}
     assert all(v > 0 for v in spill["mb_s"].values()) and spill["vs_raw"]["raw"] == 1.0
     assert json.loads((tmp_path / result["path"].split("/")[-1]).read_text())["rows"]
+
+
+def _state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+def _settled(pid: int, want_stopped: bool, timeout_s: float = 10.0) -> bool:
+    """Whether ``pid`` is (or is not) stopped within ``timeout_s``: a signal reaches a process
+    running on the other core a moment after ``kill`` returns."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (_state(pid) == "T") == want_stopped:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_sample_stops_the_other_servers_and_continues_them_even_on_error():
+    import subprocess
+    import sys
+
+    import pytest
+
+    from bench.steady import _alone
+
+    procs = {name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for name in ("empty", "full", "full evict")}
+    pids = {name: p.pid for name, p in procs.items()}
+    try:
+        with pytest.raises(RuntimeError):
+            with _alone(pids, "full"):
+                assert _settled(pids["empty"], True) and _settled(pids["full evict"], True)
+                assert _state(pids["full"]) != "T"  # the sampled store runs
+                raise RuntimeError("a failed put")
+        assert all(_settled(p, False) for p in pids.values())  # continued, though the sample failed
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
