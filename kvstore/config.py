@@ -15,7 +15,8 @@ from typing import Mapping
 from kvstore.codec import Codec
 from kvstore.errors import InvalidInput
 
-__all__ = ["Settings", "parse_size", "parse_rate", "TIER_KINDS", "SCRUB_BYTES_PER_S", "RECODE_BACKLOG_BYTES"]
+__all__ = ["Settings", "parse_size", "parse_rate", "TIER_KINDS", "SCRUB_BYTES_PER_S", "RECODE_BACKLOG_BYTES",
+           "HIGH_WATERMARK_FRAC"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -32,6 +33,9 @@ SCRUB_BYTES_PER_S = 256 * 2**20
 """The background scrub's default rate, bytes per second: xxh3 hashes an arena's frames (out of
 cache) at ~8 GB/s here, so 3% of a core in hashing; the scrub thread measured 4.8% in all
 (``kvstore.engine.scrub``; docs/design.md, "Verified once")."""
+HIGH_WATERMARK_FRAC = 0.95
+"""Every tier's high watermark: new blocks are admitted into the top tier up to this share of its
+capacity, and a tier above it sends its coldest down (``engine.placement_types.TierPolicy``)."""
 RECODE_BACKLOG_BYTES = 256 * 2**20
 """Raw frame bytes puts may spill into cold tiers ahead of their int8 re-encode, by default
 (``kvstore.engine.recode``): 128 MiB more disk at most than int8 for fp16 KV."""
@@ -116,6 +120,11 @@ class Settings:
     demotions): ``spill`` writes it one tier down on the put's path (nothing dropped; the mover
     sends colder residents down behind the puts); ``evict`` drops the coldest top-tier blocks
     instead (KVSTORE_FULL_TOP_TIER)."""
+    top_tier_low_watermark: float = 0.90
+    """The share of the top tier's capacity that the mover demotes down to once writes take the
+    tier above it (KVSTORE_TOP_TIER_LOW_WATERMARK); puts are admitted up to the high watermark,
+    0.95. The band between is room kept free for bursts of new blocks: a wider band (say 0.80)
+    lands larger bursts in the top tier, at the price of a tier that sits that much emptier."""
     scrub_bytes_per_s: int = SCRUB_BYTES_PER_S
     """How fast the background scrub re-hashes the shm and cxl arenas, bytes per second (e.g.
     256MiB); 0 turns it off. Damage at rest is found within arena bytes / rate seconds
@@ -139,6 +148,10 @@ class Settings:
             raise InvalidInput(f"cxl_node must be a non-negative int, got {self.cxl_node!r}")
         if self.full_top_tier not in ("spill", "evict"):
             raise InvalidInput(f"full_top_tier must be spill or evict, got {self.full_top_tier!r}")
+        low = self.top_tier_low_watermark
+        if isinstance(low, bool) or not isinstance(low, (int, float)) or not 0 < low <= HIGH_WATERMARK_FRAC:
+            raise InvalidInput(f"top_tier_low_watermark must be a fraction in (0, {HIGH_WATERMARK_FRAC}] "
+                               f"(the high watermark), got {low!r}")
         sync = self.nvme_sync_interval_s
         if isinstance(sync, bool) or not isinstance(sync, (int, float)) or not 0 <= sync <= 60:
             raise InvalidInput(f"nvme_sync_interval_s must be a number of seconds in [0, 60], got {sync!r}")
@@ -192,6 +205,11 @@ def _parse_field(name: str, raw: str) -> object:
         return parse_size(raw)
     if name.endswith("_bytes_per_s"):
         return parse_rate(raw)
+    if name.endswith("_watermark"):
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidInput(f"a fraction of the tier's capacity, e.g. 0.8, got {raw!r}") from None
     if name.endswith("_s"):
         try:
             return float(raw)

@@ -13,7 +13,7 @@ from typing import Callable
 from kvstore.config import Settings
 from kvstore.tier import Tier
 
-__all__ = ["build_tiers", "nvme_layout"]
+__all__ = ["build_tiers", "nvme_layout", "top_policies"]
 
 
 def _memory(s: Settings) -> Tier:
@@ -97,3 +97,13 @@ def build_tiers(settings: Settings) -> list[Tier]:
             tier.close()
         raise
     return built
+
+
+def top_policies(settings: Settings, tiers: list[Tier], given: dict | None) -> dict[str, dict]:
+    """Placement policies by tier name: the top tier's low watermark from the settings, under
+    whatever ``given`` (a caller's ``tier_policies``) names."""
+    top = getattr(tiers[0], "name", None) if tiers else None  # not a tier: KVStore refuses it
+    policies = {top: {"low_watermark_frac": settings.top_tier_low_watermark}} if top else {}
+    for name, policy in (given or {}).items():
+        policies[name] = {**policies.get(name, {}), **policy}
+    return policies

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstore.config import HIGH_WATERMARK_FRAC
 from kvstore.errors import InvalidInput
 from kvstore.engine.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
@@ -26,7 +27,7 @@ class TierPolicy:
 
     name: str
     capacity_bytes: int
-    high_watermark_frac: float = 0.95
+    high_watermark_frac: float = HIGH_WATERMARK_FRAC
     """Above this share of capacity, the coldest entries go down."""
     low_watermark_frac: float = 0.90
     """... until the tier is back under this share."""

@@ -566,26 +566,26 @@ class KVStore:
 class EmbeddedStore(KVStore):
     """An in-process store. With no ``tiers``, the tiers ``Settings`` names.
 
-    The default is shm -> cxl -> nvme (under ``./kvstore-data``), with Redis
-    above nvme when ``KVSTORE_REDIS_URL`` is set.
+    The default is shm -> cxl -> nvme (under ``./kvstore-data``), Redis above nvme when ``KVSTORE_REDIS_URL`` is set.
 
     Args:
         tiers: tiers to use instead of the configured ones.
         codec, tier_codecs: as for ``KVStore``; ``codec`` defaults to the settings'.
         settings: defaults to ``Settings.from_env()``.
         placement: ``placement``, ``tier_policies``, ``scorer``, ``background``, ``write_policy``,
-            ``clock``, as for ``KVStore``. The scrub's rate is the settings' ``scrub_bytes_per_s``.
+            ``clock``, as for ``KVStore``; the settings give the scrub's rate and the top tier's
+            low watermark (``build.top_policies``).
     """
 
     def __init__(self, tiers: Sequence[Tier] | None = None, *, codec: str | Codec | None = None,
                  tier_codecs: Mapping[str, str | Codec] | None = None, settings: Settings | None = None,
                  **placement: Any) -> None:
-        settings = settings or Settings.from_env()
-        if tiers is None:
-            from kvstore.engine.build import build_tiers  # lazy: tiers import kvstore.tier
+        from kvstore.engine.build import build_tiers, top_policies  # lazy: tiers import kvstore.tier
 
-            tiers = build_tiers(settings)
+        settings = settings or Settings.from_env()
+        tiers = build_tiers(settings) if tiers is None else list(tiers)
         super().__init__(tiers, codec=codec or settings.codec, tier_codecs=tier_codecs,
+                         tier_policies=top_policies(settings, tiers, placement.pop("tier_policies", None)),
                          **{"scrub_bytes_per_s": settings.scrub_bytes_per_s,
                             "recode_backlog_bytes": settings.recode_backlog_bytes,
                             "placement": PlacementConfig(full_top=settings.full_top_tier), **placement})

@@ -52,9 +52,16 @@ def test_steady_state_settings_parse_and_refuse_bad_values(monkeypatch, tmp_path
     s = Settings.from_env()
     assert s.nvme_sync_interval_s == 0.25 and s.full_top_tier == "evict"
     assert Settings().nvme_sync_interval_s == 0.1 and Settings().full_top_tier == "spill"
+    monkeypatch.setenv("KVSTORE_TOP_TIER_LOW_WATERMARK", "0.8")
+    assert Settings.from_env().top_tier_low_watermark == 0.8 and Settings().top_tier_low_watermark == 0.9
+    monkeypatch.delenv("KVSTORE_TOP_TIER_LOW_WATERMARK")
     for name, bad, says in (("KVSTORE_NVME_SYNC_INTERVAL_S", "soon", "KVSTORE_NVME_SYNC_INTERVAL_S"),
                             ("KVSTORE_NVME_SYNC_INTERVAL_S", "-1", "nvme_sync_interval_s"),
-                            ("KVSTORE_FULL_TOP_TIER", "drop", "full_top_tier")):
+                            ("KVSTORE_FULL_TOP_TIER", "drop", "full_top_tier"),
+                            ("KVSTORE_TOP_TIER_LOW_WATERMARK", "most", "KVSTORE_TOP_TIER_LOW_WATERMARK"),
+                            ("KVSTORE_TOP_TIER_LOW_WATERMARK", "0.97", r"top_tier_low_watermark .*0\.95"),
+                            ("KVSTORE_TOP_TIER_LOW_WATERMARK", "0", "top_tier_low_watermark"),
+                            ("KVSTORE_TOP_TIER_LOW_WATERMARK", "nan", "top_tier_low_watermark")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(InvalidInput, match=says):
             Settings.from_env()

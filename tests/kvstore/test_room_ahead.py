@@ -84,6 +84,29 @@ def test_the_write_that_crosses_the_low_watermark_wakes_the_mover(tmp_path):
         assert store.placement.usage()[top.name] <= low
 
 
+def test_the_settings_low_watermark_is_where_the_mover_makes_room_down_to(tmp_path):
+    """``KVSTORE_TOP_TIER_LOW_WATERMARK`` widens the band: the room made ahead reaches it, and a
+    policy the caller names for the top tier still wins over the setting."""
+    from kvstore.config import Settings
+    from kvstore.engine.store import EmbeddedStore
+
+    top = ShmTier(8 * MiB)
+    settings = Settings(top_tier_low_watermark=0.5)
+    with EmbeddedStore([top, LogTier(str(tmp_path / "nvme"), 64 * MiB)], settings=settings,
+                       background=False) as store:
+        assert store.placement.tiers[0].low_watermark_frac == 0.5
+        n = 0
+        while store.placement.usage()[top.name] <= 0.8 * top.capacity_bytes:
+            store.put_kv(SPEC, list(range(n * 16, n * 16 + 16)), make_kv(SPEC, 16, seed=n))
+            n += 1
+        assert store.run_placement() > 0
+        used = store.placement.usage()[top.name]
+        assert 0.45 * top.capacity_bytes < used <= 0.5 * top.capacity_bytes  # down to it, no further
+    with EmbeddedStore([ShmTier(8 * MiB), LogTier(str(tmp_path / "nvme2"), 64 * MiB)], settings=settings,
+                       background=False, tier_policies={"shm": {"high_watermark_frac": 0.7}}) as store:
+        assert (store.placement.tiers[0].low_watermark_frac, store.placement.tiers[0].high_watermark_frac) == (0.5, 0.7)
+
+
 def test_a_put_into_a_full_top_tier_never_demotes_on_its_path(tmp_path):
     clock = FakeClock()
     top = ShmTier(8 * MiB)  # the band between the watermarks holds six 64 KiB blocks
