@@ -128,7 +128,8 @@ def _alone(pids: dict[str, int], store: str) -> Iterator[None]:
         yield
     finally:
         for pid in others:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # one gone: the others still continue
+                os.kill(pid, signal.SIGCONT)
 
 
 def measure(urls: dict[str, str], repeats: int, fresh: _Fresh, pids: dict[str, int] | None = None) -> dict:
