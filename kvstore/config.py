@@ -16,7 +16,7 @@ from kvstore.codec import Codec
 from kvstore.errors import InvalidInput
 
 __all__ = ["Settings", "parse_size", "parse_rate", "TIER_KINDS", "SCRUB_BYTES_PER_S", "RECODE_BACKLOG_BYTES",
-           "HIGH_WATERMARK_FRAC"]
+           "HIGH_WATERMARK_FRAC", "LOW_WATERMARK_FRAC"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -36,6 +36,9 @@ cache) at ~8 GB/s here, so 3% of a core in hashing; the scrub thread measured 4.
 HIGH_WATERMARK_FRAC = 0.95
 """Every tier's high watermark: new blocks are admitted into the top tier up to this share of its
 capacity, and a tier above it sends its coldest down (``engine.placement_types.TierPolicy``)."""
+LOW_WATERMARK_FRAC = 0.90
+"""Every tier's low watermark by default: the share a tier's coldest are sent down to (the top
+tier's is ``Settings.top_tier_low_watermark``)."""
 RECODE_BACKLOG_BYTES = 256 * 2**20
 """Raw frame bytes puts may spill into cold tiers ahead of their int8 re-encode, by default
 (``kvstore.engine.recode``): 128 MiB more disk at most than int8 for fp16 KV."""
@@ -120,7 +123,7 @@ class Settings:
     demotions): ``spill`` writes it one tier down on the put's path (nothing dropped; the mover
     sends colder residents down behind the puts); ``evict`` drops the coldest top-tier blocks
     instead (KVSTORE_FULL_TOP_TIER)."""
-    top_tier_low_watermark: float = 0.90
+    top_tier_low_watermark: float = LOW_WATERMARK_FRAC
     """The share of the top tier's capacity that the mover demotes down to once writes take the
     tier above it (KVSTORE_TOP_TIER_LOW_WATERMARK); puts are admitted up to the high watermark,
     0.95. The band between is room kept free for bursts of new blocks: a wider band (say 0.80)

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.config import HIGH_WATERMARK_FRAC
+from kvstore.config import HIGH_WATERMARK_FRAC, LOW_WATERMARK_FRAC
 from kvstore.errors import InvalidInput
 from kvstore.engine.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
@@ -29,7 +29,7 @@ class TierPolicy:
     capacity_bytes: int
     high_watermark_frac: float = HIGH_WATERMARK_FRAC
     """Above this share of capacity, the coldest entries go down."""
-    low_watermark_frac: float = 0.90
+    low_watermark_frac: float = LOW_WATERMARK_FRAC
     """... until the tier is back under this share."""
     cold: bool = False
     """Frames demoted into a cold tier are re-encoded int8 (nvme and redis by default)."""
