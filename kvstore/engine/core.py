@@ -126,6 +126,13 @@ class EngineCore:
         self.shared: SharedCopies | None = None
         """The shared tier's copies, once the facade has built it (None: no shared tier)."""
         self.closed = False
+        self.last_put_s = 0.0
+        """``time.monotonic()`` when a put last started or wrote a block (``putting``): background
+        work that competes with puts for the CPU (the re-encoder) waits for a gap after it."""
+
+    def putting(self) -> None:
+        """A put is under way: ``last_put_s`` is now. One float store (atomic under the GIL), no lock."""
+        self.last_put_s = time.monotonic()
 
     # -- tiers --------------------------------------------------------------------------
 
@@ -410,6 +417,8 @@ class EngineCore:
     # -- counting -------------------------------------------------------------------------
 
     def count(self, **deltas: int) -> None:
+        if "put_calls" in deltas:  # every put path counts its call: the re-encoder's gap starts later
+            self.last_put_s = time.monotonic()
         with self._counter_lock:
             for name, delta in deltas.items():
                 setattr(self._counters, name, getattr(self._counters, name) + delta)

@@ -131,6 +131,7 @@ class Puts:
         forced.
         """
         core = self._core
+        core.putting()  # a long chain's later blocks still hold the re-encoder off (``recode``)
         top = core.tiers[0]
         size = codec_mod.frame_size(block.shape, block.dtype, core.codec_of(top.name), meta_len=META_BUDGET)
         for force in (False, True):

@@ -13,9 +13,14 @@ to their tier's codec in a background thread:
   The index switches to the new frame with a ``moved`` event (reason ``recoded``, same tier),
   and placement counts its new size.
 - A block int8 cannot hold (NaN or Inf) stays raw, as a demotion keeps it (``kept_raw``).
-- The thread works in the put's gaps: while the debt is under half its bound it waits until no
-  put has owed for ``QUIET_S``; past half it works flat out. At the bound a put encodes its
-  spilled blocks itself again, so disk use and the debt stay bounded (raw is 2x int8 for fp16).
+- The thread works only in the puts' gaps: it waits until no put has started or written a block
+  for ``QUIET_S`` (``EngineCore.last_put_s``), and looks again between batches. At the bound a
+  put encodes its spilled blocks itself again, so disk use and the debt stay bounded (raw is 2x
+  int8 for fp16). Never flat out: under sustained puts, a raw write now and a read, re-encode,
+  second write and compaction later is more work on the same cores than one int8 write now
+  (a full store took sustained 32 MiB puts of 2 MiB blocks at 346-387 MB/s with the thread
+  working flat out past half its bound, 495-576 MB/s waiting for gaps; stop 54), so once the
+  debt is at its bound the puts pay as they go, and the debt waits for a gap.
 - Debts are kept in memory only: a restart finds the raw frames in the recovered index and owes
   them again (``owe_recovered``).
 
@@ -44,8 +49,8 @@ __all__ = ["Recoder", "RecodeStats", "QUIET_S"]
 log = logging.getLogger("kvstore.engine.recode")
 
 QUIET_S = 0.05
-"""Seconds without a new debt before the thread re-encodes, while the debt is under half its
-bound: a burst of puts runs alone on the CPU, the thread catches up in the gap after it."""
+"""Seconds without a put before the thread re-encodes: a burst of puts runs alone on the CPU, the
+thread catches up in the gap after it."""
 BATCH = 64
 """Debts paid at a time: read, quantized together where they are small and of one shape, then
 each written back under its own claim."""
@@ -330,8 +335,8 @@ class Recoder:
         with self._cond:
             while not self._closed:
                 if self._pending:
-                    wait = self._last_owed + QUIET_S - time.monotonic()
-                    if wait <= 0 or self._stats.pending_bytes * 2 >= self._stats.backlog_bytes:
+                    wait = max(self._last_owed, self._core.last_put_s) + QUIET_S - time.monotonic()
+                    if wait <= 0:
                         return self._take(BATCH)
                     self._cond.wait(wait)
                 else:

@@ -5,6 +5,7 @@ test needs the re-encoder caught mid-way: its tier's ``get`` waits on a gate.
 """
 
 import threading
+import time
 
 import torch
 
@@ -99,6 +100,26 @@ def test_the_debt_is_bounded_past_it_a_put_encodes_itself(tmp_path):
             gate.set()
         assert store.recoder.idle(20)
         assert all(e.codec is Codec.INT8 for e in _nvme_entries(store))
+
+
+def test_the_recoder_waits_for_a_gap_in_the_puts_however_large_the_debt(tmp_path):
+    """While puts go on it pays nothing, even past half its bound (a raw write now and a re-encode
+    later is more work on the same cores than the int8 write a put makes once the debt is at its
+    bound); in the first gap it pays everything."""
+    with _store(tmp_path / "nvme", backlog=64 * MiB) as store:
+        before = store.core.last_put_s
+        store.put_kv(SMALL, list(range(32)), make_kv(SMALL, 32, seed=4))  # a put marks the core itself
+        assert store.core.last_put_s > before
+        store.core.putting()
+        keys = [bytes([i]) * 32 for i in range(8)]  # owed, not stored: paying one drops it at once
+        for key in keys:
+            store.recoder.owe(key, 5 * MiB)  # 40 MiB: past half the bound
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # puts go on: each marks the core, as every put path does
+            store.core.putting()
+            assert store.stats().recode["pending_blocks"] == len(keys)
+        assert store.recoder.idle(20)  # the gap: everything paid
+        assert store.stats().recode["dropped"] == len(keys)
 
 
 def test_a_delete_during_a_recode_wins(tmp_path):
