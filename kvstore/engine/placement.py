@@ -13,24 +13,20 @@ Rules, in the order ``plan`` applies them:
    under its high watermark, then each only in exchange for residents it beats
    by the scorer's margin: those are demoted one tier, in orders placed before
    the promotion so that a mover frees the room first.
-2. **Demotion.** A tier above ``high_watermark_frac`` sends its coldest
-   entries one tier down until it is under ``low_watermark_frac``; the last tier
-   evicts. A mover's plan is bounded (``plan(limit=)``), so the tier drains over
-   as many rounds as it takes: it stays draining until its real use is under the
-   low watermark, and meanwhile new blocks (``place_new``) and promotions into
-   free room get only the room under it; a pass over the whole tier that finds
-   nothing that can go ends the drain. ``make_room`` does the same at once, for a put that found the tier full.
-   While writes leave the top tier above its low watermark, it sends its coldest
-   down to it (the first such write wakes the mover, ``on_pressure``): room for new
-   blocks made ahead of them; with ``spill``, reads alone send down only residents
-   a block read once now would beat by the margin.
-   ``hold_room`` also counts the put's bytes as on their way in until the put is
-   done, and keeps the entries it sends down from being picked again meanwhile:
-   concurrent puts into a full tier then each make room of their own instead of
-   counting the same free bytes (or ordering out the same coldest entry). Entries
-   on their way out still count until they are gone: another put's write cannot
-   use room that is not free yet, so puts racing each other may free a block more
-   than they need, never less.
+2. **Demotion.** A tier above ``high_watermark_frac`` sends its coldest entries one tier down
+   until it is under ``low_watermark_frac``; the last tier evicts. A mover's plan is bounded
+   (``plan(limit=)``), so the tier drains over as many rounds as it takes: it stays draining
+   until its real use is under the low watermark, meanwhile new blocks (``place_new``) and
+   promotions into free room get only the room under it, and a pass over the whole tier that
+   finds nothing that can go ends the drain. ``make_room`` does the same at once, for a put
+   that found the tier full. While writes (or a lease's end) leave the top tier above its low
+   watermark, it sends its coldest down to it (the first wakes the mover, ``on_pressure``):
+   room for new blocks made ahead of them; with ``spill``, reads alone send down only residents
+   a block read once now would beat by the margin. ``hold_room`` counts the put's bytes as on
+   their way in until the put is done, and keeps the entries it sends down from being picked
+   again meanwhile: concurrent puts each make room of their own instead of counting the same
+   free bytes. Entries on their way out still count until they are gone, so puts racing each
+   other may free a block more than they need, never less.
 3. **Hysteresis.** Within ``min_residency_s`` of a move an entry does not go
    back the way it came (a promoted entry is not demoted, a demoted one not
    promoted), except to make room for a put; and promotion needs the margin.
@@ -161,10 +157,8 @@ class PlacementManager:
         r.depth = depth
         self._members[pos][key] = r
         self._used[pos] += size
-        if pos == 0 and self._used[0] > self._wake_above and not self._written_above:
-            self._written_above = True
-            if self.on_pressure is not None:
-                self.on_pressure()
+        if pos == 0:
+            self._may_go_down()
         if access:
             self.scorer.touch(r.heat, now)
         self._order[pos].put(key, r.heat.score, depth)
@@ -264,17 +258,24 @@ class PlacementManager:
     def lease(self, key: bytes) -> bool:
         """A zero-copy reader holds ``key``: it must not move or go until ``release``."""
         with self._lock:
-            r = self._res.get(key)
-            if r is None:
-                return False
-            r.leases += 1
-            return True
+            if (r := self._res.get(key)) is not None:
+                r.leases += 1
+            return r is not None
 
     def release(self, key: bytes) -> None:
         with self._lock:
-            r = self._res.get(key)
-            if r is not None and r.leases:
+            if (r := self._res.get(key)) is not None and r.leases:
                 r.leases -= 1
+                if not r.leases and r.tier == 0:
+                    self._may_go_down()
+
+    def _may_go_down(self) -> None:
+        """Under the lock, after a top-tier write or lease's end: above the low watermark, the next
+        round makes room (the round a put's crossing woke may have found only its leased blocks)."""
+        if self._used[0] > self._wake_above and not self._written_above:
+            self._written_above = True
+            if self.on_pressure is not None:
+                self.on_pressure()
 
     def is_held(self, key: bytes) -> bool:
         """Pinned or leased right now: placement must not move it down or out."""
@@ -588,8 +589,7 @@ class PlacementManager:
 
     def tier_of(self, key: bytes) -> str | None:
         with self._lock:
-            r = self._res.get(key)
-            return None if r is None else self.tiers[r.tier].name
+            return None if (r := self._res.get(key)) is None else self.tiers[r.tier].name
 
     def scorer_state(self) -> dict:
         with self._lock:

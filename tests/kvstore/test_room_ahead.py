@@ -53,6 +53,23 @@ def test_writes_past_the_low_watermark_send_the_coldest_down_to_it_and_no_furthe
     assert len(woken) == 2  # above it again: woken again
 
 
+def test_a_round_that_found_only_a_puts_leased_blocks_is_tried_again_once_they_are_free():
+    """One put's chain crosses the low watermark; the round its crossing woke finds only that
+    chain, leased while it is written. Its end (the leases let go) wakes the mover again."""
+    m, _ = _manager()
+    woken = []
+    m.on_pressure = lambda: woken.append(True)
+    keys = [b"k%04d" % i for i in range(9)]
+    for key in keys:  # as a put writes a chain: each block leased as it lands
+        m.admitted(key, "top", B)
+        assert m.lease(key)
+    assert len(woken) == 1 and m.plan() == []  # every resident is the put's own, leased
+    for key in keys:
+        m.release(key)
+    assert len(woken) == 2  # free to go down: woken again, once
+    assert len(m.plan()) == 4  # 9 -> 5 blocks: the low watermark
+
+
 def test_without_new_writes_only_residents_colder_than_a_new_block_go_down():
     m, clock = _manager()
     for i in range(9):
