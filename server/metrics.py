@@ -129,6 +129,8 @@ class _StoreCollector:
         for name, key, doc in (
                 ("recode_spilled_raw_blocks", "spilled_raw_blocks",
                  "Blocks puts wrote raw into a cold tier, owed an int8 re-encode."),
+                ("recode_demoted_raw_blocks", "demoted_raw_blocks",
+                 "Blocks the mover demoted raw into a cold tier, owed an int8 re-encode."),
                 ("recode_blocks", "recoded_blocks", "Raw cold-tier frames re-encoded behind the put."),
                 ("recode_bytes_saved", "recoded_bytes_saved", "Frame bytes the re-encodes saved.")):
             yield CounterMetricFamily(f"kvstore_{name}", doc, value=rc.get(key, 0))

@@ -24,6 +24,9 @@ to their tier's codec in a background thread:
 - Debts are kept in memory only: a restart finds the raw frames in the recovered index and owes
   them again (``owe_recovered``).
 
+The mover owes re-encodes too: while the debt has room, it demotes a raw block into such a tier
+raw (``Recoder.spills_raw``, ``owe(demoted=True)``) instead of encoding int8 beside the puts.
+
 Readers are unaffected: a frame is raw or int8 by its own header. A reader that looked up the
 raw entry and then read the int8 frame finds its checksum not the one it expected and looks the
 entry up again (``kvstore.engine.reads``), as after a move.
@@ -87,6 +90,8 @@ class RecodeStats:
     """Raw frame bytes owed now."""
     spilled_raw_blocks: int = 0
     """Blocks puts wrote raw below the top tier, owed a re-encode."""
+    demoted_raw_blocks: int = 0
+    """Blocks the mover demoted raw into a tier that wants another codec, owed a re-encode."""
     recoded_blocks: int = 0
     recoded_bytes_saved: int = 0
     """Frame bytes the re-encodes saved (raw size minus new size)."""
@@ -138,13 +143,17 @@ class Recoder:
         shared = self._core.shared
         return (shared is not None and shared.name == tier) or not self._core.tier(tier).overwrite_keeps_durable
 
-    def owe(self, key: BlockHash, nbytes: int) -> None:
-        """``key``'s frame was written raw where its tier wants another codec: re-encode it later."""
+    def owe(self, key: BlockHash, nbytes: int, *, demoted: bool = False) -> None:
+        """``key``'s frame was written raw where its tier wants another codec (by a put, or by a
+        demotion: ``demoted``): re-encode it later."""
         with self._cond:
             if self._closed or self._thread is None:  # nobody would pay it (spills_raw said no)
                 return
             self._owe(key, nbytes)
-            self._stats.spilled_raw_blocks += 1
+            if demoted:
+                self._stats.demoted_raw_blocks += 1
+            else:
+                self._stats.spilled_raw_blocks += 1
             self._cond.notify()
 
     def _owe(self, key: BlockHash, nbytes: int) -> None:

@@ -133,9 +133,9 @@ class KVStore:
         shared = find_shared(tiers)
         self._shared = SharedTier(core, shared, policy) if shared is not None else None
         core.shared = self._shared
-        self._mover = Mover(core, self._shared, on_move=self._moved)
         self.recoder = Recoder(core, backlog_bytes=recode_backlog_bytes if background else 0)
-        """Re-encodes, behind the put, the blocks it spilled raw into cold tiers (``kvstore.engine.recode``)."""
+        """Re-encodes, in the puts' gaps, blocks spilled or demoted raw into cold tiers (``kvstore.engine.recode``)."""
+        self._mover = Mover(core, self._shared, on_move=self._moved, recoder=self.recoder)
         self._puts = Puts(core, self._shared, self._mover.execute, lossy=lossy, recoder=self.recoder)
         self.frames = Frames(core, self._shared, self._puts.take_room)
         """Frames by key: the block routes', shm handles' and lm:// reads and puts."""
