@@ -47,8 +47,10 @@ def _rss_anon_mib(pid: int) -> float:
     return 0.0
 
 
-def soak(tmp_path: Path, seconds: float, seed: int = 0) -> dict:
-    """Run the soak for ``seconds``; its figures (see the module's docstring)."""
+def soak(tmp_path: Path, seconds: float, seed: int = 0, min_puts: int = 0) -> dict:
+    """Run the soak for ``seconds``, and on until ``min_puts`` puts were made (three times
+    ``seconds`` at most: a slower machine still fills the store as often); its figures (see the
+    module's docstring)."""
     from client_sdk import KVClient
 
     torch.set_num_threads(1)
@@ -64,7 +66,8 @@ def soak(tmp_path: Path, seconds: float, seed: int = 0) -> dict:
             started = time.monotonic()
             next_sample = started
             i = 0
-            while (now := time.monotonic()) - started < seconds:
+            while ((now := time.monotonic()) - started < seconds
+                   or (i < min_puts and now - started < 3 * seconds)):
                 if now >= next_sample:
                     figures["rss_anon_mib"].append(round(_rss_anon_mib(server.proc.pid), 1))
                     next_sample += 1.0
@@ -81,15 +84,16 @@ def soak(tmp_path: Path, seconds: float, seed: int = 0) -> dict:
                     figures["wrong"] += not torch.equal(kv, expected_kv(0, back[:n]))
                 i += 1
             figures["puts"] = i
+            elapsed = time.monotonic() - started
             nvme = next(t for t in client.admin.tiers() if t["name"] == "nvme")
     finally:
         server.stop()
     times = sorted(s for _, s in puts)
-    half = seconds / 2
+    half = elapsed / 2
     first = sorted(s for w, s in puts if w < half)
     last = sorted(s for w, s in puts if w >= half)
     figures.update(
-        seconds=seconds, put_mb_s=len(puts) * TOKENS // SPEC.block_tokens * _block_bytes() / sum(times) / 1e6,
+        seconds=round(elapsed, 1), put_mb_s=len(puts) * TOKENS // SPEC.block_tokens * _block_bytes() / sum(times) / 1e6,
         p50_ms=statistics.median(times) * 1e3, p99_ms=_p99(times) * 1e3,
         p99_first_half_ms=_p99(first) * 1e3, p99_last_half_ms=_p99(last) * 1e3, max_ms=times[-1] * 1e3,
         nvme={k: nvme["details"].get(k) for k in ("disk_bytes", "dead_bytes", "compactions", "segments")},
