@@ -7,16 +7,35 @@ and run ~10x slower on this machine (0.2 GB/s against ~2 GB/s).
 
 ``kvstore.codec`` owns the frame: it lays the scales (K's ``[L, H, 1, D]`` then V's
 ``[L, H, T, 1]``) and the int8 values into it and reads them back through here.
+
+Where the package's one compiled module (``kvstore._int8``, built by ``pip install`` where a C
+compiler is) imports, both directions run there instead: the same bytes in one pass over each
+(layer, head), with the GIL let go. The torch code below stays for the blocks it does not take
+(a strided last dim) and for installs without it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from kvstore.errors import InvalidKV
 from kvstore.memory.buffers import Scratch
 
-__all__ = ["MAX_SCALE", "MIN_SCALE", "quantize", "quantize_many", "dequantize", "scales_sound", "raise_bad_scales"]
+try:
+    from kvstore import _int8 as _native
+except ImportError:  # built where a C compiler was (setup.py); torch does the same work slower
+    _native = None
+
+__all__ = [
+    "MAX_SCALE", "MIN_SCALE", "NATIVE", "native_takes", "quantize", "quantize_into", "quantize_many",
+    "dequantize", "scales_sound", "raise_bad_scales",
+]
+
+NATIVE = _native is not None
+"""True where ``kvstore._int8`` was built and imports: quantize and dequantize run there."""
+_NATIVE_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 # float32 scratch elements per chunk (1 MiB): the K or V of one layer of a 32 MiB
 # block. It fits a core's L2 across the passes over it, and keeps the Python
@@ -68,6 +87,9 @@ def quantize(kv: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, n_k: int) 
     """
     layers, _, heads, tokens, dim = kv.shape
     exact = scales.dtype == torch.float32
+    if _takes(kv) and q.is_contiguous():
+        quantize_into(kv, q.numpy(), scales.numpy(), not exact)
+        return
     for part, scale, reduce_dim in _parts(scales, n_k, layers, heads, tokens, dim):
         for l0, l1, h0, h1 in _chunks(layers, heads, tokens * dim):
             buf = _scratch(_WORK, (l1 - l0) * (h1 - h0) * tokens * dim).view(l1 - l0, h1 - h0, tokens, dim)
@@ -119,6 +141,36 @@ def quantize_many(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return k_s, v_s, x.round_().to(torch.int8)
 
 
+def native_takes(kv: torch.Tensor) -> bool:
+    """Whether ``quantize_into`` (the native kernel) takes this block: ``kvstore._int8`` built,
+    and a non-empty CPU tensor of fp16, bf16 or fp32 whose last dim is dense."""
+    return _takes(kv)
+
+
+def _takes(kv: torch.Tensor) -> bool:
+    return (
+        NATIVE and kv.dtype in _NATIVE_DTYPES and kv.device.type == "cpu" and kv.numel() > 0
+        and kv.stride(-1) == 1
+    )
+
+
+def quantize_into(kv: torch.Tensor, q: Any, scales: Any, scales_f16: bool = False) -> None:
+    """``quantize`` by the native kernel into writable buffers: ``q`` the block's int8 values
+    (``kv.numel()`` bytes, dense), ``scales`` K's then V's (float16 when ``scales_f16``), e.g. the
+    two parts of a frame. Only for a block ``native_takes``; the same bytes as ``quantize``.
+
+    Raises:
+        InvalidKV: values int8 cannot represent (NaN, Inf, too large; too small for float16 scales).
+    """
+    layers, _, heads, tokens, dim = kv.shape
+    rc = _native.quantize(kv.data_ptr(), _NATIVE_DTYPES[kv.dtype], layers, heads, tokens, dim,
+                          *kv.stride()[:4], q, scales, scales_f16)
+    if rc == 2:
+        raise InvalidKV("int8 codec: values too small for float16 scales; use scale_dtype='float32'")
+    if rc:  # 1: NaN; 3: Inf or too large, the scales scales_sound refuses
+        raise_bad_scales(kv, not scales_f16)
+
+
 def _parts(scales: torch.Tensor, n_k: int, layers: int, heads: int, tokens: int, dim: int):
     """(part, its scales, the dim its absmax reduces): K per channel over tokens, V per token."""
     return (
@@ -151,6 +203,10 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n_k: int, out: torch.Tenso
     layers, _, heads, tokens, dim = q.shape
     if scales.dtype != torch.float32:
         scales = scales.float()  # small: one scale per channel or token
+    if _takes(out) and q.is_contiguous():
+        _native.dequantize(out.data_ptr(), _NATIVE_DTYPES[out.dtype], layers, heads, tokens, dim,
+                           *out.stride()[:4], q.numpy(), scales.contiguous().numpy())
+        return
     for part, scale, _ in _parts(scales, n_k, layers, heads, tokens, dim):
         for l0, l1, h0, h1 in _chunks(layers, heads, tokens * dim):
             buf = _scratch(_WORK, (l1 - l0) * (h1 - h0) * tokens * dim).view(l1 - l0, h1 - h0, tokens, dim)
