@@ -4,10 +4,13 @@ Every row is measured in one run, interleaved (memcpy, raw, int8, int8+lz4,
 then again), and reported as the median over repeats with min and max, plus
 the ratio to the same-run memcpy. GB/s are of raw KV bytes (10^9 bytes/s).
 Frames are encoded into and decoded from reused buffers, as the store does.
+Where the native int8 kernel is built (``kvstore.int8.NATIVE``), an ``int8 (torch)`` row times
+the torch path on the same frames beside it, so one run shows what the kernel buys.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ import torch
 
 from bench.report import header, publish
 from kvstore import codec as codec_mod
+from kvstore import int8 as int8_mod
 from kvstore.codec import Codec
 
 __all__ = ["run", "SHAPES"]
@@ -52,6 +56,16 @@ def _summary(nbytes: int, seconds: list[float]) -> dict[str, float]:
     return {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
 
 
+@contextlib.contextmanager
+def _torch_int8():
+    """The torch quantizer for the call, as where the kernel did not build."""
+    was, int8_mod.NATIVE = int8_mod.NATIVE, False
+    try:
+        yield
+    finally:
+        int8_mod.NATIVE = was
+
+
 def _measure(case: _Case, repeats: int) -> dict:
     kv = case.kv
     nbytes = kv.numel() * kv.element_size()
@@ -64,6 +78,19 @@ def _measure(case: _Case, repeats: int) -> dict:
     for c in Codec:
         ops[f"{c.value} encode"] = lambda c=c: codec_mod.encode_into(kv, bufs[c], c)
         ops[f"{c.value} decode"] = lambda c=c: codec_mod.decode(frames[c], out=out)
+    native = int8_mod.NATIVE
+    if native:
+        torch_buf = bytearray(len(bufs[Codec.INT8]))
+
+        def torch_encode() -> None:
+            with _torch_int8():
+                codec_mod.encode_into(kv, torch_buf, Codec.INT8)
+
+        def torch_decode() -> None:
+            with _torch_int8():
+                codec_mod.decode(frames[Codec.INT8], out=out)
+
+        ops["int8 (torch) encode"], ops["int8 (torch) decode"] = torch_encode, torch_decode
     for fn in ops.values():  # warm-up: page in buffers, size the codec scratch
         fn()
     times: dict[str, list[float]] = {name: [] for name in ops}
@@ -79,8 +106,12 @@ def _measure(case: _Case, repeats: int) -> dict:
         "dtype": str(kv.dtype).removeprefix("torch."),
         "raw_bytes": nbytes,
         "memcpy_gbps": rates["memcpy"],
+        "int8_kernel": "native" if native else "torch",
         "codecs": {},
     }
+    if native:
+        row["int8_torch"] = {"encode_gbps": rates["int8 (torch) encode"], "decode_gbps": rates["int8 (torch) decode"],
+                             "same_frame": bytes(torch_buf) == bytes(frames[Codec.INT8])}
     ref = kv.float()
     for c in Codec:
         frame = frames[c]
@@ -151,5 +182,10 @@ def format_table(result: dict) -> str:
                 f"{row['memcpy_gbps']['median']:7.2f} {c['encode_vs_memcpy']:7.2f} {c['decode_vs_memcpy']:7.2f} "
                 f"{c['size_ratio']:6.3f} {'yes' if c['lz4_applied'] else 'no':>4} {c['rel_error']:8.5f}"
             )
+        if "int8_torch" in row:  # the same int8 frames by the torch path, for comparison
+            t, mc = row["int8_torch"], row["memcpy_gbps"]["median"]
+            enc, dec = t["encode_gbps"]["median"], t["decode_gbps"]["median"]
+            lines.append(f"{row['data']:14} {row['size']:>7} {'(torch)':9} {enc:9.2f} {dec:9.2f} {mc:7.2f} "
+                         f"{enc / mc:7.2f} {dec / mc:7.2f}   same frame: {'yes' if t['same_frame'] else 'NO'}")
     lines.extend(f"note: {n}" for n in result["notes"])
     return "\n".join(lines)

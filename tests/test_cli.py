@@ -36,6 +36,8 @@ def test_bench_codec_quick_writes_every_row(tmp_path):
             assert c["encode_gbps"]["median"] > 0 and c["decode_gbps"]["median"] > 0
             assert c["rel_error"] == 0 if name == "raw" else c["rel_error"] <= 0.01
             assert c["size_ratio"] < 0.7 if name != "raw" else c["size_ratio"] >= 1
+        if row["int8_kernel"] == "native":  # the torch path beside it, making the very same frame
+            assert row["int8_torch"]["same_frame"] and row["int8_torch"]["encode_gbps"]["median"] > 0
 
 
 def test_bench_rejects_bad_repeats(tmp_path):
