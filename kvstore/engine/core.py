@@ -418,7 +418,7 @@ class EngineCore:
 
     def count(self, **deltas: int) -> None:
         if "put_calls" in deltas:  # every put path counts its call: the re-encoder's gap starts later
-            self.last_put_s = time.monotonic()
+            self.putting()
         with self._counter_lock:
             for name, delta in deltas.items():
                 setattr(self._counters, name, getattr(self._counters, name) + delta)
