@@ -203,7 +203,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n_k: int, out: torch.Tenso
     layers, _, heads, tokens, dim = q.shape
     if scales.dtype != torch.float32:
         scales = scales.float()  # small: one scale per channel or token
-    if _takes(out) and q.is_contiguous():
+    if _takes(out) and q.is_contiguous() and out.shape == q.shape:  # the kernel writes by q's shape
         _native.dequantize(out.data_ptr(), _NATIVE_DTYPES[out.dtype], layers, heads, tokens, dim,
                            *out.stride()[:4], q.numpy(), scales.contiguous().numpy())
         return

@@ -187,3 +187,13 @@ def test_exact_halves_round_to_even_in_the_vector_lanes_and_the_tail(dtype, monk
     assert torch.equal(native[0], ref[0])
     want = torch.tensor([0, 2, 2, 0, -2, -2, 4, 126], dtype=torch.int8)  # every half is exact in each dtype
     assert torch.equal(native[0][0, 1, 0, 0, 8:16], want) and torch.equal(native[0][0, 1, 0, 0, 32:40], want)
+
+
+def test_dequantize_into_an_out_of_another_shape_raises_and_writes_nothing_past_it():
+    kv = torch.randn(2, 2, 2, 16, 64)
+    q, scales, _ = _quantize(kv, torch.float32)
+    big = torch.zeros(4, 2, 2, 16, 64)
+    small = big[:1]  # one layer where q has two: the kernel must not write the second
+    with pytest.raises(RuntimeError):
+        int8.dequantize(q, scales, 2 * 2 * 64, small)
+    assert not bool(big[1:].any())
