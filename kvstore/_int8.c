@@ -1,9 +1,10 @@
 /* kvstore._int8: the int8 codec's quantizer and dequantizer in one pass over a block.
  *
  * Why native: the torch version (kvstore/int8.py) makes seven passes over a float32 copy of
- * each chunk and spends a third of a full store's put time there (stop 53's profile: 1.2 ms for
- * a 2 MiB block). Here each K or V matrix of one (layer, head) is read twice from L1 (absmax,
- * then quantize) straight from fp16, bf16 or fp32, with no scratch, and the GIL is let go.
+ * each chunk, and a full store spent a third of its put time there (docs/benchmarks.md, stop
+ * 54: 1.2 ms for a 2 MiB block). Here each K or V matrix of one (layer, head) is read twice
+ * from L1 (absmax, then quantize) straight from fp16, bf16 or fp32, with no scratch, and the
+ * GIL is let go.
  *
  * The values are the very bytes kvstore/int8.py makes, by the same float32 steps: K per channel
  * over tokens and V per token over head_dim; scale = absmax / 127, floored at FLT_MIN;
