@@ -29,7 +29,7 @@
 #endif
 #include <immintrin.h>
 
-enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 };
+enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 }; /* kvstore.int8._NATIVE_DTYPES */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -275,8 +275,10 @@ typedef int (*quant_fn)(const char *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssi
 typedef void (*deq_fn)(char *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
                        Py_ssize_t, Py_ssize_t, const int8_t *, const float *);
 
-static const quant_fn QUANT[3] = {quant_f16, quant_bf16, quant_f32};
-static const deq_fn DEQ[3] = {deq_f16, deq_bf16, deq_f32};
+static const quant_fn QUANT[3] = {[DT_F16] = quant_f16, [DT_BF16] = quant_bf16, [DT_F32] = quant_f32};
+static const deq_fn DEQ[3] = {[DT_F16] = deq_f16, [DT_BF16] = deq_bf16, [DT_F32] = deq_f32};
+
+enum { STACK_DIM = 1024 }; /* head_dims up to this need no heap work area (8 KiB of stack) */
 
 static int shape_ok(Py_ssize_t L, Py_ssize_t H, Py_ssize_t T, Py_ssize_t D) {
     if (L <= 0 || H <= 0 || T <= 0 || D <= 0 || D > (1 << 20)) return 0;
@@ -295,7 +297,9 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
                           &sb, &s16))
         return NULL;
     PyObject *res = NULL;
-    float *work = NULL;
+    /* K's absmax and reciprocals, one per channel: on the stack for any usual head_dim, so a put's
+     * quantize allocates nothing; only a head_dim past STACK_DIM takes the heap */
+    float stack_work[2 * STACK_DIM], *work = stack_work;
     if (dt < 0 || dt > 2 || !shape_ok(L, H, T, D)) {
         PyErr_SetString(PyExc_ValueError, "kvstore._int8.quantize: bad dtype or shape");
         goto done;
@@ -305,8 +309,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "kvstore._int8.quantize: output buffers too small");
         goto done;
     }
-    work = PyMem_RawMalloc(sizeof(float) * 2 * (size_t)D);
-    if (!work) {
+    if (D > STACK_DIM && !(work = PyMem_RawMalloc(sizeof(float) * 2 * (size_t)D))) {
         PyErr_NoMemory();
         goto done;
     }
@@ -317,7 +320,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     res = PyLong_FromLong(rc);
 done:
-    PyMem_RawFree(work);
+    if (work != stack_work) PyMem_RawFree(work);
     PyBuffer_Release(&qb);
     PyBuffer_Release(&sb);
     return res;

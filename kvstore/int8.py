@@ -87,7 +87,7 @@ def quantize(kv: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, n_k: int) 
     """
     layers, _, heads, tokens, dim = kv.shape
     exact = scales.dtype == torch.float32
-    if _takes(kv) and q.is_contiguous():
+    if native_takes(kv) and q.is_contiguous():
         quantize_into(kv, q.numpy(), scales.numpy(), not exact)
         return
     for part, scale, reduce_dim in _parts(scales, n_k, layers, heads, tokens, dim):
@@ -144,10 +144,6 @@ def quantize_many(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def native_takes(kv: torch.Tensor) -> bool:
     """Whether ``quantize_into`` (the native kernel) takes this block: ``kvstore._int8`` built,
     and a non-empty CPU tensor of fp16, bf16 or fp32 whose last dim is dense."""
-    return _takes(kv)
-
-
-def _takes(kv: torch.Tensor) -> bool:
     return (
         NATIVE and kv.dtype in _NATIVE_DTYPES and kv.device.type == "cpu" and kv.numel() > 0
         and kv.stride(-1) == 1
@@ -203,7 +199,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, n_k: int, out: torch.Tenso
     layers, _, heads, tokens, dim = q.shape
     if scales.dtype != torch.float32:
         scales = scales.float()  # small: one scale per channel or token
-    if _takes(out) and q.is_contiguous() and out.shape == q.shape:  # the kernel writes by q's shape
+    if native_takes(out) and q.is_contiguous() and out.shape == q.shape:  # the kernel writes by q's shape
         _native.dequantize(out.data_ptr(), _NATIVE_DTYPES[out.dtype], layers, heads, tokens, dim,
                            *out.stride()[:4], q.numpy(), scales.contiguous().numpy())
         return

@@ -197,3 +197,10 @@ def test_dequantize_into_an_out_of_another_shape_raises_and_writes_nothing_past_
     with pytest.raises(RuntimeError):
         int8.dequantize(q, scales, 2 * 2 * 64, small)
     assert not bool(big[1:].any())
+
+
+def test_a_head_dim_past_the_kernels_stack_work_area_matches(monkeypatch):
+    kv = torch.randn(1, 2, 2, 3, 1100).half()  # 1100 channels: the kernel's work area comes from the heap
+    native, ref = _both(lambda: _quantize(kv, torch.float32), monkeypatch)
+    for a, b in zip(native, ref):
+        assert torch.equal(a, b)
