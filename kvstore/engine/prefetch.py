@@ -63,13 +63,19 @@ refused while no free range fits, which passes as reads end and compaction or th
 A hand-off demo run under load once had 1 of 32 prefetched blocks refused and never tried again."""
 
 
+HELD_REMEMBERED = 4096
+"""Holds remembered so that a newer one can end them; past it, the oldest only ends by its first read
+or its expiry, as every hold does."""
+
+
 class Prefetcher:
     """Carries out prefetch jobs in one background thread.
 
     Args:
         core: the store's engine core.
         execute: the mover's ``execute`` (a move under the key's claim).
-        hold_frac: at most this share of the top tier is held for prefetches at once.
+        hold_frac: at most this share of the top tier is held for prefetches at once; a newer
+            hold ends the oldest ones when it needs their room.
         max_jobs: jobs waiting at most; past it the oldest is dropped.
     """
 
@@ -79,6 +85,8 @@ class Prefetcher:
         self._execute = execute
         self._hold_bytes = int(core.tiers[0].capacity_bytes * hold_frac)
         self._jobs: deque[Job] = deque()
+        self._held: deque[list[BlockHash]] = deque(maxlen=HELD_REMEMBERED)
+        """The keys of each hold placed, oldest first (ones read or expired since end harmlessly)."""
         self._max_jobs = max_jobs
         self._cond = threading.Condition()
         self._log: deque[dict[str, Any]] = deque(maxlen=log_size)
@@ -123,13 +131,26 @@ class Prefetcher:
             return list(self._log)[-limit:]
 
     def _hold(self, keys: list[BlockHash], hold_s: float) -> int:
-        """Hold ``keys`` for ``hold_s``; past the hold budget, as many leading keys as fit
-        (a prefix without its head serves nothing). How many are held."""
+        """Hold ``keys`` for ``hold_s``. Past the hold budget, the oldest holds give way first (the
+        newest hint is the likeliest to be read next); then as many leading keys as fit (a prefix
+        without its head serves nothing). How many are held."""
         placement = self._core.placement
-        try:
-            return placement.retain(keys, hold_s, owner=PREFETCH_OWNER, quota_bytes=self._hold_bytes)[0]
-        except RetainQuotaExceeded as exc:
-            room = exc.quota_bytes - exc.retained_bytes
+        while True:
+            try:
+                held = placement.retain(keys, hold_s, owner=PREFETCH_OWNER, quota_bytes=self._hold_bytes)[0]
+            except RetainQuotaExceeded as exc:
+                try:
+                    oldest = self._held.popleft()
+                except IndexError:  # none left to give way: hold what fits
+                    room = exc.quota_bytes - exc.retained_bytes
+                    break
+                # An unheld promoted block is the coldest in a full top tier: the next put's room (or
+                # the drain, once its residency has passed) sends it straight back down, so a prefetch
+                # the budget could not hold would be two wasted moves and a reader who finds it below.
+                self.counters["holds_displaced"] += placement.unretain(oldest, owner=PREFETCH_OWNER)
+                continue
+            self._held.append(keys)
+            return held
         fit: list[BlockHash] = []
         for key in keys:
             entry = self._core.entry(key)
@@ -141,9 +162,11 @@ class Prefetcher:
         if not fit:
             return 0
         try:
-            return placement.retain(fit, hold_s, owner=PREFETCH_OWNER, quota_bytes=self._hold_bytes)[0]
+            held = placement.retain(fit, hold_s, owner=PREFETCH_OWNER, quota_bytes=self._hold_bytes)[0]
         except RetainQuotaExceeded:  # another job took the room meanwhile
             return 0
+        self._held.append(fit)
+        return held
 
     def _loop(self) -> None:
         while True:

@@ -212,3 +212,35 @@ def test_a_prefetch_tries_a_refused_move_again(spec, tmp_path, monkeypatch):
         assert refused == [keys[1]] and set(tiers_of(store, spec, toks, "a")) == {"shm"}
         record = store.prefetcher.log()[-1]
         assert (record["moved"], record["failed"], record["retried"]) == (4, 0, 1)
+
+
+def test_a_newer_prefetch_takes_its_hold_from_the_oldest_unread_one(spec, tmp_path):
+    """The hold budget (a quarter of the top tier) spent on a prefetch nobody read: the next
+    prefetch ends that hold rather than promote blocks it cannot hold, which a full tier would send
+    straight back down before their reader came."""
+    frame = spec.block_nbytes + 1024
+    with KVStore([ShmTier(frame * 16), MemoryTier(64 << 20, name="low")], background=False) as store:
+        first, second = list(range(16 * 4)), list(range(5000, 5000 + 16 * 4))
+        for toks in (first, second):
+            store.put_kv(spec, toks, make_kv(spec, len(toks)), "a")
+            for key in store._current_keys(spec, toks, "a"):
+                store.migrate(key, "low")
+        for i in range(16):  # hot residents fill the top tier
+            toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
+            store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
+            for _ in range(5):
+                store.get_kv(spec, toks, "b")
+        assert store.prefetch(spec, first, "a") == len(first)
+        assert store.prefetcher.idle() and store.prefetcher.log()[-1]["held"] == 4  # all the budget
+        assert store.prefetch(spec, second, "a") == len(second)  # first's reader never came
+        assert store.prefetcher.idle()
+        assert store.prefetcher.log()[-1]["held"] == 4 and store.prefetcher.counters["holds_displaced"] == 4
+        assert store.prefetcher.counters["holds_cut"] == 0
+        first_keys, second_keys = (store._current_keys(spec, t, "a") for t in (first, second))
+        assert all(store.placement.retention(k) is None for k in first_keys)
+        assert all(store.placement.retention(k)["owner"] == "_prefetch" for k in second_keys)
+        for i in range(16, 24):  # more hot puts: the held prefix stays for its reader
+            toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
+            store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
+            store.run_placement()
+        assert tiers_of(store, spec, second, "a") == ["shm"] * 4
