@@ -44,7 +44,9 @@ def test_handoff_scenario_reads_the_context_from_shm_with_prefetch_or_retention(
         for variant in ("prefetch", "retain"):
             t = by[role, variant]
             assert t["hit_tokens"] == CONTEXT, t
-            assert t["tiers_at_arrival"] == {"shm": BLOCKS}, (variant, t)
+            # The message in full (the server's record of the prefetch): a tuple's repr is cut short.
+            assert t["tiers_at_arrival"] == {"shm": BLOCKS}, json.dumps(
+                {"variant": variant, "arrival": t["tiers_at_arrival"], "handoff": t["handoff"]}, default=str)
             assert t["medium"] == "shm" and t["blocks_over_http"] == 0, (variant, t)
         prefetch = by[role, "prefetch"]
         assert prefetch["handoff"]["prefetch_tokens"] == CONTEXT and prefetch["handoff"]["prefetch_complete"]
