@@ -96,7 +96,8 @@ class Mover:
 
     # -- one move ----------------------------------------------------------------
 
-    def execute(self, order: MoveOrder, *, depth: int = 0, ahead: "_Ahead | None" = None) -> bool:
+    def execute(self, order: MoveOrder, *, depth: int = 0, ahead: "_Ahead | None" = None,
+                force_room: bool = False) -> bool:
         """Carry out ``order``; False when it no longer applies or the destination refused it.
 
         Reading and re-encoding happen outside the key's claim; writing the
@@ -105,12 +106,13 @@ class Mover:
         one we read. So a concurrent put, delete or move of the same key either
         wins outright or finds the move complete; it never sees a half.
         ``ahead``: the frame already re-encoded for the destination (``_encode_ahead``), used
-        only if the entry is still the one it was read from.
+        only if the entry is still the one it was read from. ``force_room``: room for the frame is
+        made in the destination whatever placement counts free there (a retry of a refused move).
         """
         core = self._core
         entry = core.entry(order.key)
         if ahead is not None and entry is ahead.entry and order.dst is not None:
-            room = self._hold_room(core.tier(order.dst), len(ahead.frame), depth)
+            room = self._hold_room(core.tier(order.dst), len(ahead.frame), depth, force_room)
             try:
                 return self._commit(entry, order, (ahead.frame, Codec.INT8, ahead.checksum))
             finally:
@@ -149,7 +151,7 @@ class Mover:
             log.warning("move of %s: frame in %s is damaged (%s); dropped", order.key.hex(), src.name, exc)
             core.drop(entry, corrupt=True)
             return False
-        room = self._hold_room(dst, len(frame), depth)  # outside the claim: it moves other keys
+        room = self._hold_room(dst, len(frame), depth, force_room)  # outside the claim: it moves other keys
         try:
             moved = self._commit(entry, order, (frame, codec, checksum))
         finally:
@@ -209,12 +211,12 @@ class Mover:
         names = self._core.tier_names
         return not order.reason.startswith("migrated") and names.index(order.dst) > names.index(order.src)
 
-    def _hold_room(self, dst, nbytes: int, depth: int) -> RoomHold | None:
+    def _hold_room(self, dst, nbytes: int, depth: int, force: bool = False) -> RoomHold | None:
         """Room in ``dst`` for the frame being moved, held until it is written (None: the chain of
         moves making room for moves is as deep as there are tiers)."""
         if depth >= len(self._core.tier_names):
             return None
-        room = self._placement.hold_room(dst.name, nbytes)
+        room = self._placement.hold_room(dst.name, nbytes, force=force)
         try:
             for sub in room.orders:
                 self.execute(sub, depth=depth + 1)

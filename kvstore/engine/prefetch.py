@@ -73,20 +73,25 @@ class Prefetcher:
 
     Args:
         core: the store's engine core.
-        execute: the mover's ``execute`` (a move under the key's claim).
+        execute: the mover's ``execute`` (a move under the key's claim; ``force_room=True``: room made
+            whatever placement counts free).
         hold_frac: at most this share of the top tier is held for prefetches at once; a newer
             hold ends the oldest ones when it needs their room.
         max_jobs: jobs waiting at most; past it the oldest is dropped.
     """
 
-    def __init__(self, core: EngineCore, execute: Callable[[MoveOrder], bool], *, hold_frac: float = 0.25,
+    def __init__(self, core: EngineCore, execute: Callable[..., bool], *, hold_frac: float = 0.25,
                  max_jobs: int = 1024, log_size: int = 1000) -> None:
         self._core = core
         self._execute = execute
         self._hold_bytes = int(core.tiers[0].capacity_bytes * hold_frac)
         self._jobs: deque[Job] = deque()
-        self._held: deque[list[BlockHash]] = deque(maxlen=HELD_REMEMBERED)
-        """The keys of each hold placed, oldest first (ones read or expired since end harmlessly)."""
+        self._held: deque[tuple[int, list[BlockHash]]] = deque()
+        """Each hold placed, oldest first: its number and keys (ones read or expired since end harmlessly)."""
+        self._hold_of: dict[BlockHash, int] = {}
+        """The number of the latest hold of each key in ``_held``: a key held again belongs to that one."""
+        self._holds = 0
+        self._held_lock = threading.Lock()
         self._max_jobs = max_jobs
         self._cond = threading.Condition()
         self._log: deque[dict[str, Any]] = deque(maxlen=log_size)
@@ -139,9 +144,8 @@ class Prefetcher:
             try:
                 held = placement.retain(keys, hold_s, owner=PREFETCH_OWNER, quota_bytes=self._hold_bytes)[0]
             except RetainQuotaExceeded as exc:
-                try:
-                    oldest = self._held.popleft()
-                except IndexError:  # none left to give way: hold what fits
+                oldest = self._forget_oldest()
+                if oldest is None:  # none left to give way: hold what fits
                     room = exc.quota_bytes - exc.retained_bytes
                     break
                 # An unheld promoted block is the coldest in a full top tier: the next put's room (or
@@ -149,7 +153,7 @@ class Prefetcher:
                 # the budget could not hold would be two wasted moves and a reader who finds it below.
                 self.counters["holds_displaced"] += placement.unretain(oldest, owner=PREFETCH_OWNER)
                 continue
-            self._held.append(keys)
+            self._remember(keys)
             return held
         fit: list[BlockHash] = []
         for key in keys:
@@ -165,8 +169,31 @@ class Prefetcher:
             held = placement.retain(fit, hold_s, owner=PREFETCH_OWNER, quota_bytes=self._hold_bytes)[0]
         except RetainQuotaExceeded:  # another job took the room meanwhile
             return 0
-        self._held.append(fit)
+        self._remember(fit)
         return held
+
+    def _remember(self, keys: list[BlockHash]) -> None:
+        """``keys`` were just held: the newest hold, and the one each of them belongs to now."""
+        with self._held_lock:
+            self._holds += 1
+            self._held.append((self._holds, keys))
+            for key in keys:
+                self._hold_of[key] = self._holds
+            while len(self._held) > HELD_REMEMBERED:  # the oldest then ends by its read or expiry
+                self._pop_oldest()
+
+    def _forget_oldest(self) -> list[BlockHash] | None:
+        """The keys of the oldest hold remembered that no later hold took over (maybe none); None
+        when no hold is remembered."""
+        with self._held_lock:
+            return self._pop_oldest() if self._held else None
+
+    def _pop_oldest(self) -> list[BlockHash]:
+        number, keys = self._held.popleft()
+        mine = [key for key in keys if self._hold_of.get(key) == number]
+        for key in mine:
+            del self._hold_of[key]
+        return mine
 
     def _loop(self) -> None:
         while True:
@@ -211,7 +238,7 @@ class Prefetcher:
                     retried += len(pending)
                 left = []
                 for key in pending:
-                    outcome = self._promote(key, top, job)
+                    outcome = self._promote(key, top, job, force=bool(pause))
                     moved += outcome == "moved"
                     if outcome == "refused":
                         left.append(key)
@@ -234,14 +261,21 @@ class Prefetcher:
             self._log.append(record)
         return record
 
-    def _promote(self, key: BlockHash, top: str, job: Job) -> str:
-        """Move ``key`` to ``top``: ``moved``, ``refused``, or ``done`` (there already, or gone)."""
+    def _promote(self, key: BlockHash, top: str, job: Job, *, force: bool = False) -> str:
+        """Move ``key`` to ``top``: ``moved``, ``refused``, or ``done`` (there already, or gone).
+
+        ``force``: make room for it whatever placement counts free (a retry): the arena may have no
+        free range that fits although placement's books have the bytes (slots lent to co-located
+        writers, ranges being read), and then nothing else makes room, as a put's forced try knows.
+        """
         entry = self._core.entry(key)
         if entry is None or entry.tier == top:
             return "done"
         order = MoveOrder(key, entry.tier, top, entry.size, f"promoted: prefetched ({job.trigger}): {job.reason}")
         try:
-            return "moved" if self._execute(order) else "refused"
+            if force:
+                self.counters["moves_forced"] += 1
+            return "moved" if self._execute(order, force_room=force) else "refused"
         except TierError as exc:
             log.warning("prefetch of %s failed: %s", key.hex(), exc)
             return "refused"

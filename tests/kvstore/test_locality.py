@@ -201,11 +201,11 @@ def test_a_prefetch_tries_a_refused_move_again(spec, tmp_path, monkeypatch):
             assert store.migrate(key, "nvme")
         real, refused = store.prefetcher._execute, []
 
-        def refuse_the_second_once(order):
+        def refuse_the_second_once(order, **how):
             if order.key == keys[1] and not refused:
                 refused.append(order.key)
                 return False
-            return real(order)
+            return real(order, **how)
         monkeypatch.setattr(store.prefetcher, "_execute", refuse_the_second_once)
         assert store.prefetch(spec, toks, "a") == 64
         assert store.prefetcher.idle()
@@ -244,3 +244,65 @@ def test_a_newer_prefetch_takes_its_hold_from_the_oldest_unread_one(spec, tmp_pa
             store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
             store.run_placement()
         assert tiers_of(store, spec, second, "a") == ["shm"] * 4
+
+
+def test_a_prefix_prefetched_again_keeps_its_hold_over_an_older_one(spec, tmp_path):
+    """Holds give way oldest first, and a prefix prefetched again is as new as its latest
+    prefetch: the hold ended for a newer one is the other prefix's, not the renewed one's."""
+    frame = spec.block_nbytes + 1024
+    with KVStore([ShmTier(frame * 16), MemoryTier(64 << 20, name="low")], background=False) as store:
+        renewed, other, newest = (list(range(base, base + 32)) for base in (0, 5000, 9000))  # 2 blocks each
+        for toks in (renewed, other, newest):
+            store.put_kv(spec, toks, make_kv(spec, len(toks)), "a")
+        for toks in (renewed, other, renewed, newest):  # a budget of 4 blocks: the last needs 2 of them
+            store.prefetch(spec, toks, "a")
+            assert store.prefetcher.idle()
+            assert store.prefetcher.log()[-1]["held"] == 2
+        held = {name: [store.placement.retention(k) is not None for k in store._current_keys(spec, toks, "a")]
+                for name, toks in (("renewed", renewed), ("other", other), ("newest", newest))}
+        assert held == {"renewed": [True, True], "other": [False, False], "newest": [True, True]}
+        assert store.prefetcher.counters["holds_displaced"] == 2
+
+
+def test_the_holds_remembered_are_bounded(spec, tmp_path, monkeypatch):
+    """Past ``HELD_REMEMBERED`` holds the oldest is forgotten (it ends by its read or expiry, as
+    before), and so are its keys: the bookkeeping stays bounded however many prefetches come."""
+    from kvstore.engine import prefetch as prefetch_mod
+
+    monkeypatch.setattr(prefetch_mod, "HELD_REMEMBERED", 1)
+    with small_store(spec, tmp_path, top_blocks=64) as store:
+        first, second = list(range(32)), list(range(5000, 5032))
+        for toks in (first, second):
+            store.put_kv(spec, toks, make_kv(spec, len(toks)), "a")
+            store.prefetch(spec, toks, "a")
+            assert store.prefetcher.idle()
+        assert set(store.prefetcher._hold_of) == set(store._current_keys(spec, second, "a"))
+        assert len(store.prefetcher._held) == 1
+        assert store.placement.retention(store._current_keys(spec, first, "a")[0]) is not None  # not ended
+
+
+def test_a_prefetch_makes_room_the_arena_lacks_although_placement_counts_it(spec, tmp_path):
+    """Slots lent to co-located writers take arena space that placement's books do not show: a
+    top tier placement counts as having room has no free range, every move is refused, and
+    nothing else demotes. The job's retries make room by force, as a put's forced try does."""
+    frame = spec.block_nbytes + 1024
+    top = ShmTier(frame * 16)
+    with KVStore([top, MemoryTier(64 << 20, name="low")], background=False) as store:
+        convo = list(range(16 * 4))
+        store.put_kv(spec, convo, make_kv(spec, len(convo)), "a")
+        for key in store._current_keys(spec, convo, "a"):
+            store.migrate(key, "low")
+        for i in range(12):  # hot residents: placement counts room for 4 more blocks
+            toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
+            store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
+            for _ in range(5):
+                store.get_kv(spec, toks, "b")
+        lent = [top.reserve(bytes([i]) * 32, frame) for i in range(4)]  # the rest of the arena, lent
+        assert store.prefetch(spec, convo, "a") == len(convo)
+        assert store.prefetcher.idle()
+        assert tiers_of(store, spec, convo, "a") == ["shm"] * 4
+        record = store.prefetcher.log()[-1]
+        assert (record["moved"], record["failed"]) == (4, 0) and record["retried"] >= 1
+        assert store.prefetcher.counters["moves_forced"] == record["retried"]
+        for slot in lent:
+            top.abort_reserved(slot, frame)
