@@ -30,6 +30,23 @@ def small_store(spec, tmp_path, *, top_blocks=12, clock=None):
                    **({} if clock is None else {"clock": clock}))
 
 
+def sunk(store, spec, toks, ns="a"):
+    """``toks``' KV put, then every block of it moved to the lower tier ``low``."""
+    store.put_kv(spec, toks, make_kv(spec, len(toks)), ns)
+    for key in store._current_keys(spec, toks, ns):
+        store.migrate(key, "low")
+
+
+def hot_residents(store, spec, blocks, *, first=0, reads=5):
+    """``blocks`` one-block sequences of namespace ``b``, each read ``reads`` times: hotter than
+    anything of ``a``."""
+    for i in range(first, first + blocks):
+        toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
+        store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
+        for _ in range(reads):
+            store.get_kv(spec, toks, "b")
+
+
 def test_prefetch_brings_a_sunk_prefix_to_shm_and_logs_why(spec, tmp_path):
     with small_store(spec, tmp_path) as store:
         toks = list(range(64))
@@ -171,14 +188,8 @@ def test_a_prefetch_into_a_full_top_tier_does_not_push_itself_out(spec, tmp_path
     frame = spec.block_nbytes + 1024
     with KVStore([ShmTier(frame * 16), MemoryTier(64 << 20, name="low")], background=False) as store:
         convo = list(range(16 * 8))
-        store.put_kv(spec, convo, make_kv(spec, len(convo)), "a")
-        for key in store._current_keys(spec, convo, "a"):
-            store.migrate(key, "low")
-        for i in range(16):  # hot residents fill the top tier
-            toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
-            store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
-            for _ in range(5):
-                store.get_kv(spec, toks, "b")
+        sunk(store, spec, convo)
+        hot_residents(store, spec, 16)  # they fill the top tier
         assert store.prefetch(spec, convo, "a") == len(convo)
         assert store.prefetcher.idle()
         assert tiers_of(store, spec, convo, "a") == ["shm"] * 8
@@ -222,14 +233,8 @@ def test_a_newer_prefetch_takes_its_hold_from_the_oldest_unread_one(spec, tmp_pa
     with KVStore([ShmTier(frame * 16), MemoryTier(64 << 20, name="low")], background=False) as store:
         first, second = list(range(16 * 4)), list(range(5000, 5000 + 16 * 4))
         for toks in (first, second):
-            store.put_kv(spec, toks, make_kv(spec, len(toks)), "a")
-            for key in store._current_keys(spec, toks, "a"):
-                store.migrate(key, "low")
-        for i in range(16):  # hot residents fill the top tier
-            toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
-            store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
-            for _ in range(5):
-                store.get_kv(spec, toks, "b")
+            sunk(store, spec, toks)
+        hot_residents(store, spec, 16)  # they fill the top tier
         assert store.prefetch(spec, first, "a") == len(first)
         assert store.prefetcher.idle() and store.prefetcher.log()[-1]["held"] == 4  # all the budget
         assert store.prefetch(spec, second, "a") == len(second)  # first's reader never came
@@ -240,8 +245,7 @@ def test_a_newer_prefetch_takes_its_hold_from_the_oldest_unread_one(spec, tmp_pa
         assert all(store.placement.retention(k) is None for k in first_keys)
         assert all(store.placement.retention(k)["owner"] == "_prefetch" for k in second_keys)
         for i in range(16, 24):  # more hot puts: the held prefix stays for its reader
-            toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
-            store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
+            hot_residents(store, spec, 1, first=i, reads=0)
             store.run_placement()
         assert tiers_of(store, spec, second, "a") == ["shm"] * 4
 
@@ -289,14 +293,8 @@ def test_a_prefetch_makes_room_the_arena_lacks_although_placement_counts_it(spec
     top = ShmTier(frame * 16)
     with KVStore([top, MemoryTier(64 << 20, name="low")], background=False) as store:
         convo = list(range(16 * 4))
-        store.put_kv(spec, convo, make_kv(spec, len(convo)), "a")
-        for key in store._current_keys(spec, convo, "a"):
-            store.migrate(key, "low")
-        for i in range(12):  # hot residents: placement counts room for 4 more blocks
-            toks = list(range(10_000 + 16 * i, 10_000 + 16 * (i + 1)))
-            store.put_kv(spec, toks, make_kv(spec, 16, seed=i), "b")
-            for _ in range(5):
-                store.get_kv(spec, toks, "b")
+        sunk(store, spec, convo)
+        hot_residents(store, spec, 12)  # placement counts room for 4 more blocks
         lent = [top.reserve(bytes([i]) * 32, frame) for i in range(4)]  # the rest of the arena, lent
         assert store.prefetch(spec, convo, "a") == len(convo)
         assert store.prefetcher.idle()
