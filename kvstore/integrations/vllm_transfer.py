@@ -373,37 +373,34 @@ class Saver:
     def _save(self, job: SaveJob) -> int:
         """Put what the store lacks of ``job``; returns the tokens newly stored.
 
-        Co-located with a CPU cache, each new block goes from vLLM's cache straight into a slot
-        of the server's arena (``KVClient.put_kv_blocks``: one copy). Otherwise the blocks are
-        copied out of vLLM's cache first, before any network call, so vLLM's blocks are read
-        for the time of a copy. Then a lookup: a prompt that hit most of its
-        prefix (or another engine's save of it) needs its tail only, sent as frames by key
-        (``put_blocks``); a save from token 0 takes ``put_kv``'s path (shared memory when
-        co-located).
+        A lookup comes first: a prompt that hit most of its prefix (or another engine's save of
+        it) needs its tail only, and a chunked prefill plans each chunk's save from token 0, so
+        copying before looking would copy the whole prefix again for every chunk. Co-located
+        with a CPU cache, each new block goes from vLLM's cache straight into a slot of the
+        server's arena (``KVClient.put_kv_blocks``: one copy; the lookup reads the arena's key
+        index, no request). Otherwise only the blocks the store lacks are copied out of vLLM's
+        cache (vLLM keeps a request's blocks until its saves are reported done, so they hold
+        still meanwhile) and sent: from token 0 on ``put_kv``'s path, a tail as frames by key
+        (``put_blocks``).
         """
         bs, end = self.spec.block_tokens, len(job.tokens)
-        if self.one_copy is not False and self.layout.device.type == "cpu" and _reads_arena(self.client):
-            # co-located: vLLM's blocks copied straight into the server's slots (the lookup and the
-            # skipping of stored blocks read the arena's key index: no request)
-            have = min(self.client.lookup(self.spec, job.tokens), end)
-            if have >= end:
-                return 0
-            ids = job.block_ids
-            self.client.put_kv_blocks(self.spec, job.tokens, lambda d, dst: self.layout.read_block(ids[d], dst))
-            self._name(job, have // bs)
-            return end - have // bs * bs
-        kv = self.layout.gather(job.block_ids, self._out(end))
         have = min(self.client.lookup(self.spec, job.tokens), end)
         if have >= end:
             return 0
         first = have // bs
+        if self.one_copy is not False and self.layout.device.type == "cpu" and _reads_arena(self.client):
+            ids = job.block_ids
+            self.client.put_kv_blocks(self.spec, job.tokens, lambda d, dst: self.layout.read_block(ids[d], dst))
+            self._name(job, first)
+            return end - first * bs
+        kv = self.layout.gather(job.block_ids[first:], self._out(end - first * bs))
         if first == 0:
             stored = self.client.put_kv(self.spec, job.tokens, kv)
             self._name(job, 0)
             return stored
         keys = block_hashes(self.spec, job.tokens, self.client.namespace)[first:]
         fp = self.spec.fingerprint()
-        frames = [(key, codec.encode(kv[:, :, :, (first + i) * bs:(first + i + 1) * bs],
+        frames = [(key, codec.encode(kv[:, :, :, i * bs:(i + 1) * bs],
                                      meta=block_meta(self.client.namespace, fp, first + i)))
                   for i, key in enumerate(keys)]
         self.client.put_blocks(frames)
