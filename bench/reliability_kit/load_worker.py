@@ -83,6 +83,9 @@ def main(url: str, worker: int, ops: int, seed: int, lossy: bool = False) -> dic
     errors: Counter[str] = Counter()
     done = mismatches = verified_tokens = 0
     examples: list[str] = []
+    arenas_read: set[str] = set()
+    arenas_mapped: set[str] = set()
+    cached = 0
     with KVClient(url, namespace=NAMESPACE, colocated=worker % 2 == 0, plan=False, timeout_s=60) as client:
         for _ in range(ops):
             op = rng.choices(names, weights)[0]
@@ -112,11 +115,18 @@ def main(url: str, worker: int, ops: int, seed: int, lossy: bool = False) -> dic
                 errors[type(exc).__name__] += 1
             latencies[op].append(time.perf_counter() - t0)
             done += 1
+            arena = client.colocation.arena
+            if arena is not None:
+                arenas_mapped.add(str(arena.segment))
+                if client.stats.shm_cached_gets > cached:  # a get read this arena with no request
+                    arenas_read.add(str(arena.segment))
+            cached = client.stats.shm_cached_gets
         medium = client.stats.last_medium
         no_request = client.stats.shm_cached_gets
     return {"worker": worker, "ops": done, "mismatches": mismatches, "examples": examples,
             "verified_tokens": verified_tokens, "gets_with_no_request": no_request,
-            "errors": dict(errors), "medium": medium, "latencies": {k: v for k, v in latencies.items()}}
+            "errors": dict(errors), "medium": medium, "arenas_read": sorted(arenas_read),
+            "arenas_mapped": sorted(arenas_mapped), "latencies": {k: v for k, v in latencies.items()}}
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -34,12 +36,15 @@ __all__ = ["WORKERS", "CLIENTS", "run_load", "run_crashes", "churn", "crash_env"
 WORKERS = 16
 
 
-def run_load(tmp_path, ops_per_worker: int, seed: int = 0, lossy: bool = False) -> dict:
+def run_load(tmp_path, ops_per_worker: int, seed: int = 0, lossy: bool = False, restart: bool = False) -> dict:
     """The scenario against a fresh server; its figures.
 
     Args:
         lossy: keep the cold tiers' default int8 and check gets within its rounding;
             otherwise every tier is raw and gets are checked bit for bit.
+        restart: once the workers have made ``RESTART_AFTER_PUTS`` puts, stop the server and start
+            another on the same port and data: co-located workers hold the old arena mapped
+            and must map the new one (its shm segments are new), never read the old as the new.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     # Upper tiers of a few MiB against ~40 MiB of sequences: puts push blocks down, gets
@@ -48,12 +53,17 @@ def run_load(tmp_path, ops_per_worker: int, seed: int = 0, lossy: bool = False) 
                KVSTORE_NVME_BYTES="512MiB", KVSTORE_STAGING_BYTES="32MiB", KVSTORE_LOG_LEVEL="warning")
     if not lossy:  # every tier raw: then any difference from the expected KV is wrong KV
         env["KVSTORE_TIER_CODECS"] = "cxl=raw,nvme=raw"
+    if restart:  # more of the sequences stay in the arena, where co-located gets read with no request
+        env["KVSTORE_SHM_BYTES"] = "24MiB"
     server = ServeProcess(env).start()
+    restarted = False
     try:
         workers = [subprocess.Popen([sys.executable, "-m", "bench.reliability_kit.load_worker", server.url, str(w),
                                      str(ops_per_worker), str(seed), *(["lossy"] if lossy else [])],
                                     stdout=subprocess.PIPE, text=True)
                    for w in range(WORKERS)]
+        if restart:
+            restarted = _restart_midway(server, workers)
         results, failed = [], []
         for w, proc in enumerate(workers):
             out, _ = proc.communicate(timeout=3600)
@@ -81,10 +91,41 @@ def run_load(tmp_path, ops_per_worker: int, seed: int = 0, lossy: bool = False) 
         "examples": [e for r in results for e in r["examples"]][:10],
         "media": sorted({r["medium"] for r in results if r["medium"]}),
         "gets_with_no_request": sum(r.get("gets_with_no_request", 0) for r in results),
+        "restarted": restarted,
+        "arenas_mapped": [len(r.get("arenas_mapped", [])) for r in results],
+        "arenas_read": len({a for r in results for a in r.get("arenas_read", [])}),
         "p50_ms": {op: 1e3 * statistics.median(ts) for op, ts in latencies.items()},
         "p99_ms": {op: 1e3 * sorted(ts)[int(0.99 * (len(ts) - 1))] for op, ts in latencies.items()},
     }
     return figures
+
+
+RESTART_AFTER_PUTS = 200
+"""Puts the workers make before ``run_load(restart=True)`` restarts the server: about half of the
+test's run (16 workers of 80 operations, 30% puts)."""
+
+
+def _puts(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    match = re.search(r'^kvstore_store_ops_total\{counter="put_calls"\} ([0-9.e+]+)$', text, re.M)
+    if match is None:
+        raise RuntimeError("/metrics shows no put_calls counter (kvstore_store_ops_total)")
+    return int(float(match.group(1)))
+
+
+def _restart_midway(server: ServeProcess, workers: list[subprocess.Popen]) -> bool:
+    """Once the workers made ``RESTART_AFTER_PUTS`` puts (or all exited first: False), stop the
+    server and start another on its port and data directory."""
+    deadline = time.monotonic() + 300
+    while _puts(server.url) < RESTART_AFTER_PUTS:
+        if all(w.poll() is not None for w in workers):
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the workers made fewer than {RESTART_AFTER_PUTS} puts in 300 s")
+        time.sleep(0.05)
+    server.stop()
+    server.start()
+    return True
 
 
 def _sweep(url: str, lossy: bool) -> dict:

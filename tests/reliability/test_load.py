@@ -39,6 +39,27 @@ def test_with_int8_cold_tiers_only_rounding_differs(tmp_path):
     _check(run_load(tmp_path, ops_per_worker=100, seed=2, lossy=True), WORKERS * 100)
 
 
+def test_a_server_restart_under_load_serves_no_wrong_kv(tmp_path):
+    """The server stops and another starts on its port and data half-way through. Co-located
+    workers held the old arena mapped with blocks found through its key index: they must see
+    its segments are not the new server's and map the new arena, never read the old one as the
+    new one's (every get is checked, and the sweep after)."""
+    figures = run_load(tmp_path, ops_per_worker=80, seed=3, restart=True)
+    print(figures)  # shown with -s
+    assert figures["restarted"], "the workers finished before the restart: the scenario tested nothing"
+    assert figures["failed_workers"] == []
+    assert figures["ops"] == WORKERS * 80
+    assert figures["mismatches"] == 0
+    # while it was down, calls failed as a client sees a server that is gone; nothing else
+    assert set(figures["errors"]) <= {"ConnectionFailed", "ServiceUnavailable"}, figures["errors"]
+    assert figures["health"] == 200
+    # co-located workers (the even ones) mapped the old arena and, unless they were done before
+    # the restart, the new one; HTTP workers map none. Gets read blocks with no request from both.
+    mapped = figures["arenas_mapped"]
+    assert set(mapped[1::2]) == {0} and set(mapped[::2]) <= {1, 2} and mapped[::2].count(2) >= WORKERS // 4, mapped
+    assert figures["arenas_read"] == 2
+
+
 @pytest.mark.slow
 def test_concurrent_mixed_load_100k_ops(tmp_path):
     _check(run_load(tmp_path, ops_per_worker=6250, seed=1), WORKERS * 6250)
