@@ -28,7 +28,7 @@ from client_sdk import _common as c
 from client_sdk import calls
 from client_sdk._common import BlockFill, BlockSink, BlockWriter
 from client_sdk.blockwise import Place
-from client_sdk.aio_media import AsyncHttpMedium, AsyncMedium, AsyncShmMedium, AsyncShmPath
+from client_sdk.aio_media import AsyncHttpMedium, AsyncMedium, AsyncShmPath
 from client_sdk.aio_planning import AsyncClientPlanner
 from client_sdk.calls import put_layout
 from client_sdk.colocated_puts import filled_kv
@@ -68,8 +68,8 @@ class AsyncKVClient(ClientShell):
                          connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s,
                          colocated=colocated, buffer_pool_bytes=buffer_pool_bytes, plan=plan, slo_s=slo_s,
                          redis_url=redis_url, agent=agent, max_connections=max_connections)
-        self.shm = AsyncShmPath(self.http, self.colocation, self.pool, self._report_soon)
         self._http_medium = AsyncHttpMedium(self.http, self.pool)
+        self.shm = AsyncShmPath(self.http, self.colocation, self.pool, self._report_soon, self._http_medium)
         self._wrap_media = wrap_media
         self._decider = Planner()
         """The planner's estimates and log: built now, so a prefill rate can be set before any transfer."""
@@ -98,8 +98,7 @@ class AsyncKVClient(ClientShell):
         if self.plan:
             stored = await (await self._planned()).put_kv(spec, toks, kv, self.slo_s)
         else:
-            got = await self.shm.put_kv(spec, toks, kv)
-            stored = got if got is not None else await self._http_medium.put_kv(spec, toks, kv)
+            stored = await self.shm.put_kv(spec, toks, kv)
         if durable:
             c.check_durable(stored, await self._run(calls.lookup_blocks(spec, toks, sync=True)))
         return stored
@@ -186,7 +185,7 @@ class AsyncKVClient(ClientShell):
         colocated = await self.shm.arena() is not None
         built: dict[str, AsyncMedium] = {}
         if colocated:
-            built["shm"] = AsyncShmMedium(self.shm, self._http_medium)
+            built["shm"] = self.shm
         built["http"] = self._http_medium
         if self._wrap_media is not None:
             built = {k: self._wrap_media(m) for k, m in built.items()}

@@ -2,7 +2,7 @@
 
 ``AsyncHttpMedium`` owns an ``AsyncHttpTransport``; ``AsyncShmPath`` drives the
 co-located flows of ``client_sdk.colocated`` (the ones ``KVClient`` drives
-blocking) with awaited requests; ``AsyncShmMedium`` is the planner's view of it.
+blocking) with awaited requests, and is the planner's ``shm`` medium.
 ``AsyncThrottled`` injects a slow link, as ``client_sdk.media.Throttled`` does.
 """
 
@@ -28,7 +28,7 @@ from kvstore.errors import ServiceError
 from kvstore.keys import BlockHash
 from kvstore.spec import KVSpec
 
-__all__ = ["AsyncMedium", "AsyncHttpMedium", "AsyncShmPath", "AsyncShmMedium", "AsyncThrottled", "off_loop"]
+__all__ = ["AsyncMedium", "AsyncHttpMedium", "AsyncShmPath", "AsyncThrottled", "off_loop"]
 
 T = TypeVar("T")
 THREAD_COPY_BYTES = 1 << 20  # copies larger than this leave the loop
@@ -85,14 +85,18 @@ class AsyncHttpMedium(AsyncMedium):
         await self.http.probe(nbytes)
 
 
-class AsyncShmPath:
-    """An async client's co-located path: ``client_sdk.rest_media.ShmPath``'s twin, driving the
-    same flows (``client_sdk.colocated``) with awaited requests; copies over 1 MiB run in a
-    worker thread so the loop stays responsive.
+class AsyncShmPath(AsyncMedium):
+    """An async client's co-located path and ``shm`` medium: ``client_sdk.rest_media.ShmPath``'s
+    twin, driving the same flows (``client_sdk.colocated``) with awaited requests; copies over
+    1 MiB run in a worker thread so the loop stays responsive. Puts it cannot carry go to
+    ``fallback`` (the HTTP medium).
     """
 
+    name = "shm"
+    remote = False
+
     def __init__(self, http: AsyncHttpTransport, colocation: Colocation, pool: c.TensorPool,
-                 report: Callable[[], None]) -> None:
+                 report: Callable[[], None], fallback: AsyncMedium) -> None:
         self.http = http
         self.colocation = colocation
         self.pool = pool
@@ -100,7 +104,9 @@ class AsyncShmPath:
         self.stats = http.stats
         self.namespace = http.namespace
         self.report = report
+        self.fallback = fallback
         self._lock = asyncio.Lock()
+        self._buf: memoryview | None = None
 
     async def arena(self) -> Arena | None:
         """``ShmPath.arena``, awaited."""
@@ -121,7 +127,7 @@ class AsyncShmPath:
     async def run(self, flow: Any) -> Any:
         return await adrive(flow, self.http.run, off_loop)
 
-    async def get_kv(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
+    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]:
         arena = await self.arena()
         if arena is None:  # the server restarted without an arena this client can map: HTTP
             return await self.http.get_kv(spec, c.kv_parts(spec, toks, None), out, self.pool)
@@ -150,11 +156,12 @@ class AsyncShmPath:
         blocks = None if arena is None else arena.blocks_for(spec, toks, self.namespace)
         return None if blocks is None else len(blocks) * spec.block_tokens
 
-    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
+    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
+        """``ShmPath.put_kv``, awaited."""
         arena = await self.arena()
-        if arena is None or not kv.shape[3]:
-            return None
-        return await self.run(put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace))
+        got = None if arena is None or not kv.shape[3] else await self.run(
+            put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace))
+        return await self.fallback.put_kv(spec, toks, kv) if got is None else got
 
     async def put_kv_blocks(self, spec: KVSpec, toks: Any, fill: c.BlockFill) -> int | None:
         """``ShmPath.put_kv_blocks``, awaited."""
@@ -176,26 +183,9 @@ class AsyncShmPath:
         return await self.run(put_blocks_flow(self.colocation, await self.arena(), keys, offsets, writer, make_room,
                                               self.stats))
 
-
-class AsyncShmMedium(AsyncMedium):
-    name = "shm"
-    remote = False
-
-    def __init__(self, shm: AsyncShmPath, http: AsyncHttpMedium) -> None:
-        self.shm = shm
-        self.http = http
-        self._buf: memoryview | None = None
-
-    async def get_kv(self, spec: KVSpec, toks: Any, out: Any = None) -> tuple[torch.Tensor, int]:
-        return await self.shm.get_kv(spec, toks, out)
-
-    async def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int:
-        got = await self.shm.put_kv(spec, toks, kv)
-        return await self.http.put_kv(spec, toks, kv) if got is None else got
-
     async def probe(self, nbytes: int) -> None:
         """``shm_probe``, off the loop when large, as the real copies are."""
-        arena = await self.shm.arena()  # mapped again if the server restarted
+        arena = await self.arena()  # mapped again if the server restarted
         if arena is None:
             raise ServiceError("the server no longer offers a shm arena this client can map")
         self._buf = await off_loop(nbytes, shm_probe, arena, self._buf, nbytes)

@@ -42,7 +42,7 @@ from client_sdk.layers import LayerStream, get_kv_layers
 from client_sdk.media import Medium
 from client_sdk.pending import MAX_PENDING_BYTES, PutHandle, PutQueue
 from client_sdk.planning import ClientPlanner
-from client_sdk.rest_media import HttpMedium, InprocMedium, ShmMedium, ShmPath, side_media
+from client_sdk.rest_media import HttpMedium, InprocMedium, ShmPath, side_media
 from client_sdk.shell import ClientShell
 from client_sdk.transport import HttpTransport
 from kvstore.errors import InvalidInput, KVStoreError
@@ -101,8 +101,8 @@ class KVClient(ClientShell):
                          redis_url=redis_url, agent=agent)
         self._reporter = _Reporter(self)
         self.colocation.on_pending = self._reporter.start
-        self.shm = ShmPath(self.http, self.colocation, self.pool, c.OutViews(), self._reporter.soon)
         self._http_medium = HttpMedium(self.http, self.pool)
+        self.shm = ShmPath(self.http, self.colocation, self.pool, c.OutViews(), self._reporter.soon, self._http_medium)
         self._inproc = inproc
         self._wrap_media = wrap_media
         self._planner: ClientPlanner | None = None
@@ -153,8 +153,7 @@ class KVClient(ClientShell):
         if self.plan:
             stored = self._planned().put_kv(spec, toks, kv, self.slo_s)
         else:
-            got = self.shm.put_kv(spec, toks, kv)
-            stored = got if got is not None else self._http_medium.put_kv(spec, toks, kv)
+            stored = self.shm.put_kv(spec, toks, kv)
         if durable:
             c.check_durable(stored, self._run(calls.lookup_blocks(spec, toks, sync=True)))
         return stored
@@ -316,7 +315,7 @@ class KVClient(ClientShell):
         if self._inproc is not None:
             built["inproc"] = InprocMedium(self._inproc, self.namespace)
         if colocated:
-            built["shm"] = ShmMedium(self.shm, self._http_medium)
+            built["shm"] = self.shm
         built["http"] = self._http_medium
         built.update(side_media(self.http, self.info(), self.redis_url))
         if self._wrap_media is not None:

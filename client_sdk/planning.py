@@ -207,7 +207,7 @@ class PlanCore:
         read), both without asking the server: a copy, against a request and a first read
         (64 KiB: 0.08 ms against 1.0; 4 MiB: 0.9 against 8.4). Without it the two were one
         estimate, wrong by 10x either way. None otherwise (a wrapped medium hides its path)."""
-        shm = getattr(self.media.get("shm"), "shm", None)
+        shm = self.media.get("shm")
         colocation = getattr(shm, "colocation", None)
         arena = None if colocation is None else colocation.current()
         blocks = None if arena is None else arena.blocks_for(spec, toks, shm.namespace)  # type: ignore[union-attr]

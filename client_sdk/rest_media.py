@@ -5,9 +5,10 @@ into the result, frames by key over the block routes. HTTP can also carry int8
 frames (``POST /v1/blocks/get`` with a codec: the server transcodes, the client
 decodes), half the bytes on a slow link.
 
-``ShmPath`` is a blocking client's co-located path: it maps the server's arena
-(once, and again after a server restart) and drives ``client_sdk.colocated``'s
-flows over the HTTP transport; ``ShmMedium`` is the planner's view of it.
+``ShmPath`` is a blocking client's co-located path, and the planner's ``shm``
+medium: it maps the server's arena (once, and again after a server restart) and
+drives ``client_sdk.colocated``'s flows over the HTTP transport; what it cannot
+carry (no arena to map, frames by key to write) goes to the HTTP medium.
 
 ``InprocMedium`` is an ``EmbeddedStore`` in this process: no socket, no copy
 on the way in, tensors by reference.
@@ -36,7 +37,7 @@ from kvstore.spec import KVSpec
 
 log = logging.getLogger("kvstore.client")
 
-__all__ = ["HttpMedium", "ShmPath", "ShmMedium", "InprocMedium", "side_media", "shm_probe"]
+__all__ = ["HttpMedium", "ShmPath", "InprocMedium", "side_media", "shm_probe"]
 
 
 class HttpMedium(RestPuts):
@@ -68,18 +69,24 @@ class HttpMedium(RestPuts):
         self.http.probe(nbytes)
 
 
-class ShmPath:
-    """A blocking client's co-located path: the server's arena, mapped on first use.
+class ShmPath(Medium):
+    """A blocking client's co-located path, and its ``shm`` medium: the server's arena, mapped on
+    first use. Gets copy out of the arena; puts write into pool slots or a staging lease, and go
+    to ``fallback`` when the server lends neither (or offers no arena this client can map).
 
     Args:
         http: the client's transport (control requests; blocks the arena lacks).
         colocation: the mapping state (``colocated`` as the client was given it).
         pool, out_views: where results land (a pooled tensor, or a view of the caller's ``out``).
         report: asks for the reads served without a request to be reported (must not block).
+        fallback: the HTTP medium, for puts this path cannot carry and frames by key.
     """
 
+    name = "shm"
+    remote = False
+
     def __init__(self, http: HttpTransport, colocation: Colocation, pool: c.TensorPool, out_views: c.OutViews,
-                 report: Callable[[], None]) -> None:
+                 report: Callable[[], None], fallback: Medium) -> None:
         self.http = http
         self.colocation = colocation
         self.pool = pool
@@ -87,7 +94,9 @@ class ShmPath:
         self.stats = http.stats
         self.namespace = http.namespace
         self.report = report
+        self.fallback = fallback
         self._lock = threading.Lock()
+        self._buf: memoryview | None = None
 
     def arena(self) -> Arena | None:
         """The mapped arena; None when the server is not on this host (or ``colocated=False``).
@@ -107,7 +116,9 @@ class ShmPath:
                     self.http.use_channel(None if arena is None else arena.commit_socket)
         return colo.current()
 
-    def get_kv(self, spec: KVSpec, toks: Any, out: Any) -> tuple[torch.Tensor, int]:
+    def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
+               codec: str | None = None) -> tuple[torch.Tensor, int]:
+        toks = c.tokens_of(tokens)  # the client's own calls pass ids normalized already: no copy
         arena = self.arena()
         if arena is None:  # the server restarted without an arena this client can map: HTTP
             return self.http.get_kv(spec, c.kv_parts(spec, toks, None), out, self.pool)
@@ -135,12 +146,13 @@ class ShmPath:
         blocks = None if arena is None else arena.blocks_for(spec, toks, self.namespace)
         return None if blocks is None else len(blocks) * spec.block_tokens
 
-    def put_kv(self, spec: KVSpec, toks: Any, kv: torch.Tensor) -> int | None:
-        """A put through a staging lease; None when it must go over HTTP."""
+    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
+        """A put into pool slots or a staging lease; over ``fallback`` when neither is lent here."""
+        toks = c.tokens_of(tokens)
         arena = self.arena()
-        if arena is None or not kv.shape[3]:
-            return None
-        return drive(put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace), self.http.run)
+        got = None if arena is None or not kv.shape[3] else drive(
+            put_flow(self.colocation, arena, spec, toks, kv, self.stats, self.namespace), self.http.run)
+        return self.fallback.put_kv(spec, toks, kv) if got is None else got
 
     def put_kv_blocks(self, spec: KVSpec, toks: Any, fill: c.BlockFill) -> int | None:
         """A pooled put whose new blocks ``fill`` writes into their slots; None when the server
@@ -151,7 +163,7 @@ class ShmPath:
         return drive(pooled_put_flow(self.colocation, arena, spec, toks, fill, self.stats, self.namespace),
                      self.http.run)
 
-    def frames(self, keys: Sequence[BlockHash]) -> list[Any]:
+    def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
         arena = self.arena()
         if arena is None:
             return self.http.run(calls.get_blocks(keys))
@@ -170,37 +182,11 @@ class ShmPath:
         return drive(put_blocks_flow(self.colocation, self.arena(), keys, offsets, writer, make_room, self.stats),
                      self.http.run)
 
-
-class ShmMedium(Medium):
-    """The co-located path as a medium: gets copy out of the server's arena, puts write into a
-    staging lease (over HTTP when staging is full)."""
-
-    name = "shm"
-    remote = False
-
-    def __init__(self, shm: ShmPath, http: HttpMedium) -> None:
-        self.shm = shm
-        self.http = http
-        self.namespace = shm.namespace
-        self._buf: memoryview | None = None
-
-    def get_frames(self, keys: Sequence[BlockHash], *, codec: str | None = None) -> list[Any]:
-        return self.shm.frames(keys)
-
     def put_frames(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
-        return self.http.put_frames(items)  # frames are already encoded: no staging gain
-
-    def get_kv(self, spec: KVSpec, tokens: Any, out: Any = None, *,
-               codec: str | None = None) -> tuple[torch.Tensor, int]:
-        return self.shm.get_kv(spec, c.tokens_of(tokens), out)
-
-    def put_kv(self, spec: KVSpec, tokens: Any, kv: torch.Tensor, *, codec: str = "raw") -> int:
-        toks = c.tokens_of(tokens)
-        got = self.shm.put_kv(spec, toks, kv)
-        return self.http.put_kv(spec, toks, kv) if got is None else got
+        return self.fallback.put_frames(items)  # frames are already encoded: no staging gain
 
     def probe(self, nbytes: int) -> None:
-        arena = self.shm.arena()  # mapped again if the server restarted
+        arena = self.arena()  # mapped again if the server restarted
         if arena is None:
             raise ServiceError("the server no longer offers a shm arena this client can map")
         self._buf = shm_probe(arena, self._buf, nbytes)

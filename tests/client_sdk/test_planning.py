@@ -12,7 +12,7 @@ import torch
 from client_sdk import KVClient
 from client_sdk.media import Throttled
 from client_sdk.redis_direct import RedisDirectMedium
-from client_sdk.rest_media import HttpMedium, InprocMedium, ShmMedium
+from client_sdk.rest_media import HttpMedium, InprocMedium
 from kvstore import KVStore
 from kvstore import codec as codec_mod
 from kvstore.keys import block_hashes
@@ -50,7 +50,7 @@ def test_http_shm_and_inproc_media_move_frames(server):
         client.shm.arena()
         _check_frames(HttpMedium(client.http, client.pool), _kv(seed=1))
         client.delete(SPEC, TOKS)
-        _check_frames(ShmMedium(client.shm, HttpMedium(client.http)), _kv(seed=2))
+        _check_frames(client.shm, _kv(seed=2))
         assert client.stats.shm_puts == 1
     _check_frames(InprocMedium(server.store, "inproc-ns"), _kv(seed=3))
 
