@@ -27,7 +27,8 @@ client processes put and get at once on the full store (``bench/steady_clients.p
 (``bench/steady_scale.py``) puts into a full top tier of 1M blocks against one of 10k, in process,
 and 4 writer threads put into a full embedded store against 1 (``bench/steady_writers.py``);
 a spill table (``bench/steady_spill.py``) writes 64 KiB frames to the nvme tier's two layouts
-until durable against one sequential file write of the same bytes. The servers' nvme layout is
+until durable against one sequential file write of the same bytes, and an idle default server's
+anonymous memory is read fresh and after a spill into its cxl arena (``bench/steady_idle.py``). The servers' nvme layout is
 ``KVSTORE_NVME_LAYOUT`` from the bench's environment (default ``log``, the server's default for a new
 data dir).
 
@@ -51,6 +52,7 @@ import torch
 from bench.report import header, publish
 from bench.serving import kvstore_server
 from bench.steady_clients import format_clients, run_clients
+from bench.steady_idle import format_idle, run_idle
 from bench.steady_specs import block_spec
 from bench.steady_scale import format_scale, run_arena_scale, run_scale
 from bench.steady_writers import format_writers, run_writers
@@ -211,6 +213,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
     # first, on a quiet machine: after the servers, raw writes measured 385-490 MB/s against
     # 1,460-1,550 alone (same machine, same minute), and the ratios meant nothing
     spill = run_spill(quick=quick)
+    idle = run_idle()  # a default server of its own, alone too
     fresh = _Fresh(10_000_000)
     with kvstore_server("steady-empty", **env) as (empty, empty_proc), \
             kvstore_server("steady-full", **env) as (full, full_proc), \
@@ -235,6 +238,7 @@ def run(*, quick: bool = False, repeats: int | None = None, out_dir: str | Path 
     result["arena_scale"] = run_arena_scale(quick=quick)
     result["writers"] = run_writers(quick=quick)
     result["spill"] = spill
+    result["idle"] = idle
     result["nvme_layout"] = env["KVSTORE_NVME_LAYOUT"]
     out = header("steady", repeats=repeats, client_torch_threads=torch.get_num_threads(),
                  unit="MB/s of a burst of puts, median over samples", top_tier_bytes=TOP_BYTES, **result)
@@ -266,4 +270,6 @@ def format_table(result: dict) -> str:
         lines += format_writers(result["writers"])
     if "spill" in result:
         lines += format_spill(result["spill"])
+    if "idle" in result:
+        lines += format_idle(result["idle"])
     return "\n".join(lines)

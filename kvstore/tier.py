@@ -206,6 +206,12 @@ class Tier(ABC):
         frame = self.get(key)
         return None if frame is None else reader(memoryview(frame).cast("B"))
 
+    def release_free(self) -> int:
+        """Hand back to the kernel the memory this tier holds for no frame (an arena's free ranges,
+        where the arena is this process's own anonymous memory), so an idle server shrinks; the
+        next write there takes fresh pages. Returns the bytes released. Default: none."""
+        return 0
+
     @property
     def lends_frames(self) -> bool:
         """Whether ``read_with`` lends the stored bytes themselves (no copy), so a reader may decode

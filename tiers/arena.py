@@ -104,6 +104,7 @@ class ArenaTier(Tier):
         self._used = 0
         self._reserved = 0
         self._compactions = 0
+        self._released = self._trims = 0  # release_free: the last one's bytes, and how many ran
         self._stamps = 0
         # A tier that lends copies (device) hands out new bytes on every read: those are checked
         # as new, so it never says a slot was vouched for.
@@ -163,6 +164,12 @@ class ArenaTier(Tier):
 
     def _details(self) -> dict[str, str]:
         return {}
+
+    def _release_pages(self, offset: int, length: int) -> int:
+        """Hand back the pages wholly inside the free range ``[offset, offset + length)``; bytes.
+        Called under the lock, so nothing is allocated there meanwhile. Default: nothing (a
+        shared mapping other processes map, a device)."""
+        return 0
 
     # -- the Tier contract -------------------------------------------------------------
 
@@ -442,6 +449,14 @@ class ArenaTier(Tier):
             snapshot = list(self._slots)
         return iter(snapshot)  # type: ignore[arg-type]
 
+    def release_free(self) -> int:
+        with self._lock:
+            if self._closed:
+                return 0
+            released = sum(self._release_pages(start, length) for start, length in self._alloc.free_spans())
+            self._released, self._trims = released, self._trims + 1
+            return released
+
     def room_bytes(self) -> int:
         """Capacity less the bytes stored and reserved: what may be lent now. What ``stats()``
         says, without asking the kernel (a pooled put's grant asks this on every request)."""
@@ -457,6 +472,7 @@ class ArenaTier(Tier):
                 "reserved_bytes": str(self._reserved),
                 "largest_free_bytes": str(self._alloc.largest_free()),
                 "compactions": str(self._compactions),
+                "free_released": f"{self._released} bytes at the last of {self._trims} idle trims",
                 "retired": str(len(self._retired)),
                 **extra,
             }

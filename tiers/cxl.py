@@ -22,7 +22,9 @@ How the arena is made, in order, and why:
    fallback) is not pre-faulted: its pages come with the first write into
    them, 2 MiB at a time, so an idle server holds only the memory its frames
    use (pre-faulted, the default 1 GiB arena was 1 GiB of an idle server's
-   anonymous memory, issue 34's ``<= 300 MiB`` target four times over).
+   anonymous memory, issue 34's ``<= 300 MiB`` target four times over). Once
+   frames have left, their huge pages go back to the kernel when the store is
+   idle (``release_free``, called by ``kvstore.engine.trim``).
 
 ``stats().details`` says what was obtained, read back from the kernel (smaps
 and ``get_mempolicy``), never what was asked for.
@@ -62,7 +64,7 @@ __all__ = ["CXLTier", "online_nodes"]
 HUGE_PAGE = 2 << 20
 PROT_RW = 0x1 | 0x2
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_HUGETLB = 0x02, 0x20, 0x40000
-MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # POPULATE_WRITE: Linux 5.14+
+MADV_DONTNEED, MADV_HUGEPAGE, MADV_POPULATE_WRITE = 4, 14, 23  # POPULATE_WRITE: Linux 5.14+
 MPOL_BIND = 2
 MPOL_F_NODE, MPOL_F_ADDR = 1, 2
 # (mbind, get_mempolicy) syscall numbers; libnuma is not a dependency.
@@ -394,6 +396,21 @@ class CXLTier(ArenaTier):
             self._leave()
 
     # -- what an operator sees -------------------------------------------------------
+
+    def _release_pages(self, offset: int, length: int) -> int:
+        """A THP arena's whole huge pages inside the free range, dropped (``MADV_DONTNEED``: the
+        next write faults in a zeroed page). A hugetlb arena keeps its pages: they are reserved
+        for it at mmap, and its puts never fault."""
+        start, end = -(-offset // HUGE_PAGE) * HUGE_PAGE, (offset + length) // HUGE_PAGE * HUGE_PAGE
+        if self._map.hugetlb or end <= start:
+            return 0
+        self._enter()  # kept mapped while the kernel drops its pages
+        try:
+            if _LIBC.madvise(self._map.addr + start, end - start, MADV_DONTNEED) != 0:
+                return 0  # the pages stay: nothing is lost but the memory
+        finally:
+            self._leave()
+        return end - start
 
     def _refresh_facts(self) -> None:
         """Re-read THP facts when stale; hugetlb pages cannot change under us."""

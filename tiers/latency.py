@@ -217,6 +217,9 @@ class LatencyTier(Tier):
         })
         return replace(stats, details=details)
 
+    def release_free(self) -> int:
+        return self.inner.release_free()  # memory, not a transfer: not paced
+
     def close(self) -> None:
         self.inner.close()
 

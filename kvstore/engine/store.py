@@ -43,6 +43,7 @@ from kvstore.engine.reads import decode_chain
 from kvstore.engine.scrub import Scrubber
 from kvstore.engine.shared import SharedTier, WritePolicy, find_shared
 from kvstore.engine.stats import StoreStats
+from kvstore.engine.trim import Trimmer
 from kvstore.keys import BlockHash, block_hashes, check_key, iter_block_hashes, normalize_tokens
 from kvstore.spec import KVSpec
 from kvstore.tier import Tier
@@ -66,21 +67,19 @@ class KVStore:
         tier_policies: per-tier ``TierPolicy`` fields by tier name, e.g.
             ``{"shm": {"high_watermark_frac": 0.8}}``.
         scorer: heat strategy (default: decayed access rate).
-        background: run the placement mover, the scrubber and the re-encoder in threads; tests and the
-            simulator call ``run_placement()`` themselves instead (frames are hashed by their readers,
-            and a put encodes for a cold tier itself).
+        background: run the placement mover, the scrubber, the re-encoder and the trimmer in threads;
+            tests and the simulator call ``run_placement()`` themselves instead (frames are hashed by
+            their readers, and a put encodes for a cold tier itself).
         write_policy: when blocks reach a shared tier (Redis), if there is one:
             ``write_through``, ``write_back``, ``selective`` (or a ``WritePolicy``).
-        clock: a function returning seconds, non-decreasing (default ``time.time``).
-            Every timestamp the engine records (an entry's ``created_s`` and
-            ``last_access_s``: at a put, a read, an adoption from the shared tier,
-            recovery) is a reading of it; it is kept as ``self.clock`` for callers that
-            compare ages against those stamps (``kvstore.engine.evict.select(store, q,
-            now_s=store.clock())``). A clock given here drives placement too (heat decay,
-            pin TTLs, residency, the move log's ages): one clock for both lets a test age
-            heat and entries together by advancing it, with no sleep. With none given,
-            placement keeps its own ``time.monotonic`` (a wall clock can step back; heat
-            must not) and entries keep wall time, as before.
+        clock: a function returning seconds, non-decreasing (default ``time.time``). Every timestamp
+            the engine records (an entry's ``created_s`` and ``last_access_s``: at a put, a read, an
+            adoption from the shared tier, recovery) is a reading of it; it is kept as ``self.clock``
+            for callers that compare ages against those stamps (``kvstore.engine.evict.select(store,
+            q, now_s=store.clock())``). A clock given here drives placement too (heat decay, pin
+            TTLs, residency, the move log's ages): one clock for both lets a test age heat and
+            entries together by advancing it, with no sleep. With none given, placement keeps its
+            own ``time.monotonic`` (a wall clock can step back; heat must not) and entries keep wall time.
         event_capacity: events kept for subscribers (``kvstore.engine.events``): how far one may fall
             behind before it must resynchronise from a snapshot.
         scrub_bytes_per_s: the scrub's rate over the shm and cxl arenas, bytes/s; 0: off (``scrubber``).
@@ -120,8 +119,7 @@ class KVStore:
             raise InvalidInput(f"tier_policies names unknown tier(s) {unknown}; tiers are {names}")
         self.placement = PlacementManager(
             [TierPolicy(t.name, t.capacity_bytes, cold=t.name in cold, **policies.get(t.name, {})) for t in tiers],
-            scorer=scorer, config=placement, **({} if clock is None else {"clock": clock}),
-        )
+            scorer=scorer, config=placement, **({} if clock is None else {"clock": clock}))
         self.clock: Callable[[], float] = time.time if clock is None else clock
         """The engine's wall clock: what ``created_s`` and ``last_access_s`` are readings of."""
         # One core owns the index; the mover, the shared tier and recovery get it explicitly.
@@ -157,11 +155,12 @@ class KVStore:
         """The specs stored per namespace and model, for a missed get's hint (``kvstore.engine.hints``)."""
         self.scrubber = Scrubber(core, bytes_per_s=scrub_bytes_per_s)
         """Verifies frames published into shm and cxl arenas, and scrubs them (``kvstore.engine.scrub``)."""
+        self.trimmer = Trimmer(core)
+        """Hands an idle store's free arena memory back to the kernel (``kvstore.engine.trim``)."""
         self.recovered = recover(core)
         if background:
-            self._mover.start()
-            self.scrubber.start()
-            self.recoder.start()
+            for thread in (self._mover, self.scrubber, self.recoder, self.trimmer):
+                thread.start()
 
     # -- public API -------------------------------------------------------------
 
@@ -538,6 +537,7 @@ class KVStore:
         if self.core.closed:
             return
         self.scrubber.close()  # it reads the arenas: stopped before they close
+        self.trimmer.close()  # so does it
         self.prefetcher.close()
         self._mover.stop()  # no move may start against tiers that are closing
         self.recoder.close()

@@ -110,6 +110,10 @@ class SlabAllocator:
         """How many free ranges the free space is split into."""
         return len(self._free_start)
 
+    def free_spans(self) -> list[tuple[int, int]]:
+        """Every free range as ``(offset, length)``, in address order."""
+        return sorted(self._free_start.items())
+
     def largest_free(self) -> int:
         """The largest single allocation that would succeed without compaction, in O(1) (the tier's
         ``stats``, which a pooled put's grant reads, calls this)."""

@@ -171,6 +171,30 @@ class TestCXLFallback(TierContract):
             assert_bound(details)
             assert all(bytes(tier.get(key(i))) == payload(MiB - 64, i) for i in range(6))
 
+    def test_an_idle_trim_hands_back_the_pages_of_free_ranges_only(self):
+        # Frames written fault pages in; deleted, their whole huge pages go back to the kernel
+        # (an idle server shrinks), while the frames still stored keep their bytes.
+        with thp_tier(32 * MiB) as tier:
+            for i in range(12):
+                tier.put(key(i), payload(2 * MiB - 64, i))
+            resident = lambda: int(tier.stats().details["resident_bytes"])  # noqa: E731
+            tier._facts_at = -float("inf")  # the page facts are cached for FACTS_TTL_S: read them now
+            full = resident()
+            assert full >= 24 * MiB
+            for i in range(2, 12):
+                tier.delete(key(i))
+            released = tier.release_free()
+            assert released >= 16 * MiB and released % HUGE_PAGE == 0
+            tier._facts_at = -float("inf")
+            # the kernel took them back: what stays is the two frames kept (and a page they share)
+            assert resident() <= 3 * HUGE_PAGE and full - resident() >= 18 * MiB
+            assert tier.stats().details["free_released"].startswith(f"{released} bytes at the last of 1 ")
+            assert all(bytes(tier.get(key(i))) == payload(2 * MiB - 64, i) for i in range(2))
+            for i in range(2, 12):  # the released ranges take frames again, faulted in afresh
+                tier.put(key(i), payload(2 * MiB - 64, 100 + i))
+            assert all(bytes(tier.get(key(i))) == payload(2 * MiB - 64, 100 + i) for i in range(2, 12))
+            assert all(bytes(tier.get(key(i))) == payload(2 * MiB - 64, i) for i in range(2))
+
     def test_put_with_writes_straight_into_the_arena(self, tier):
         seen = []
 
