@@ -109,6 +109,9 @@ class ArenaTier(Tier):
         # A tier that lends copies (device) hands out new bytes on every read: those are checked
         # as new, so it never says a slot was vouched for.
         self._lends_slots = type(self)._lent is not ArenaTier._lent
+        # Only a tier whose memory is this process's own hands free pages back (release_free): the
+        # others are not walked for nothing under their lock
+        self._releases = type(self)._release_pages is not ArenaTier._release_pages
         self._counters = TierCounters()
         self._lock = threading.Lock()
         self._closed = False
@@ -450,6 +453,8 @@ class ArenaTier(Tier):
         return iter(snapshot)  # type: ignore[arg-type]
 
     def release_free(self) -> int:
+        if not self._releases:
+            return 0
         with self._lock:
             if self._closed:
                 return 0
@@ -472,7 +477,8 @@ class ArenaTier(Tier):
                 "reserved_bytes": str(self._reserved),
                 "largest_free_bytes": str(self._alloc.largest_free()),
                 "compactions": str(self._compactions),
-                "free_released": f"{self._released} bytes at the last of {self._trims} idle trims",
+                **({"free_released": f"{self._released} bytes at the last of {self._trims} idle trims"}
+                   if self._releases else {}),
                 "retired": str(len(self._retired)),
                 **extra,
             }
