@@ -28,9 +28,9 @@ client processes put and get at once on the full store (``bench/steady_clients.p
 and 4 writer threads put into a full embedded store against 1 (``bench/steady_writers.py``);
 a spill table (``bench/steady_spill.py``) writes 64 KiB frames to the nvme tier's two layouts
 until durable against one sequential file write of the same bytes, and an idle default server's
-anonymous memory is read fresh and after a spill into its cxl arena (``bench/steady_idle.py``). The servers' nvme layout is
-``KVSTORE_NVME_LAYOUT`` from the bench's environment (default ``log``, the server's default for a new
-data dir).
+anonymous memory is read fresh and after a spill into its cxl arena (``bench/steady_idle.py``).
+The servers' nvme layout is ``KVSTORE_NVME_LAYOUT`` from the bench's environment (default
+``log``, the server's default for a new data dir).
 
     kvstore bench steady [--quick] [--repeats N] [--out DIR]
 """
