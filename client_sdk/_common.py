@@ -25,10 +25,11 @@ from kvstore import codec as codec_mod
 from kvstore.memory.buffers import BufferPool
 from kvstore.codec import SAME_SIZE_INTS, int_view
 from kvstore.errors import FrameError, InvalidInput, InvalidKV, InvalidSpec, KVStoreWarning, NotDurable
-from kvstore.keys import check_key, normalize_tokens
+from kvstore.keys import block_hashes, check_key, normalize_tokens
 from kvstore.memory.shm import SHM_DIR
 from kvstore.spec import KVSpec
-from kvstore.wire.rest import H_AGENT, H_NAMESPACE, encode_batch_head, encode_kv_head_json, pad64, parse_batch_head
+from kvstore.wire.rest import (BLOCK_LABEL_BYTES, H_AGENT, H_NAMESPACE, encode_batch_head, encode_block_labels,
+                               encode_kv_head_json, pad64, parse_batch_head)
 
 __all__ = ["entries_params", "ClientStats", "TensorPool", "OutViews", "kv_parts", "kv_bytes", "result_tensor",
            "check_spec", "fill_from_batch", "batch_parts", "frames_of", "give_frame", "verified_header", "BlockSink",
@@ -173,22 +174,27 @@ class KVPutBody(collections.abc.Sequence):
     def __getitem__(self, i: Any) -> Any:
         return self._parts[i]
 
-    def blocks(self) -> list[Any]:
-        """The block-major body: head and tokens, then each full block's ``[L, 2, H, bt, D]``
-        bytes, sent as rows of the KV's memory (``client_sdk._http.Strided``)."""
+    def blocks(self, namespace: str) -> list[Any]:
+        """The block-major body for ``namespace``: head and tokens, then each full block's label
+        (its depth and key) and its ``[L, 2, H, bt, D]`` bytes, sent as rows of the KV's memory
+        (``client_sdk._http.Strided``)."""
         spec, n = self.spec, len(self.tokens)
         blocks, bt = spec.full_blocks(n), spec.block_tokens
         head, tok_region = encode_kv_head_json(_spec_json(spec), n, blocks * bt)
         tok = memoryview(self.tokens).cast("B")
         parts: list[Any] = [head, tok, bytes(tok_region - len(tok))]
         if blocks:
+            labels = np.frombuffer(encode_block_labels(block_hashes(spec, self.tokens, namespace), spec.block_nbytes),
+                                   np.uint8).reshape(blocks, BLOCK_LABEL_BYTES)
             kv = np.frombuffer(self._parts[-1], np.uint8)
             rows = spec.num_layers * 2 * spec.num_kv_heads
             run = bt * spec.bytes_per_token // rows  # one (layer, K/V, head)'s bytes of a block
             # [rows, T x D] -> [rows, blocks, run] (the tail past the full blocks left out) -> block-major
             grid = kv.reshape(rows, -1)[:, :blocks * run].reshape(rows, blocks, run).transpose(1, 0, 2)
-            # contiguous already (one block, no tail): one buffer, not a writev of its rows
-            parts.append(memoryview(grid.reshape(-1)) if grid.flags.c_contiguous else Strided(grid))
+            if grid.flags.c_contiguous:  # one block, no tail: a buffer, not a writev of its rows
+                parts += [memoryview(labels.reshape(-1)), memoryview(grid.reshape(-1))]
+            else:
+                parts.append(Strided(grid, labels))
         return parts
 
 

@@ -119,32 +119,44 @@ class Strided:
     Args:
         array: the rows, e.g. ``kv.reshape(rows, blocks, run).transpose(1, 0, 2)``; kept alive
             (it holds the memory) while the part is sent.
+        heads: (optional) a C-contiguous 2-D uint8 array with a row per outer index of ``array``,
+            sent before that index's rows (a block-major body's block labels); kept alive too.
 
     Raises:
-        ValueError: not a 3-D uint8 array whose rows are contiguous.
+        ValueError: not a 3-D uint8 array whose rows are contiguous; ``heads`` of another shape.
     """
 
-    __slots__ = ("array", "iov", "nbytes")
+    __slots__ = ("array", "heads", "iov", "nbytes")
 
-    def __init__(self, array: np.ndarray) -> None:
+    def __init__(self, array: np.ndarray, heads: np.ndarray | None = None) -> None:
         if array.ndim != 3 or array.dtype != np.uint8 or array.strides[2] != 1:
             raise ValueError("Strided takes a 3-D uint8 array whose rows (the last axis) are contiguous")
-        self.array = array
         outer, inner, run = array.shape
+        if heads is not None and (heads.ndim != 2 or heads.dtype != np.uint8 or len(heads) != outer
+                                  or not heads.flags.c_contiguous):
+            raise ValueError(f"Strided heads: a C-contiguous uint8 array of {outer} rows")
+        self.array, self.heads = array, heads
         addr = (array.ctypes.data + np.arange(outer, dtype=np.uint64)[:, None] * np.uint64(array.strides[0])
                 + np.arange(inner, dtype=np.uint64)[None, :] * np.uint64(array.strides[1]))
-        self.iov = np.empty((outer * inner, 2), np.uint64)
+        lead = 0 if heads is None else 1
+        iov = np.empty((outer, inner + lead, 2), np.uint64)
+        iov[:, lead:, 0] = addr
+        iov[:, lead:, 1] = run
+        if heads is not None:
+            iov[:, 0, 0] = heads.ctypes.data + np.arange(outer, dtype=np.uint64) * np.uint64(heads.strides[0])
+            iov[:, 0, 1] = heads.shape[1]
+        self.iov = iov.reshape(-1, 2)
         """``struct iovec`` of every row in send order: address, length."""
-        self.iov[:, 0] = addr.reshape(-1)
-        self.iov[:, 1] = run
-        self.nbytes = outer * inner * run
+        self.nbytes = outer * inner * run + (0 if heads is None else heads.size)
 
     def __len__(self) -> int:
         return self.nbytes
 
     def chunks(self) -> list[bytes]:
         """The bytes in send order, one copy an outer row: where ``writev`` cannot go (TLS)."""
-        return [np.ascontiguousarray(block).tobytes() for block in self.array]
+        if self.heads is None:
+            return [np.ascontiguousarray(block).tobytes() for block in self.array]
+        return [head.tobytes() + np.ascontiguousarray(block).tobytes() for head, block in zip(self.heads, self.array)]
 
 
 def joined(parts: Sequence[Any]) -> bytes:

@@ -193,7 +193,7 @@ class _Transport:
         ``media`` lists it."""
         body = call.parts
         if isinstance(body, c.KVPutBody) and KV_BLOCKS_MEDIA in media:
-            return dataclasses.replace(call, parts=body.blocks(), content_type=KV_BLOCKS_MEDIA)
+            return dataclasses.replace(call, parts=body.blocks(self.namespace), content_type=KV_BLOCKS_MEDIA)
         return call
 
 

@@ -1,5 +1,5 @@
 """Block-major puts (``POST /v1/kv/put`` with ``KV_BLOCKS_MEDIA``): each block received straight
-into its frame in a reserved top-tier slot.
+into its frame in a reserved top-tier slot, once its label says it is the block expected there.
 
 A token-major put body is read whole into a pooled buffer, and only then is each block copied
 out of it into the top tier and hashed (``Puts.write_chain``). A block-major body carries each
@@ -8,8 +8,11 @@ slot for every new block first (``kvstore.engine.reserved``, owner the caller, n
 each part of the body into its slot as it arrives, seals the frames there (their one hash) in the
 thread pool while the next blocks arrive, and commits: one copy of the KV on the server, not two,
 and the blocks are written while the rest of the body is still on the wire. A block already
-stored is read and dropped. Every failure gives the reservation back before it answers: a body
-that ends short or runs long, a client gone mid-body, a stall (408), the in-flight cap (503).
+stored is read and dropped. Each block's label (``kvstore.wire.rest``) is checked before its bytes
+are taken: a block out of order, of another size, or keyed for other tokens, another model or
+another namespace is refused with nothing stored. Every failure gives the reservation back before
+it answers: a bad label, a body that ends short or runs long, a client gone mid-body, a stall
+(408), the in-flight cap (503).
 
 Where the top tier takes no reserved puts (no room for every new block, not a raw shm arena, a
 shared tier, ``KVSTORE_RESERVED_PUTS=0``), and for a put of one block, the body is buffered and
@@ -27,8 +30,9 @@ import torch
 
 from kvstore import codec as codec_mod
 from kvstore.errors import Forbidden, MalformedRequest
+from kvstore.keys import block_hashes
 from kvstore.spec import KVSpec
-from kvstore.wire.rest import KVHeader, check_block_head, kv_nbytes
+from kvstore.wire.rest import BLOCK_LABEL_BYTES, KVHeader, check_block_head, check_block_label, kv_nbytes
 from server.auth import Principal
 from server.inflight import BodyStream
 from server.requests import agent_of, charge_blocks, streamed_kv_head
@@ -51,26 +55,31 @@ async def put_blocks(request: Any, svc: Service, p: Principal, ns: str, *, reser
     Raises:
         MalformedRequest: (400) a head that cannot be parsed; a length that is not what the head
             describes, naming ``header.spec.dtype``, ``header.kv_tokens`` or ``body``; a body that
-            ends short (a client gone included) or runs long (``body``). Nothing is stored.
-        InvalidInput, InvalidSpec: (422) ``header.kv_tokens`` not the full blocks', a bad spec.
+            ends short (a client gone included) or runs long, a block out of order or of another
+            size (``body``). Nothing is stored.
+        InvalidInput, InvalidSpec: (422) ``header.kv_tokens`` not the full blocks', a bad spec, a
+            block keyed for other tokens, model or namespace (``body``).
         TooManyTokens, PayloadTooLarge, QuotaExceeded, BodyTimeout, ServerBusy: as their names say.
     """
     body = BodyStream(request, svc.settings.max_body_bytes)
     head, tokens = await streamed_kv_head(svc, body)
     spec = parse_spec(head.spec)
     n_blocks = check_block_head(head, spec.block_tokens)
+    body.expected = total = head.total + n_blocks * BLOCK_LABEL_BYTES
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) != head.total:  # refused before anything is reserved
-        raise _length_mismatch(head, spec, int(declared))
+    if declared.isdigit() and int(declared) != total:  # refused before anything is reserved
+        raise _length_mismatch(head, spec, int(declared), n_blocks * BLOCK_LABEL_BYTES)
     agent, nbytes = agent_of(request), head.total - head.kv_at
     # One block's block-major bytes are its token-major bytes: buffered, its put takes one thread
     # hop where a reserved one takes two (reserve, commit), which cost more than the copy it saves.
     res = await svc.run(_reserve, svc, p, ns, spec, tokens) if reserving and n_blocks > 1 else None
     if res is None:
-        buf = svc.buffers.acquire(max(nbytes, 1))
+        sent = total - head.kv_at  # the blocks and their labels
+        buf = svc.buffers.acquire(max(sent, 1))
         with released(svc.buffers, buf):
-            await body.read_into(memoryview(buf)[:nbytes])
+            await body.read_into(memoryview(buf)[:sent])
             await body.end()
+            _check_labels(memoryview(buf), block_hashes(spec, tokens, ns), spec.block_nbytes)
             return await svc.run(_put_buffered, svc, p, ns, spec, tokens, buf, n_blocks, agent, put), nbytes
     sealing: list[Future] = []
     try:
@@ -107,6 +116,7 @@ async def _receive_into_slots(body: BodyStream, svc: Service, res: Any, spec: KV
     reserved = {b.depth: b for b in res.blocks}
     batch: list[tuple[memoryview, bytes]] = []
     for depth in range(n_blocks):
+        check_block_label(await body.read(BLOCK_LABEL_BYTES), depth, res.keys[depth], nbytes)
         b = reserved.get(depth)
         if b is None:  # stored already
             await body.skip(nbytes)
@@ -165,27 +175,39 @@ def _abort_quietly(svc: Service, rid: str, owner: str) -> None:
         pass
 
 
+def _check_labels(blocks: memoryview, keys: list, nbytes: int) -> None:
+    """``check_block_label`` of each block of a block-major body's KV region held whole."""
+    step = BLOCK_LABEL_BYTES + nbytes
+    for depth, key in enumerate(keys):
+        check_block_label(blocks[depth * step:depth * step + BLOCK_LABEL_BYTES], depth, key, nbytes)
+
+
 def _put_buffered(svc: Service, p: Principal, ns: str, spec: KVSpec, tokens: Any, buf: Any, n_blocks: int,
                   agent: str | None, put: Put) -> int:
-    """``put`` of a block-major body held whole in ``buf``, its blocks copied into token-major
-    order first (a pooled buffer: ``put_kv`` takes KV that way). Blocking: run it in the pool."""
-    if n_blocks <= 1:  # already token-major
-        return put(svc, p, ns, spec, tokens, kv_view(buf, 0, spec, n_blocks * spec.block_tokens), agent)
+    """``put`` of a block-major body's labelled blocks held whole in ``buf``, copied into
+    token-major order first (a pooled buffer: ``put_kv`` takes KV that way; a single block needs no
+    copy). Blocking: run it in the pool."""
+    if n_blocks <= 1:  # already token-major, after its label
+        return put(svc, p, ns, spec, tokens, kv_view(buf, BLOCK_LABEL_BYTES, spec, n_blocks * spec.block_tokens),
+                   agent)
     rows = spec.num_layers * 2 * spec.num_kv_heads
     run, nbytes = spec.block_nbytes // rows, n_blocks * spec.block_nbytes  # run: one row's bytes of a block
+    step = BLOCK_LABEL_BYTES + spec.block_nbytes
     out = svc.buffers.acquire(nbytes)
     with released(svc.buffers, out):
-        src = np.frombuffer(buf, np.uint8, nbytes).reshape(n_blocks, rows, run)
+        labelled = np.frombuffer(buf, np.uint8, n_blocks * step).reshape(n_blocks, step)
+        src = labelled[:, BLOCK_LABEL_BYTES:].reshape(n_blocks, rows, run)
         np.copyto(np.frombuffer(out, np.uint8, nbytes).reshape(rows, n_blocks, run), src.transpose(1, 0, 2))
         kv = kv_view(out, 0, spec, n_blocks * spec.block_tokens)
         return put(svc, p, ns, spec, tokens, kv, agent)
 
 
-def _length_mismatch(head: KVHeader, spec: KVSpec, declared: int) -> MalformedRequest:
-    """The 400 of a block-major body whose declared length is not what its head describes, naming
-    what most likely disagrees: the spec's dtype (the KV bytes are another dtype's size), the
-    tokens (too few bytes for them), or the body (more bytes than the head describes)."""
-    got, want = declared - head.kv_at, head.total - head.kv_at
+def _length_mismatch(head: KVHeader, spec: KVSpec, declared: int, labels: int) -> MalformedRequest:
+    """The 400 of a block-major body whose declared length is not what its head describes (with
+    ``labels`` bytes of block labels), naming what most likely disagrees: the spec's dtype (the KV
+    bytes are another dtype's size), the tokens (too few bytes for them), or the body (more bytes
+    than the head describes)."""
+    got, want = declared - labels - head.kv_at, head.total - head.kv_at
     for dtype in ("float16", "bfloat16", "float32"):
         if dtype != spec.dtype and got > 0 and got == kv_nbytes({**head.spec, "dtype": dtype}, head.kv_tokens):
             return MalformedRequest(f"header.spec.dtype: {head.kv_tokens} tokens of {spec.dtype} KV are {want} "
@@ -193,4 +215,4 @@ def _length_mismatch(head: KVHeader, spec: KVSpec, declared: int) -> MalformedRe
     if got < want:
         return MalformedRequest(f"header.kv_tokens: {head.kv_tokens} tokens of KV are {want} bytes; the body "
                                 f"carries {max(got, 0)} after its tokens", field="header.kv_tokens")
-    return MalformedRequest(f"body: {declared} bytes, the header describes {head.total}", field="body")
+    return MalformedRequest(f"body: {declared} bytes, the header describes {head.total + labels}", field="body")

@@ -31,12 +31,23 @@ nothing was found but the tokens are stored under another spec of the model.
              pad  zeros to a multiple of 64
     data_at  ...  frames; each at data_at + offset, 64-byte aligned
 
-**Block-major KV body** (``application/x-kvstore-kv-blocks``), a request of ``POST /v1/kv/put``
+**Block-major KV body** (``application/x-kvstore-kv-blocks.v2``), a request of ``POST /v1/kv/put``
 only: the KV body's head and tokens as above, ``kv_tokens`` = the tokens of the full blocks
-(``n_tokens`` rounded down to ``block_tokens``), then each full block's KV one after another,
-block 0 first, each ``[num_layers, 2, num_kv_heads, block_tokens, head_dim]`` in C order: exactly
-the payload of that block's raw frame. The body is as long as the token-major one; only the
-order of the KV bytes differs, so the server can receive each block straight into its frame.
+(``n_tokens`` rounded down to ``block_tokens``), then each full block one after another, block 0
+first, each as a 48-byte label and its KV::
+
+    0        4s   magic b"KVBL"
+    4        u32  depth (the block's index in the chain: 0, 1, ...)
+    8        u64  KV bytes that follow (``spec.block_nbytes``)
+    16       32s  the block's key (``kvstore.keys.block_hashes`` under the request's namespace)
+    48       ...  KV ``[num_layers, 2, num_kv_heads, block_tokens, head_dim]`` in C order:
+                  exactly the payload of that block's raw frame
+
+The KV is the token-major body's, in another order, so the server receives each block straight
+into its frame. The label lets it refuse, before anything is stored, a body whose blocks came out
+of order or were cut, or whose KV was keyed for other tokens, another model or another namespace
+(its bytes alone cannot tell). The first block-major body (``...kv-blocks``, no labels) is no
+longer taken: a client that sends it gets 400 ``content-type`` and falls back to ``KV_MEDIA``.
 ``/v1/info`` lists the put bodies a server takes in ``put_media`` (absent: ``KV_MEDIA`` only).
 
 """
@@ -57,6 +68,7 @@ __all__ = [
     "encode_batch_head", "parse_batch_head", "pad64", "host_id", "MAX_TOUCH_KEYS", "MAX_HEADER_BYTES",
     "RESERVE_NO_ROOM", "RESERVE_OFF",
     "KV_BLOCKS_MEDIA", "PUT_MEDIA", "KV_PREFIX_BYTES", "kv_tokens_at", "check_block_head",
+    "BLOCK_LABEL_BYTES", "encode_block_labels", "check_block_label",
 ]
 
 KV_MEDIA = "application/x-kvstore-kv"
@@ -229,8 +241,9 @@ RESERVE_OFF = "reserved_puts_off"
 
 # -- block-major KV bodies (``POST /v1/kv/put``) ---------------------------------------------
 
-KV_BLOCKS_MEDIA = "application/x-kvstore-kv-blocks"
-"""A put whose KV comes block after block, each as its raw frame's payload (module docstring)."""
+KV_BLOCKS_MEDIA = "application/x-kvstore-kv-blocks.v2"
+"""A put whose KV comes block after block, each labelled and then its raw frame's payload (module
+docstring)."""
 PUT_MEDIA = (KV_MEDIA, KV_BLOCKS_MEDIA)
 """The KV bodies ``POST /v1/kv/put`` takes, as ``/v1/info`` lists them (``put_media``)."""
 KV_PREFIX_BYTES = _PREFIX.size
@@ -268,3 +281,41 @@ def check_block_head(head: KVHeader, block_tokens: int) -> int:
                            f"({blocks * block_tokens} tokens of {head.n_tokens}, {block_tokens} a block), "
                            f"got {head.kv_tokens}", field="header.kv_tokens")
     return blocks
+
+
+_BLOCK_MAGIC = b"KVBL"
+_BLOCK_LABEL = struct.Struct("<4sIQ32s")
+BLOCK_LABEL_BYTES = _BLOCK_LABEL.size
+"""The label before each block of a block-major body (module docstring)."""
+
+
+def encode_block_labels(keys: Iterable[bytes], nbytes: int) -> bytes:
+    """The labels of a block-major body's blocks, one after another (a sender interleaves them
+    with the blocks' KV): block ``i`` is labelled depth ``i``, ``nbytes`` and ``keys[i]``."""
+    return b"".join(_BLOCK_LABEL.pack(_BLOCK_MAGIC, depth, nbytes, bytes(key)) for depth, key in enumerate(keys))
+
+
+def check_block_label(label: bytes | memoryview, depth: int, key: bytes, nbytes: int) -> None:
+    """Refuse the label of a block-major body's block ``depth`` unless it is the one a sender of
+    that block writes: in order, of ``nbytes``, keyed ``key`` (the receiver's own key of it).
+
+    Raises:
+        MalformedRequest: (field ``body``) not a label, another depth (blocks out of order or one
+            left out), another length.
+        InvalidInput: (field ``body``) another key: KV keyed for other tokens, another model's
+            spec or another namespace than the request's.
+    """
+    magic, got_depth, got_bytes, got_key = _BLOCK_LABEL.unpack(label)
+    if magic != _BLOCK_MAGIC:
+        raise MalformedRequest(f"body: block {depth} must start with its {BLOCK_LABEL_BYTES}-byte label "
+                               f"(magic {_BLOCK_MAGIC!r}), got {bytes(magic)!r}", field="body")
+    if got_depth != depth:
+        raise MalformedRequest(f"body: block {depth} is labelled block {got_depth}: blocks come in chain order, "
+                               f"block 0 first, none left out", field="body")
+    if got_bytes != nbytes:
+        raise MalformedRequest(f"body: block {depth} is labelled {got_bytes} bytes; a block of this spec is "
+                               f"{nbytes}", field="body")
+    if got_key != key:
+        raise InvalidInput(f"body: block {depth} is keyed {got_key.hex()[:16]}..., not {bytes(key).hex()[:16]}..., "
+                           f"its key under this request's namespace and spec: KV for other tokens, another "
+                           f"model or another namespace", field="body")

@@ -5,8 +5,9 @@ Here: bit-exact round trips for every dtype, through the slots and through the b
 blocks already stored read and dropped; the SDK sending the old body to a server that does not
 list the new one (and after one refuses it); and bad input (a body that ends mid-block or runs
 long, a head whose dtype or token count disagrees with the bytes, another tenant's namespace, a
-client gone mid-body), each answered 4xx naming the field, storing nothing and leaving no slot
-reserved.
+client gone mid-body; blocks out of order, left out, labelled another size, or keyed for other
+tokens, another model or another namespace; a body without labels), each answered 4xx naming
+the field, storing nothing and leaving no slot reserved.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from client_sdk import AsyncKVClient, KVClient
 from kvstore.keys import block_hashes
-from kvstore.wire.rest import KV_BLOCKS_MEDIA, KV_MEDIA, encode_kv_head
+from kvstore.wire.rest import BLOCK_LABEL_BYTES, KV_BLOCKS_MEDIA, KV_MEDIA, encode_block_labels, encode_kv_head
 from tests.conftest import make_kv, make_spec, wait_until
 from tests.server.conftest import ACME, BETA, TOKENS, make_store
 from tiers.memory import MemoryTier
@@ -30,15 +31,20 @@ from tiers.memory import MemoryTier
 BT = 16
 
 
-def block_major(spec, tokens, kv, *, n_tokens=None, spec_dict=None) -> bytes:
-    """A block-major body by hand: the KV head and tokens, then each full block's bytes."""
+def block_major(spec, tokens, kv, *, n_tokens=None, spec_dict=None, namespace="default", order=None) -> bytes:
+    """A block-major body by hand: the KV head and tokens, then each full block's label and bytes;
+    ``order``: the blocks' order (each with its own label), block 0 first by default."""
     n = len(tokens) if n_tokens is None else n_tokens
     blocks = n // spec.block_tokens
     head, tok_region = encode_kv_head(spec_dict or spec.to_dict(), n, blocks * spec.block_tokens)
     toks = np.asarray(tokens, dtype="<u4").tobytes()
-    kv_blocks = [kv[:, :, :, i * BT:(i + 1) * BT].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    keys = block_hashes(spec, tokens, namespace)
+    labels = encode_block_labels(keys, spec.block_nbytes)
+    kv_blocks = [labels[i * BLOCK_LABEL_BYTES:(i + 1) * BLOCK_LABEL_BYTES]
+                 + kv[:, :, :, i * BT:(i + 1) * BT].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                  for i in range(len(tokens) // BT)]
-    return head + toks + bytes(tok_region - len(toks)) + b"".join(kv_blocks)
+    order = range(len(kv_blocks)) if order is None else order
+    return head + toks + bytes(tok_region - len(toks)) + b"".join(kv_blocks[i] for i in order)
 
 
 def stored_reasons(server) -> list[str]:
@@ -161,7 +167,7 @@ def test_the_block_major_parts_hold_the_bytes_the_layout_names(spec):
 
     tokens, kv = list(range(40)), make_kv(spec, 40)  # two full blocks and a tail
     body = KVPutBody(spec, np.asarray(tokens, dtype=np.uint32), kv)
-    assert joined(body.blocks()) == block_major(spec, tokens, kv)
+    assert joined(body.blocks("default")) == block_major(spec, tokens, kv)
     assert joined(body) == b"".join(bytes(memoryview(p).cast("B")) for p in body)  # token-major, as before
 
 
@@ -307,8 +313,76 @@ def test_another_tenants_namespace_is_403_and_nothing_is_stored(auth_server, spe
     r = put_raw(auth_server, block_major(spec, tokens, kv), token=ACME, namespace="beta")
     assert r.status_code == 403
     assert_nothing_left(auth_server, spec, tokens, "beta")
-    r = put_raw(auth_server, block_major(spec, tokens, kv), token=ACME, namespace="acme")
+    r = put_raw(auth_server, block_major(spec, tokens, kv, namespace="acme"), token=ACME, namespace="acme")
     assert r.status_code == 200 and r.json() == {"stored_tokens": 64}
+
+
+@pytest.fixture(params=["slots", "buffered"])
+def either_way(request, serve_app):
+    """A server that receives block-major bodies into reserved slots, or one that buffers them."""
+    return serve_app(make_store(), reserved_puts=request.param == "slots")
+
+
+def test_blocks_out_of_order_are_400_and_nothing_is_stored(either_way, spec):
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    r = put_raw(either_way, block_major(spec, tokens, kv, order=[0, 2, 1, 3]))
+    assert r.status_code == 400 and field_of(r) == "body", r.text
+    assert "block 1 is labelled block 2" in r.json()["error"]["message"]
+    assert_nothing_left(either_way, spec, tokens)
+    assert stored_reasons(either_way) == []
+
+
+def test_a_block_left_out_and_another_sent_twice_is_400(either_way, spec):
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    r = put_raw(either_way, block_major(spec, tokens, kv, order=[0, 1, 3, 3]))  # the length still adds up
+    assert r.status_code == 400 and field_of(r) == "body", r.text
+    assert_nothing_left(either_way, spec, tokens)
+
+
+def test_a_block_keyed_under_another_namespace_is_422_and_nothing_is_stored(either_way, spec):
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    r = put_raw(either_way, block_major(spec, tokens, kv, namespace="other"))  # sent to "default"
+    assert r.status_code == 422 and field_of(r) == "body", r.text
+    assert "another namespace" in r.json()["error"]["message"]
+    assert_nothing_left(either_way, spec, tokens)
+    assert_nothing_left(either_way, spec, tokens, "other")
+
+
+def test_a_block_keyed_for_other_tokens_or_another_model_is_422(either_way, spec):
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    blocks = 4 * (BLOCK_LABEL_BYTES + spec.block_nbytes)
+    head = block_major(spec, tokens, kv)[:-blocks]  # the head and tokens, then blocks labelled...
+    for labelled in (block_major(spec, list(range(1, 65)), kv),  # ...for other tokens
+                     block_major(make_spec(model_id="another-model"), tokens, kv)):  # ...for another model
+        r = put_raw(either_way, head + labelled[-blocks:])
+        assert r.status_code == 422 and field_of(r) == "body", r.text
+        assert "block 0 is keyed" in r.json()["error"]["message"]
+    assert_nothing_left(either_way, spec, tokens)
+
+
+def test_a_block_labelled_another_size_is_400(either_way, spec):
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    body = bytearray(block_major(spec, tokens, kv))
+    third = len(body) - 2 * (BLOCK_LABEL_BYTES + spec.block_nbytes)
+    body[third + 8:third + 16] = (spec.block_nbytes - 2).to_bytes(8, "little")
+    r = put_raw(either_way, bytes(body))
+    assert r.status_code == 400 and field_of(r) == "body", r.text
+    assert f"block 2 is labelled {spec.block_nbytes - 2} bytes" in r.json()["error"]["message"]
+    assert_nothing_left(either_way, spec, tokens)
+
+
+def test_an_unlabelled_body_is_400_and_its_first_media_type_is_refused(server, spec):
+    tokens, kv = list(range(64)), make_kv(spec, 64)
+    head, region = encode_kv_head(spec.to_dict(), 64, 64)
+    toks = np.asarray(tokens, "<u4").tobytes()
+    unlabelled = head + toks + bytes(region - len(toks)) + b"".join(
+        kv[:, :, :, i * BT:(i + 1) * BT].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for i in range(4))
+    r = put_raw(server, unlabelled, length=False)  # chunked: the Content-Length check cannot catch it
+    assert r.status_code == 400 and field_of(r) == "body" and "label" in r.text, r.text
+    r = httpx.post(f"{server.url}/v1/kv/put", content=unlabelled,
+                   headers={"content-type": "application/x-kvstore-kv-blocks"}, timeout=30)
+    assert r.status_code == 400 and field_of(r) == "content-type"  # an older SDK falls back to KV_MEDIA
+    assert_nothing_left(server, spec, tokens)
 
 
 def test_a_client_gone_mid_body_leaves_no_block_and_no_slot(server, spec):
