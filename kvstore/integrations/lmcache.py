@@ -22,7 +22,10 @@ Nothing blocks LMCache's threads: ``submit_*`` queue the task and return; worker
 do the I/O, post the result, then signal the task kind's event fd. Lookups pin what they
 find (kvstore pins do not count, so the adapter keeps a count per key: pin on 0 -> 1,
 unpin on 1 -> 0, each pin bounded by ``lock_ttl_s`` so a dead adapter cannot hold blocks
-forever). Stores skip chunks kvstore already holds. kvstore evicts on its own (puts make
+forever). The pin and unpin requests go out on a lane of their own, in order, after the lookup
+has answered: a lookup of chunks in kvstore's arena reads its shared key index and makes no
+request, and the lock is in force one request later. A chunk evicted in that window is a miss
+of the load that follows (the load reads under the arena's seqlock: never a wrong byte). Stores skip chunks kvstore already holds. kvstore evicts on its own (puts make
 room); the adapter learns it when a lookup, load or store finds a chunk it had reported
 stored gone, and from a background sweep of those keys, and tells LMCache through
 ``_notify_keys_deleted``. A monitor thread polls ``/readyz``: ``report_status`` answers
@@ -110,7 +113,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._known_lock = threading.Lock()
         self._locks: dict[ObjectKey, int] = {}  # lookups' locks per key, under _locks_lock
         self._locks_lock = threading.Lock()
-        self._pin_lock = threading.Lock()  # held across a pin or unpin call, so they reach kvstore in order
+        self._pin_lock = threading.Lock()  # held from a count's change to its call's queueing: calls go in order
         self._warned: dict[str, float] = {}
         self._counts: dict[str, int] = dict.fromkeys(
             ("stored_chunks", "skipped_chunks", "lookups", "lookup_hits", "loaded_chunks", "load_misses",
@@ -120,7 +123,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._closed = threading.Event()
         self._stored, self._looked_up, self._loaded = Results(), Results(), Results()
         self._store_workers = Workers("store", p.workers)
-        self._fetch_workers = Workers("fetch", p.workers)  # lookups, loads, unlocks: what a request waits on
+        self._fetch_workers = Workers("fetch", p.workers)  # lookups and loads: what a request waits on
+        self._pin_workers = Workers("pin", 1)  # pins and unpins, in the order the counts changed
         self._sweep: list[ObjectKey] = []
         self._monitor = threading.Thread(target=self._watch, name="kvstore-l2-monitor", daemon=True)
         self._monitor.start()
@@ -157,10 +161,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         """Release one lock of each key (LMCache never retries this): never raises."""
         try:
-            if self._closed.is_set():
-                self._release(keys, call=False)
-            else:
-                self._fetch_workers.put(lambda: self._release(keys, call=True))
+            self._release(keys, call=not self._closed.is_set())  # counts only; the unpin is queued
         except Exception:
             log.exception("kvstore L2 adapter: unlock of %d keys failed", len(keys))
 
@@ -296,9 +297,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     self._locks[k] = n + 1
                     if n == 0:
                         first.append(k)
-            if first:
-                self._call("pin", lambda: self.client.pin_blocks([self.block_key(k) for k in first],
-                                                                 self.params.lock_ttl_s), None)
+            if first:  # off the lookup's path: the lookup answers with no request (module docstring)
+                bkeys = [self.block_key(k) for k in first]
+                self._pin_workers.put(lambda: self._call("pin", lambda: self.client.pin_blocks(
+                    bkeys, self.params.lock_ttl_s), None))
 
     def _release(self, keys: Sequence[ObjectKey], *, call: bool) -> None:
         try:
@@ -313,7 +315,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
                         else:
                             self._locks[k] = n - 1
                 if last and call:  # when kvstore is down the pins lapse after lock_ttl_s
-                    self._call("unpin", lambda: self.client.unpin_blocks([self.block_key(k) for k in last]), None)
+                    bkeys = [self.block_key(k) for k in last]
+                    self._pin_workers.put(lambda: self._call("unpin", lambda: self.client.unpin_blocks(bkeys), None))
         except Exception:
             log.exception("kvstore L2 adapter: unlock of %d keys failed", len(keys))
 
@@ -469,7 +472,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return
         self._closed.set()
         self._monitor.join(timeout=self.params.timeout_s + 1)
-        for workers in (self._store_workers, self._fetch_workers):
+        for workers in (self._store_workers, self._fetch_workers, self._pin_workers):  # pins queued last
             workers.stop(self.params.timeout_s + 5)
         with self._pin_lock, self._locks_lock:
             held, self._locks = list(self._locks), {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -202,11 +203,34 @@ def evict_namespace(url: str, ns: str) -> dict:
         return admin.admin.evict(namespace=ns)
 
 
+def pinned(url: str, ns: str) -> int:
+    """Blocks of ``ns`` kvstore holds pinned now."""
+    with KVClient(url) as admin:
+        return sum(e["pinned"] for e in admin.admin.entries(namespace=ns, limit=1000)["entries"])
+
+
+def test_a_lookup_of_chunks_in_the_arena_answers_with_no_request_and_locks_after(driver, kvstore, adapter):
+    assert driver.call("adapter_store", keys=[1, 2], nbytes=4096)["success"]
+    kvstore.proc.signal(signal.SIGSTOP)  # a lookup that asked kvstore anything would wait, then miss
+    try:
+        looked = driver.call("adapter_lookup", keys=[1, 2])
+    finally:
+        kvstore.proc.signal(signal.SIGCONT)
+    assert looked["found"] == [True, True]  # the arena's shared key index answered
+    wait_for(lambda: pinned(kvstore.url, adapter) == 2, "the lookup's locks, pinned on their own lane")
+    # a pin on the lookup's path would have waited out its timeout on the stopped server and failed
+    assert driver.call("adapter_status")["status"]["failed_calls"] == 0
+    driver.call("adapter_unlock", keys=[1, 2])
+    wait_for(lambda: pinned(kvstore.url, adapter) == 0, "the unpins, in order after the pins")
+    assert driver.call("adapter_status")["status"]["lock_count"] == 0
+
+
 def test_a_locked_chunk_survives_eviction_until_its_last_unlock(driver, kvstore, adapter):
     ok = driver.call("adapter_store", keys=[1, 2], nbytes=4096)
     assert ok["success"] and ok["bytes"] == 8192
     assert driver.call("adapter_lookup", keys=[1, 3])["found"] == [True, False]
     assert driver.call("adapter_lookup", keys=[1])["found"] == [True]  # a second lock of chunk 1
+    wait_for(lambda: pinned(kvstore.url, adapter) == 1, "the lock's pin")  # one request after the lookup
     swept = evict_namespace(kvstore.url, adapter)
     assert swept["removed_blocks"] == 1 and swept["skipped_pinned"] == 1  # chunk 2 went, chunk 1 stayed
     assert driver.call("adapter_load", keys=[1, 2], nbytes=4096) == {"loaded": [True, False], "identical": [True, None]}
