@@ -5,6 +5,16 @@ same scenarios at full size and tabulates them. Each uses real processes: ``kvst
 (``serve_process.ServeProcess``), client processes started by module name
 (``python -m bench.reliability_kit.load_worker``: importable wherever kvstore is installed),
 and real files and shared memory.
+
+``run_crashes`` is the crash scenario: cycles of a storm of ``crash_client`` processes, a
+``kill -9`` of the server, and a restart that checks every acknowledged put. Its parameters
+make the server move acknowledged data while it dies, and prove it did before each kill:
+
+- the log layout's compactor (``mode="scratch"``, ``watch="compactions"``, small segments
+  through ``log_tier``): the clients also put and delete scratch sequences, so sealed segments
+  turn mostly dead and the compactor rewrites the acknowledged frames beside them;
+- background demotion (``mode="demote"``, ``watch="demotions"``, ``KVSTORE_TIERS=shm,nvme``
+  with a small shm tier): a put is acknowledged once placement's demotion made it durable.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -25,12 +36,12 @@ import torch
 
 from client_sdk import KVClient
 from bench.reliability_kit.crash_client import NAMESPACE as CRASH_NAMESPACE
-from bench.reliability_kit.crash_client import SPEC, sequence
+from bench.reliability_kit.crash_client import SPEC, scratch, sequence
 from bench.reliability_kit.load_worker import FAMILIES, NAMESPACE, PER_FAMILY, SPECS, expected_kv, matches, tokens_of
 from bench.reliability_kit.serve_process import ServeProcess
 from bench.serving import free_port
 
-__all__ = ["WORKERS", "CLIENTS", "run_load", "run_crashes", "churn", "crash_env", "damage", "fuzz_blocks"]
+__all__ = ["WORKERS", "CLIENTS", "run_load", "run_crashes", "WATCHES", "churn", "crash_env", "damage", "fuzz_blocks"]
 
 
 WORKERS = 16
@@ -148,72 +159,241 @@ PUTS_PER_CYCLE = 20_000
 
 
 def crash_env(data: Path, **settings: str) -> dict[str, str]:
-    """The crash scenario's server environment; ``settings`` adds KVSTORE_* variables
-    (``KVSTORE_NVME_LAYOUT="log"``...)."""
+    """The crash scenario's server environment; ``settings`` adds or replaces KVSTORE_* variables
+    (``KVSTORE_NVME_LAYOUT="log"``, ``KVSTORE_TIERS="shm,nvme"``...)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     # raw on nvme (a cold tier keeps int8 by default): then any difference is damage, not rounding
     env.update(KVSTORE_DATA_DIR=str(data), KVSTORE_TIERS="nvme", KVSTORE_TIER_CODECS="nvme=raw",
-               KVSTORE_LOG_LEVEL="warning", **settings)
+               KVSTORE_LOG_LEVEL="warning")
+    env.update(settings)
     return env
 
 
-def _cycle(url: str, server: ServeProcess, cycle: int, rng: random.Random) -> dict[int, tuple[list[int], int]]:
-    """One storm and kill; each client's acknowledged puts and the one it had in flight."""
-    clients = [subprocess.Popen([sys.executable, "-m", "bench.reliability_kit.crash_client", url, str(c),
-                                 str(cycle * PUTS_PER_CYCLE)], stdout=subprocess.PIPE, text=True)
+_SERVE_WITH_LOG_TIER = """\
+import json, sys
+from tiers.nvme_log import LogTier
+LogTier.__init__.__kwdefaults__.update(json.loads(sys.argv[1]))
+from kvstore.cli.main import main
+sys.exit(main(sys.argv[2:]))
+"""
+"""``kvstore serve`` with other defaults for the log tier's keyword settings (segment size, the
+compactor's interval and dead fraction): no KVSTORE_* variable sets them, and a test needs
+segments small enough to fill, seal and be compacted within a storm of a second or two."""
+
+
+def _crash_server(data: Path, port: int, settings: dict[str, str], log_tier: dict | None) -> ServeProcess:
+    env = crash_env(data, **settings)
+    if not log_tier:
+        return ServeProcess(env, port=port)
+    cmd = [sys.executable, "-c", _SERVE_WITH_LOG_TIER, json.dumps(log_tier), "serve", "--port", str(port)]
+    return ServeProcess(env, port=port, cmd=cmd)
+
+
+def _compactions(stats: dict) -> int:
+    """Segments the log tier compacted (rewrote and removed) since the server started."""
+    return sum(int(t["details"].get("compactions", 0)) for t in stats["tiers"])
+
+
+def _demotions(stats: dict) -> int:
+    """Blocks placement moved down a tier (shm -> nvme) since the server started."""
+    return int(stats["moves"]["demoted"])
+
+
+WATCHES = {"compactions": _compactions, "demotions": _demotions}
+"""What a scenario may prove happened during each storm: a counter of ``/admin/stats``."""
+
+
+def _watched(url: str, watch: str) -> int:
+    return WATCHES[watch](httpx.get(f"{url}/admin/stats", timeout=30).json())
+
+
+def _await_rise(url: str, watch: str, since: int, clients: list[subprocess.Popen], timeout_s: float = 120) -> None:
+    """Return once ``watch`` rose above ``since`` (the kill may then come at any point of that work);
+    RuntimeError if it did not within ``timeout_s`` or a client exited first: the storm proved nothing."""
+    deadline = time.monotonic() + timeout_s
+    while _watched(url, watch) <= since:
+        if any(proc.poll() is not None for proc in clients):
+            raise RuntimeError(f"a crash client exited before any {watch} (exit codes {[p.poll() for p in clients]})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {watch} during the storm in {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+@dataclass
+class _Report:
+    """What one crash client said before the kill (``crash_client``'s lines)."""
+
+    acked: list[int] = field(default_factory=list)
+    """Puts acknowledged as durable, in the order acknowledged."""
+    stored: set[int] = field(default_factory=set)
+    """Puts stored but reported not yet durable (``~i``)."""
+    scratched: set[int] = field(default_factory=set)
+    """Puts whose scratch sequence was put and deleted (``-i``)."""
+    in_flight: int = 0
+    """The put it had started when the server died: one past the last it reported."""
+    exit_code: int = 0
+    """Non-zero: the client failed on its own (killed by the scenario, or ended by the server's
+    death, is 0)."""
+
+    @classmethod
+    def parse(cls, out: str, start: int, exit_code: int) -> "_Report":
+        """The report of a client that numbered its puts from ``start``."""
+        report = cls(exit_code=exit_code)
+        last = start - 1
+        for line in out.splitlines():  # a line is only ever written whole
+            if line.startswith("~"):
+                report.stored.add(int(line[1:]))
+            elif line.startswith("-"):
+                report.scratched.add(int(line[1:]))
+            elif line.strip():
+                report.acked.append(int(line))
+            else:
+                continue
+            last = max(last, int(line.lstrip("~-")))
+        report.in_flight = last + 1
+        return report
+
+
+def _cycle(server: ServeProcess, cycle: int, rng: random.Random, mode: str,
+           watch: str | None) -> tuple[dict[int, _Report], int]:
+    """One storm and kill: each client's report, and how far ``watch`` rose between the clients
+    being ready and the kill (0 without one)."""
+    start = cycle * PUTS_PER_CYCLE
+    clients = [subprocess.Popen([sys.executable, "-m", "bench.reliability_kit.crash_client", server.url, str(c),
+                                 str(start), mode], stdout=subprocess.PIPE, text=True)
                for c in range(CLIENTS)]
+    rose = 0
     try:
         for c, proc in enumerate(clients):
             assert proc.stdout is not None
             if (line := proc.stdout.readline()) != "ready\n":
                 raise RuntimeError(f"crash client {c} did not start (exit {proc.poll()}, said {line!r})")
+        since = _watched(server.url, watch) if watch else 0
+        if watch:
+            _await_rise(server.url, watch, since, clients)
         proc_timer = rng.uniform(0.3, 2.0)
         try:
             clients[0].wait(timeout=proc_timer)  # a client that dies early fails the test below
         except subprocess.TimeoutExpired:
             pass
+        if watch:  # read just before the kill: what this storm did, the server's start-up excluded
+            rose = _watched(server.url, watch) - since
         server.kill()  # SIGKILL, mid-storm
     finally:
         for proc in clients:
             proc.kill()
-    acked: dict[int, tuple[list[int], int]] = {}
+    reports = {}
     for c, proc in enumerate(clients):
         out, _ = proc.communicate(timeout=30)
-        lines = out.splitlines()
-        done = [int(x) for x in lines if x.strip()]  # a line is only ever written whole
-        acked[c] = (done, (done[-1] + 1) if done else cycle * PUTS_PER_CYCLE)
-    return acked
+        # -9: killed by us; 0: it saw the server go (ConnectionFailed); else it failed on its own
+        reports[c] = _Report.parse(out, start, 0 if proc.returncode in (0, -9) else proc.returncode)
+    return reports, rose
 
 
-def run_crashes(tmp_path: Path, cycles: int, seed: int = 0, **settings: str) -> dict:
+def _segments(data: Path) -> list[tuple[int, Path]]:
+    """The log layout's segment files (``<id>.open``, ``<id>.seg``) by id: the order they were written."""
+    seg_dir = data / "nvme-log" / "segments"
+    found = [(int(p.stem, 16), p) for p in seg_dir.glob("*.*") if p.suffix in (".open", ".seg")] \
+        if seg_dir.is_dir() else []
+    return sorted(found)
+
+
+def _copied_frames(data: Path, after: int) -> int:
+    """Frame records in segments numbered above ``after`` that a compaction copied there, read from
+    the files as the kill left them: a copy keeps its record's seq, so it sits after records of
+    higher seqs (fresh appends take ever higher seqs, segment after segment)."""
+    from tiers.nvme_log_format import FRAME, scan
+
+    copied = top = 0
+    for seg_id, path in _segments(data):
+        fd = os.open(path, os.O_RDONLY)
+        try:  # headers only; the scan stops where a torn tail starts, as the next start does
+            for rec in scan(fd, os.fstat(fd).st_size, verify=False):
+                copied += seg_id > after and rec.kind == FRAME and rec.seq < top
+                top = max(top, rec.seq)
+        finally:
+            os.close(fd)
+    return copied
+
+
+def _same_or_prefix(client: KVClient, tokens: list[int]) -> tuple[int, bool]:
+    """What a get of ``tokens`` serves: (tokens, whether they are bit for bit the put's prefix)."""
+    kv, n = client.get_kv(SPEC, tokens)
+    return n, (not n or torch.equal(kv, expected_kv(0, tokens[:n])))
+
+
+def _check_cycle(client: KVClient, reports: dict[int, _Report], all_acked: list[tuple[int, int]],
+                 figures: dict, mode: str) -> None:
+    """After a restart: every put not acknowledged serves a bit-exact prefix or nothing, every
+    deleted scratch sequence nothing, and every acknowledged put so far (this cycle's and all
+    before) all of itself, bit for bit."""
+    for c, report in reports.items():
+        all_acked.extend((c, i) for i in report.acked)
+        figures["acknowledged"] += len(report.acked)
+        figures["acknowledged_after_demotion"] += len(report.stored.intersection(report.acked))
+        for i in sorted(report.stored.difference(report.acked)) + [report.in_flight]:
+            n, exact = _same_or_prefix(client, sequence(c, i))
+            figures["in_flight_found"] += bool(n)
+            figures["torn_served"] += not exact
+        for i in report.acked if mode == "scratch" else ():
+            if i in report.scratched:  # its delete returned: the scratch must not come back
+                figures["deleted_checked"] += 1
+                figures["resurrected"] += client.lookup(SPEC, scratch(c, i)) > 0
+            else:  # put or being deleted as the server died: a prefix or nothing
+                figures["torn_served"] += not _same_or_prefix(client, scratch(c, i))[1]
+    for c, i in all_acked:
+        tokens = sequence(c, i)
+        n, exact = _same_or_prefix(client, tokens)
+        figures["checked"] += 1
+        figures["lost"] += n < len(tokens)
+        figures["torn_served"] += n == len(tokens) and not exact
+
+
+def run_crashes(tmp_path: Path, cycles: int, seed: int = 0, *, mode: str = "durable", watch: str | None = None,
+                log_tier: dict | None = None, verify_settings: dict[str, str] | None = None, **settings: str) -> dict:
+    """Cycles of: a server on ``tmp_path``'s data, a storm of ``CLIENTS`` crash clients, kill -9 at a
+    seeded moment, a restart that checks every put (``_check_cycle``).
+
+    Args:
+        mode: the crash clients' (``crash_client``): ``durable``, ``scratch`` or ``demote``.
+        watch: a counter of ``WATCHES`` (``compactions``, ``demotions``) that must rise during each
+            storm before the kill is timed; figures[watch] sums the rises.
+        log_tier: the log tier's keyword settings for both servers (``_SERVE_WITH_LOG_TIER``).
+        verify_settings: KVSTORE_* settings of the checking server instead of ``settings``.
+        settings: KVSTORE_* settings of the server under the storm (``crash_env``).
+
+    Returns:
+        ``{"cycles", "acknowledged", "checked", "lost", "torn_served", "in_flight_found",
+        "client_errors", ...}``, with ``acknowledged_after_demotion`` (puts first ``NotDurable``,
+        acknowledged once demoted), ``deleted_checked`` and ``resurrected`` (scratch sequences
+        deleted, and found again), ``copied_frames`` (compacted copies on disk at the kills, log
+        layout) and the watched counter's total and ``<watch>_by_cycle``.
+    """
     rng = random.Random(seed)
     data, port = tmp_path / "data", free_port()
     all_acked: list[tuple[int, int]] = []
-    figures = {"cycles": 0, "acknowledged": 0, "checked": 0, "lost": 0, "torn_served": 0, "in_flight_found": 0}
+    figures = {"cycles": 0, "acknowledged": 0, "checked": 0, "lost": 0, "torn_served": 0, "in_flight_found": 0,
+               "client_errors": 0, "acknowledged_after_demotion": 0, "deleted_checked": 0, "resurrected": 0,
+               "copied_frames": 0}
+    if watch:
+        figures[watch], figures[f"{watch}_by_cycle"] = 0, []
     for cycle in range(cycles):
-        server = ServeProcess(crash_env(data, **settings), port=port).start()
-        acked = _cycle(server.url, server, cycle, rng)
-        assert all(done for done, _ in acked.values()), f"a client acknowledged nothing in cycle {cycle}: {acked}"
-        server = ServeProcess(crash_env(data, **settings), port=port).start()
+        before = max((i for i, _ in _segments(data)), default=0)  # this storm's server writes the ones after
+        server = _crash_server(data, port, settings, log_tier).start()
+        reports, rose = _cycle(server, cycle, rng, mode, watch)
+        # each client makes progress; a demote client's acknowledgements wait on placement, so
+        # there the cycle needs one at least
+        progressed = any if mode == "demote" else all
+        assert progressed(r.acked for r in reports.values()), f"no acknowledgements in cycle {cycle}: {reports}"
+        figures["client_errors"] += sum(bool(r.exit_code) for r in reports.values())
+        figures["copied_frames"] += _copied_frames(data, before)
+        if watch:
+            figures[watch] += rose
+            figures[f"{watch}_by_cycle"].append(rose)
+        server = _crash_server(data, port, settings if verify_settings is None else verify_settings, log_tier).start()
         try:
             with KVClient(server.url, namespace=CRASH_NAMESPACE, colocated=False, plan=False) as client:
-                for c, (done, in_flight) in acked.items():
-                    all_acked.extend((c, i) for i in done)
-                    figures["acknowledged"] += len(done)
-                    tokens = sequence(c, in_flight)
-                    kv, n = client.get_kv(SPEC, tokens)
-                    if n:
-                        figures["in_flight_found"] += 1
-                        figures["torn_served"] += not torch.equal(kv, expected_kv(0, tokens[:n]))
-                # every acknowledged put so far: this cycle's and all before
-                for c, i in all_acked:
-                    tokens = sequence(c, i)
-                    kv, n = client.get_kv(SPEC, tokens)
-                    figures["checked"] += 1
-                    if n < len(tokens):
-                        figures["lost"] += 1
-                    elif not torch.equal(kv, expected_kv(0, tokens)):
-                        figures["torn_served"] += 1
+                _check_cycle(client, reports, all_acked, figures, mode)
         finally:
             server.stop()
         stray = [p for p in data.rglob("*.tmp") if "quarantine" not in p.parts]

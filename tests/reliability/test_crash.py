@@ -10,9 +10,27 @@ Then:
   whole and bit for bit;
 - the put each client had in flight reads back as a prefix of itself, bit for
   bit, or not at all: nothing torn or foreign is served;
-- no temp file sits among the data files: start-up moved them to quarantine.
+- no temp file sits among the data files: start-up moved them to quarantine;
+- no client failed other than by losing its server.
 
 The default run does 3 cycles; the ``slow`` one 20.
+
+Two more scenarios run the same cycles and checks where the server moves acknowledged data
+while it dies:
+
+- **compaction**: the log layout with 512 KiB segments and its compactor looking every 50 ms;
+  each client also puts and deletes a scratch sequence twice the size of each put, so two
+  thirds of what reaches the log is dead and the compactor keeps rewriting the acknowledged
+  frames into new segments. Each storm is killed only after the compaction counter
+  (``/admin/stats``) rose during it; the files as the kill left them must hold compacted copies
+  of live frames; a scratch sequence whose delete returned must not come back.
+- **demotion**: ``KVSTORE_TIERS=shm,nvme`` with a 4 MiB shm tier. A durable put there raises
+  ``NotDurable``; the client acknowledges it once ``lookup_blocks`` finds every token durable,
+  which only placement's demotion to nvme makes so. Each storm is killed only after the
+  demotion counter rose during it; some acknowledgements must have come that way. The
+  checking server reads on nvme alone (``CHECK_ON_NVME`` says why).
+
+Each runs 2 cycles by default (about 20-30 s on 2 busy cores), 10 ``slow``.
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ from client_sdk import KVClient
 def _check(figures: dict, cycles: int) -> None:
     print(figures)  # shown with -s
     assert figures["cycles"] == cycles
+    assert figures["client_errors"] == 0  # a client failed other than by losing its server
     assert figures["lost"] == 0
     assert figures["torn_served"] == 0
     assert figures["acknowledged"] > 0 and figures["checked"] >= figures["acknowledged"]
@@ -51,6 +70,60 @@ def test_durable_puts_survive_kill_9_on_the_file_layout_each_put_synced(tmp_path
 @pytest.mark.slow
 def test_durable_puts_survive_20_kill_9(tmp_path):
     _check(run_crashes(tmp_path, cycles=20, seed=1), 20)
+
+
+COMPACTING = {"segment_bytes": 512 << 10, "compact_interval_s": 0.05}
+"""The log tier's settings for the compaction scenario: a segment fills in a few dozen blocks
+(32 KiB each here) and is looked at for compaction within 50 ms of sealing (defaults: 64 MiB, 1 s)."""
+
+
+def _check_compacting(figures: dict, cycles: int) -> None:
+    _check(figures, cycles)
+    # the proof the scenario tested compaction: it ran in every storm before the kill (the kill
+    # waits for that), and live frames were rewritten: their copies were on disk when it came
+    assert len(figures["compactions_by_cycle"]) == cycles and min(figures["compactions_by_cycle"]) > 0
+    assert figures["copied_frames"] > 0
+    assert figures["deleted_checked"] > 0 and figures["resurrected"] == 0
+
+
+def test_durable_puts_survive_kill_9_while_the_compactor_rewrites_their_segments(tmp_path):
+    _check_compacting(run_crashes(tmp_path, cycles=2, seed=3, mode="scratch", watch="compactions",
+                                  log_tier=COMPACTING), 2)
+
+
+@pytest.mark.slow
+def test_durable_puts_survive_10_kill_9_under_compaction(tmp_path):
+    _check_compacting(run_crashes(tmp_path, cycles=10, seed=5, mode="scratch", watch="compactions",
+                                  log_tier=COMPACTING), 10)
+
+
+DEMOTING = {"KVSTORE_TIERS": "shm,nvme", "KVSTORE_SHM_BYTES": "4MiB"}
+"""Four clients' puts (128-384 KiB each) overrun a 4 MiB shm tier at once: placement demotes to nvme
+all the time, and puts past its high watermark spill there directly (durable at once)."""
+
+CHECK_ON_NVME = {"KVSTORE_TIERS": "nvme"}
+"""The checking server's tiers. On ``shm,nvme`` a get promotes the block into shm, moving it off
+nvme (docs/reliability.md: durable no more once placement promotes it), and that server's clean
+stop would drop it before the next cycle looked: it reads what survived from nvme alone."""
+
+
+def _check_demoting(figures: dict, cycles: int) -> None:
+    _check(figures, cycles)
+    # demotions ran in every storm before the kill (the kill waits for that); only a demotion
+    # makes a put that was NotDurable durable, so these acknowledgements are the demotions' own
+    assert len(figures["demotions_by_cycle"]) == cycles and min(figures["demotions_by_cycle"]) > 0
+    assert figures["acknowledged_after_demotion"] > 0
+
+
+def test_puts_made_durable_by_demotion_survive_kill_9(tmp_path):
+    _check_demoting(run_crashes(tmp_path, cycles=2, seed=4, mode="demote", watch="demotions",
+                                verify_settings=CHECK_ON_NVME, **DEMOTING), 2)
+
+
+@pytest.mark.slow
+def test_puts_made_durable_by_demotion_survive_10_kill_9(tmp_path):
+    _check_demoting(run_crashes(tmp_path, cycles=10, seed=6, mode="demote", watch="demotions",
+                                verify_settings=CHECK_ON_NVME, **DEMOTING), 10)
 
 
 async def _async_durable_put(url: str, tokens: list[int]) -> int:
