@@ -201,7 +201,7 @@ class EngineCore:
         for key in keys:
             entry = self._index.get(key)
             if is_current(entry, namespace, spec_fp):
-                if tiers is not None and entry.tier not in tiers:
+                if tiers is not None and entry.tier not in tiers and (entry.kept is None or entry.kept.tier not in tiers):
                     break
             else:
                 got = shared.adopt(key, namespace, spec_fp) if shared is not None else None
@@ -327,6 +327,8 @@ class EngineCore:
             self.count(**{"corrupt_blocks" if corrupt else "stale_blocks": 1})
             if corrupt:
                 self.delete_frame(entry)
+            else:  # its frame is gone already; a copy left behind would come back at the next start
+                self.drop_kept(entry)
 
     def delete_key(self, key: BlockHash, *, reason: str = "deleted") -> int:
         """Delete a block: unpublish first, then its frame and any shared copy. 1 if it was stored.
@@ -344,14 +346,29 @@ class EngineCore:
         return 1
 
     def delete_frame(self, entry: IndexEntry) -> None:
-        """Delete ``entry``'s frame from its tier (the index no longer names it)."""
+        """Delete ``entry``'s frame from its tier (the index no longer names it), and the copy a
+        durable tier kept of it unless the index's entry of the key now lives there."""
         if self.shared is not None and entry.tier == self.shared.name:
             self.shared.forget(entry.key)  # the copy other nodes read is going: forget we had one
+        self._delete_in(entry.tier, entry.key)
+        self.drop_kept(entry)
+
+    def drop_kept(self, entry: IndexEntry) -> None:
+        """Delete the durable copy ``entry`` kept (``IndexEntry.kept``), unless the key's entry now
+        lives in that tier (a rewrite landed there): left behind, a restart would index it again."""
+        if entry.kept is None:
+            return
+        self.placement.unkeep(entry.key)
+        now = self._index.get(entry.key)
+        if now is None or now.tier != entry.kept.tier:
+            self._delete_in(entry.kept.tier, entry.key)
+
+    def _delete_in(self, tier: str, key: BlockHash) -> None:
         try:
-            self._by_name[entry.tier].delete(entry.key)
+            self._by_name[tier].delete(key)
         except TierError as exc:  # unreachable now; the index no longer serves it
             self.count(tier_errors=1)
-            log.warning("tier %s failed to delete %s: %s", entry.tier, entry.key.hex(), exc)
+            log.warning("tier %s failed to delete %s: %s", tier, key.hex(), exc)
 
     def clear(self) -> None:
         """Forget every entry (the store is closing) and emit ``cleared``."""

@@ -79,9 +79,9 @@ class Frames:
     def durable_count(self, blocks: Sequence[PrefixBlock]) -> int:
         """How many of ``blocks``, from the first, sit on durable tiers in this store's index
         (as ``KVStore.durable_tokens`` counts, without walking the keys again)."""
-        n = 0
+        n, durable = 0, self._core.durable_tiers
         for b in blocks:
-            if b.entry is None or b.tier not in self._core.durable_tiers:
+            if b.entry is None or (b.tier not in durable and (b.entry.kept is None or b.entry.kept.tier not in durable)):
                 break
             n += 1
         return n
@@ -365,6 +365,8 @@ class Frames:
             self._core.publish(entry, reason="frame")
             if old is not None and old.tier != tier.name:
                 self._core.delete_frame(old)
+            elif old is not None:  # rewritten in place: a durable copy of the old frame would outlive it
+                self._core.drop_kept(old)
             if self._shared is not None and self._shared.policy.mode == "write_through" \
                     and tier.name != self._shared.name:
                 try:  # the shared tier holds a copy: losing it degrades, never fails, a put that is stored

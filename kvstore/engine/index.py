@@ -18,7 +18,18 @@ from typing import Iterable, Iterator, Sequence
 from kvstore.codec import Codec
 from kvstore.keys import BlockHash
 
-__all__ = ["Index", "IndexEntry"]
+__all__ = ["Index", "IndexEntry", "Kept"]
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """The copy of a frame a durable tier still holds after placement promoted the block out of
+    it (``kvstore.engine.mover``): what the durable tier's file says, not the promoted frame."""
+
+    tier: str
+    size: int
+    codec: Codec
+    checksum: int
 
 
 @dataclass(slots=True)
@@ -49,6 +60,9 @@ class IndexEntry:
     engine_hash: bytes | int | None = None
     """An engine's own name for the block (vLLM's block hash), once the engine named it
     (``EngineCore.name_blocks``): KV events carry it beside the key, for the engine's routers."""
+    kept: Kept | None = None
+    """A durable tier's copy left behind when the block was promoted out of it: the block stays
+    durable while it is served from above (None: the frame in ``tier`` is the only one)."""
 
 
 class Index:

@@ -12,7 +12,13 @@ A move never leaves a window in which the index names a frame that is gone:
    claim (the move gives up) or waits for it (and finds the move complete).
 
 A crash inside step 3 leaves two copies and loses nothing: a durable tier's
-copy is re-indexed at the next start (``kvstore/engine/recovery.py``). A reader that
+copy is re-indexed at the next start (``kvstore/engine/recovery.py``).
+
+A promotion out of a durable private tier copies: the durable frame stays where it is and the
+entry remembers it (``IndexEntry.kept``, charged to that tier by placement), so a block acknowledged
+as durable stays so while it is served from above, and a crash or restart finds it there. A later
+demotion back into that tier switches to the copy with no write; a delete, eviction or rewrite
+deletes it too (``EngineCore.drop_kept``). A reader that
 looked the entry up before step 3 may find the source gone; it looks again
 (``KVStore.get_kv`` re-reads the index once on a miss).
 
@@ -32,6 +38,7 @@ from typing import Callable
 from kvstore import codec as codec_mod
 from kvstore.codec import Codec
 from kvstore.engine.core import EngineCore
+from kvstore.engine.index import Kept
 from kvstore.errors import FrameError, InvalidKV, TierError
 from kvstore.engine.placement import MoveOrder, RoomHold
 from kvstore.engine.recode import Recoder
@@ -111,6 +118,8 @@ class Mover:
         """
         core = self._core
         entry = core.entry(order.key)
+        if entry is not None and entry.kept is not None and entry.kept.tier == order.dst and entry.tier == order.src:
+            return self._commit(entry, order, None)  # back where its durable copy stayed: switch, copy nothing
         if ahead is not None and entry is ahead.entry and order.dst is not None:
             room = self._hold_room(core.tier(order.dst), len(ahead.frame), depth, force_room)
             try:
@@ -170,8 +179,9 @@ class Mover:
                 and self._downward(order) and self._recoder.spills_raw(order.dst, nbytes))
 
     def _commit(self, entry, order: MoveOrder, copy: tuple | None) -> bool:
-        """Under the key's claim: write ``copy`` to the destination (None: use the shared
-        replica), switch the index, drop the source, record the move."""
+        """Under the key's claim: write ``copy`` to the destination (None: use the durable copy
+        the entry kept there, or the shared replica), switch the index, drop the source unless
+        it is a durable copy to keep, record the move."""
         core, shared = self._core, self._shared
         src, dst = core.tier(order.src), core.tier(order.dst)
         leaving_shared = shared is not None and src.name == shared.name
@@ -180,7 +190,10 @@ class Mover:
                 return False
             if self._downward(order) and self._placement.is_held(order.key):
                 return False  # pinned or leased since the order was planned
-            if copy is None:
+            kept = entry.kept
+            if copy is None and kept is not None and kept.tier == dst.name:
+                size, codec, checksum, kept = kept.size, kept.codec, kept.checksum, None
+            elif copy is None:
                 replica = shared.replica(order.key)
                 if replica is None:  # deleted meanwhile
                     return False
@@ -196,15 +209,30 @@ class Mover:
                 if shared is not None and dst.name == shared.name:
                     shared.remember(order.key, Replica(size, codec, checksum))
                     shared.demoted(size)
+                if kept is not None and kept.tier == dst.name:  # written over by this frame
+                    kept = None
             # Other nodes read the shared tier: leaving it is a copy, never a delete.
             if leaving_shared:
                 shared.remember(order.key, Replica(entry.size, entry.codec, entry.checksum))
-            core.switch(replace(entry, tier=dst.name, size=size, codec=codec, checksum=checksum), src=src.name,
-                        reason=order.reason)
-            if not leaving_shared:
+            keep = not leaving_shared and src.durable and self._upward(order)
+            if keep:
+                if kept is not None:  # a copy further down: the nearer one is enough
+                    self._delete_quietly(core.tier(kept.tier), order.key)
+                kept = Kept(src.name, entry.size, entry.codec, entry.checksum)
+            core.switch(replace(entry, tier=dst.name, size=size, codec=codec, checksum=checksum, kept=kept),
+                        src=src.name, reason=order.reason)
+            if not leaving_shared and not keep:
                 self._delete_quietly(src, order.key)
             self._done(order, size)
+            if entry.kept is not None and kept is not entry.kept:
+                self._placement.unkeep(order.key)
+            if keep:
+                self._placement.keep(order.key, src.name, entry.size)
         return True
+
+    def _upward(self, order: MoveOrder) -> bool:
+        names = self._core.tier_names
+        return order.dst is not None and names.index(order.dst) < names.index(order.src)
 
     def _downward(self, order: MoveOrder) -> bool:
         """A placement demotion (an operator's migrate may move held blocks; pins stop placement only)."""

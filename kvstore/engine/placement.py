@@ -70,7 +70,7 @@ from kvstore.errors import InvalidInput
 from kvstore.engine.heat import Heat, Scorer
 from kvstore.engine.heat_order import HeatOrder
 from kvstore.engine.placement_types import (Heats, MoveOrder, MoveRecord, PlacementConfig, Resident, TierPolicy,
-                                           default_scorer)
+                                           default_scorer, describe)
 from kvstore.engine.retention import PREFETCH_OWNER, Retention
 from kvstore.engine.room import RoomHold, RoomMaker
 
@@ -106,6 +106,7 @@ class PlacementManager:
         self._members: list[dict[bytes, Resident]] = [{} for _ in self.tiers]
         self._order = [HeatOrder() for _ in self.tiers]  # each tier's members, coldest first
         self._used = [0] * len(self.tiers)
+        self._kept: dict[bytes, tuple[int, int]] = {}  # key -> (tier, bytes) of a durable copy left behind
         self._incoming = [0] * len(self.tiers)  # bytes of held writes not yet indexed (``hold_room``)
         # Above its high watermark a tier drains to its low one, over as many rounds as a bounded
         # plan needs: it stays draining until its real use (not a plan's projection) is down there.
@@ -180,9 +181,27 @@ class PlacementManager:
                 if r.tier and self.config.promote:
                     self._candidates[key] = None
 
+    def keep(self, key: bytes, tier: str, size: int) -> None:
+        """``tier`` keeps a ``size``-byte durable copy of ``key``, promoted out of it: counted there
+        as used (``IndexEntry.kept``), though no entry lives there, until ``unkeep``."""
+        with self._lock:
+            self._unkeep(key)
+            self._kept[key] = (pos := self._pos[tier], size)
+            self._used[pos] += size
+
+    def unkeep(self, key: bytes) -> None:
+        """``key``'s durable copy is gone, or is its entry's frame again."""
+        with self._lock:
+            self._unkeep(key)
+
+    def _unkeep(self, key: bytes) -> None:
+        pos, size = self._kept.pop(key, (0, 0))
+        self._used[pos] -= size
+
     def removed(self, key: bytes) -> None:
         """``key`` is gone (deleted, overwritten elsewhere, found missing)."""
         with self._lock:
+            self._unkeep(key)
             r = self._res.pop(key, None)
             if r is not None:
                 self._leave(key, r)
@@ -540,27 +559,7 @@ class PlacementManager:
         now = self.clock()
         with self._lock:
             r = self._res.get(key)
-            if r is None:
-                return None
-            return {
-                "tier": self.tiers[r.tier].name,
-                "size": r.size,
-                "heat_score": r.heat.score if math.isfinite(r.heat.score) else None,  # None: no access seen yet
-                "heat_per_s": self.scorer.rate(r.heat, now),
-                "accesses": r.heat.count,
-                "last_access_age_s": now - r.heat.last_s,
-                "resident_for_s": now - r.since_s,
-                "pinned": r.pinned_until > now,
-                "pinned_for_s": None if r.pinned_until in (0.0, math.inf) or r.pinned_until <= now
-                else r.pinned_until - now,
-                "leases": r.leases,
-                "retained": None if not r.retained(now) else {
-                    "owner": r.retain_owner, "priority": r.retain_priority,
-                    "expires_in_s": r.retained_until - now},
-                "scorer": self.scorer.name,
-                "heat_memories": list(r.heat.parts),
-                "moves": [m.to_dict(now) for m in r.moves or ()],
-            }
+            return None if r is None else describe(r, self.tiers[r.tier].name, self.scorer, now)
 
     def heat_rates(self, sample: int = 100_000) -> tuple[list[tuple[str, float]], int]:
         """(tier, reads per second now) of up to ``sample`` entries, and how many entries there are.

@@ -9,6 +9,7 @@ re-exports all but ``Resident`` (placement's own bookkeeping).
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import deque
 from collections.abc import Sequence
@@ -18,7 +19,8 @@ from kvstore.config import HIGH_WATERMARK_FRAC, LOW_WATERMARK_FRAC
 from kvstore.errors import InvalidInput
 from kvstore.engine.heat import AdaptiveRate, DecayedRate, Heat, Scorer
 
-__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "Resident", "Heats", "default_scorer"]
+__all__ = ["TierPolicy", "PlacementConfig", "MoveOrder", "MoveRecord", "Resident", "Heats", "default_scorer",
+           "describe"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,3 +189,26 @@ def default_scorer(config: PlacementConfig) -> Scorer:
     if config.long_half_life_s is None:
         return short
     return AdaptiveRate(short, DecayedRate(config.long_half_life_s, config.margin_frac, config.long_max_count))
+
+
+def describe(r: Resident, tier: str, scorer: Scorer, now: float) -> dict:
+    """``PlacementManager.explain``'s answer for a resident of ``tier``: where it is and why."""
+    return {
+        "tier": tier,
+        "size": r.size,
+        "heat_score": r.heat.score if math.isfinite(r.heat.score) else None,  # None: no access seen yet
+        "heat_per_s": scorer.rate(r.heat, now),
+        "accesses": r.heat.count,
+        "last_access_age_s": now - r.heat.last_s,
+        "resident_for_s": now - r.since_s,
+        "pinned": r.pinned_until > now,
+        "pinned_for_s": None if r.pinned_until in (0.0, math.inf) or r.pinned_until <= now
+        else r.pinned_until - now,
+        "leases": r.leases,
+        "retained": None if not r.retained(now) else {
+            "owner": r.retain_owner, "priority": r.retain_priority,
+            "expires_in_s": r.retained_until - now},
+        "scorer": scorer.name,
+        "heat_memories": list(r.heat.parts),
+        "moves": [m.to_dict(now) for m in r.moves or ()],
+    }
