@@ -41,7 +41,8 @@ from bench.reliability_kit.load_worker import FAMILIES, NAMESPACE, PER_FAMILY, S
 from bench.reliability_kit.serve_process import ServeProcess
 from bench.serving import free_port
 
-__all__ = ["WORKERS", "CLIENTS", "run_load", "run_crashes", "WATCHES", "churn", "crash_env", "damage", "fuzz_blocks"]
+__all__ = ["WORKERS", "CLIENTS", "run_load", "run_crashes", "CRASHES", "WATCHES", "churn", "crash_env", "damage",
+           "fuzz_blocks"]
 
 
 WORKERS = 16
@@ -349,8 +350,26 @@ def _check_cycle(client: KVClient, reports: dict[int, _Report], all_acked: list[
         figures["torn_served"] += n == len(tokens) and not exact
 
 
+CRASHES: dict[str, dict] = {
+    "group commit": {},
+    "compaction": {"mode": "scratch", "watch": "compactions",
+                   "log_tier": {"segment_bytes": 512 << 10, "compact_interval_s": 0.05}},
+    "demotion": {"mode": "demote", "watch": "demotions", "KVSTORE_TIERS": "shm,nvme", "KVSTORE_SHM_BYTES": "4MiB"},
+}
+"""The crash scenarios, as ``run_crashes`` arguments (module docstring):
+
+- group commit: the nvme tier alone, the log layout under its group commit (the defaults);
+- compaction: 512 KiB segments (a few dozen 32 KiB blocks) looked at for compaction within 50 ms of
+  sealing (defaults: 64 MiB, 1 s), clients putting and deleting scratch sequences beside;
+- demotion: four clients' puts (128-384 KiB each) overrun a 4 MiB shm tier at once: placement
+  demotes to nvme all the time, and puts past its high watermark spill there directly (durable at
+  once). The checking server runs on the same tiers: its gets promote what they read, its clean
+  stop drops shm, and the next cycle finds an acknowledged put only where the promotion kept its
+  durable copy (``IndexEntry.kept``)."""
+
+
 def run_crashes(tmp_path: Path, cycles: int, seed: int = 0, *, mode: str = "durable", watch: str | None = None,
-                log_tier: dict | None = None, verify_settings: dict[str, str] | None = None, **settings: str) -> dict:
+                log_tier: dict | None = None, **settings: str) -> dict:
     """Cycles of: a server on ``tmp_path``'s data, a storm of ``CLIENTS`` crash clients, kill -9 at a
     seeded moment, a restart that checks every put (``_check_cycle``).
 
@@ -359,7 +378,6 @@ def run_crashes(tmp_path: Path, cycles: int, seed: int = 0, *, mode: str = "dura
         watch: a counter of ``WATCHES`` (``compactions``, ``demotions``) that must rise during each
             storm before the kill is timed; figures[watch] sums the rises.
         log_tier: the log tier's keyword settings for both servers (``_SERVE_WITH_LOG_TIER``).
-        verify_settings: KVSTORE_* settings of the checking server instead of ``settings``.
         settings: KVSTORE_* settings of the server under the storm (``crash_env``).
 
     Returns:
@@ -390,7 +408,7 @@ def run_crashes(tmp_path: Path, cycles: int, seed: int = 0, *, mode: str = "dura
         if watch:
             figures[watch] += rose
             figures[f"{watch}_by_cycle"].append(rose)
-        server = _crash_server(data, port, settings if verify_settings is None else verify_settings, log_tier).start()
+        server = _crash_server(data, port, settings, log_tier).start()
         try:
             with KVClient(server.url, namespace=CRASH_NAMESPACE, colocated=False, plan=False) as client:
                 _check_cycle(client, reports, all_acked, figures, mode)

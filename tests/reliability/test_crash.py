@@ -28,7 +28,9 @@ while it dies:
   ``NotDurable``; the client acknowledges it once ``lookup_blocks`` finds every token durable,
   which only placement's demotion to nvme makes so. Each storm is killed only after the
   demotion counter rose during it; some acknowledgements must have come that way. The
-  checking server reads on nvme alone (``CHECK_ON_NVME`` says why).
+  checking server runs on the same tiers: its gets promote what they read into shm, and its
+  clean stop drops shm, so the next cycle's check finds an acknowledged put only if the
+  promotion kept its durable copy (``IndexEntry.kept``).
 
 Each runs 2 cycles by default (about 20-30 s on 2 busy cores), 10 ``slow``.
 """
@@ -42,7 +44,7 @@ import torch
 
 from bench.reliability_kit.crash_client import NAMESPACE, SPEC, sequence
 from bench.reliability_kit.load_worker import expected_kv
-from bench.reliability_kit.scenarios import crash_env, run_crashes
+from bench.reliability_kit.scenarios import CRASHES, crash_env, run_crashes
 from bench.reliability_kit.serve_process import ServeProcess
 from client_sdk import KVClient
 
@@ -72,11 +74,6 @@ def test_durable_puts_survive_20_kill_9(tmp_path):
     _check(run_crashes(tmp_path, cycles=20, seed=1), 20)
 
 
-COMPACTING = {"segment_bytes": 512 << 10, "compact_interval_s": 0.05}
-"""The log tier's settings for the compaction scenario: a segment fills in a few dozen blocks
-(32 KiB each here) and is looked at for compaction within 50 ms of sealing (defaults: 64 MiB, 1 s)."""
-
-
 def _check_compacting(figures: dict, cycles: int) -> None:
     _check(figures, cycles)
     # the proof the scenario tested compaction: it ran in every storm before the kill (the kill
@@ -87,24 +84,12 @@ def _check_compacting(figures: dict, cycles: int) -> None:
 
 
 def test_durable_puts_survive_kill_9_while_the_compactor_rewrites_their_segments(tmp_path):
-    _check_compacting(run_crashes(tmp_path, cycles=2, seed=3, mode="scratch", watch="compactions",
-                                  log_tier=COMPACTING), 2)
+    _check_compacting(run_crashes(tmp_path, cycles=2, seed=3, **CRASHES["compaction"]), 2)
 
 
 @pytest.mark.slow
 def test_durable_puts_survive_10_kill_9_under_compaction(tmp_path):
-    _check_compacting(run_crashes(tmp_path, cycles=10, seed=5, mode="scratch", watch="compactions",
-                                  log_tier=COMPACTING), 10)
-
-
-DEMOTING = {"KVSTORE_TIERS": "shm,nvme", "KVSTORE_SHM_BYTES": "4MiB"}
-"""Four clients' puts (128-384 KiB each) overrun a 4 MiB shm tier at once: placement demotes to nvme
-all the time, and puts past its high watermark spill there directly (durable at once)."""
-
-CHECK_ON_NVME = {"KVSTORE_TIERS": "nvme"}
-"""The checking server's tiers. On ``shm,nvme`` a get promotes the block into shm, moving it off
-nvme (docs/reliability.md: durable no more once placement promotes it), and that server's clean
-stop would drop it before the next cycle looked: it reads what survived from nvme alone."""
+    _check_compacting(run_crashes(tmp_path, cycles=10, seed=5, **CRASHES["compaction"]), 10)
 
 
 def _check_demoting(figures: dict, cycles: int) -> None:
@@ -116,14 +101,12 @@ def _check_demoting(figures: dict, cycles: int) -> None:
 
 
 def test_puts_made_durable_by_demotion_survive_kill_9(tmp_path):
-    _check_demoting(run_crashes(tmp_path, cycles=2, seed=4, mode="demote", watch="demotions",
-                                verify_settings=CHECK_ON_NVME, **DEMOTING), 2)
+    _check_demoting(run_crashes(tmp_path, cycles=2, seed=4, **CRASHES["demotion"]), 2)
 
 
 @pytest.mark.slow
 def test_puts_made_durable_by_demotion_survive_10_kill_9(tmp_path):
-    _check_demoting(run_crashes(tmp_path, cycles=10, seed=6, mode="demote", watch="demotions",
-                                verify_settings=CHECK_ON_NVME, **DEMOTING), 10)
+    _check_demoting(run_crashes(tmp_path, cycles=10, seed=6, **CRASHES["demotion"]), 10)
 
 
 async def _async_durable_put(url: str, tokens: list[int]) -> int:

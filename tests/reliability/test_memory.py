@@ -41,9 +41,12 @@ def test_bench_reliability_quick_prints_and_writes_every_figure(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "reliability", "--quick", "--out",
                            str(tmp_path), "--docs", str(page)], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
-    for figure in ("crash cycles survived", "lost", "torn or foreign served", "fuzz cases run", "5xx seen",
+    for figure in ("crash cycles survived", "lost", "torn or foreign served", "crash under compaction",
+                   "crash under demotion", "fuzz cases run", "5xx seen",
                    "concurrent ops verified", "mismatches", "p99 latency", "RSS drift"):
         assert figure in done.stdout and figure in page.read_text()
     [path] = tmp_path.glob("reliability-*.json")
     result = json.loads(path.read_text())
     assert result["crash"]["lost"] == 0 and result["load"]["mismatches"] == 0 and result["fuzz"]["5xx"] == 0
+    assert {name: (c["lost"], c["torn_served"]) for name, c in result["crash_moving"].items()} \
+        == {"compaction": (0, 0), "demotion": (0, 0)}
