@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from kvstore import codec as codec_mod
@@ -316,8 +316,13 @@ class EngineCore:
 
     def drop(self, entry: IndexEntry, *, corrupt: bool) -> None:
         """Unpublish a block found gone (``stale_blocks``) or damaged (``corrupt_blocks``: its frame
-        is deleted too), unless it was rewritten meanwhile."""
+        is deleted too), unless it was rewritten meanwhile; a block whose durable tier kept a copy
+        (``IndexEntry.kept``) falls back to it instead, and stays stored."""
         with self._index.claim(entry.key):
+            if entry.kept is not None and self._index.get(entry.key) is entry \
+                    and self._by_name[entry.kept.tier].contains(entry.key):
+                self._fall_back(entry, corrupt)
+                return
             if self._index.remove(entry.key, expected=entry) is None:
                 return
             self._removed(entry, "corrupt" if corrupt else "stale")
@@ -329,6 +334,21 @@ class EngineCore:
                 self.delete_frame(entry)
             else:  # its frame is gone already; a copy left behind would come back at the next start
                 self.drop_kept(entry)
+
+    def _fall_back(self, entry: IndexEntry, corrupt: bool) -> None:
+        """Point ``entry``'s key at the durable copy it kept, its own frame gone or damaged (under
+        the key's claim): a read sees the copy; placement counts it where it lies."""
+        k = entry.kept
+        assert k is not None
+        self.switch(replace(entry, tier=k.tier, size=k.size, codec=k.codec, checksum=k.checksum, kept=None),
+                    src=entry.tier, reason="corrupt" if corrupt else "stale")
+        self.placement.unkeep(entry.key)
+        self.placement.admitted(entry.key, k.tier, k.size, access=False, depth=entry.depth)
+        self.count(**{"corrupt_blocks" if corrupt else "stale_blocks": 1})
+        if self.shared is not None and entry.tier == self.shared.name:
+            self.shared.forget(entry.key)
+        if corrupt:
+            self._delete_in(entry.tier, entry.key)
 
     def delete_key(self, key: BlockHash, *, reason: str = "deleted") -> int:
         """Delete a block: unpublish first, then its frame and any shared copy. 1 if it was stored.

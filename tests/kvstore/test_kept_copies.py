@@ -5,7 +5,8 @@ files): a block acknowledged durable, then read until placement promotes it, is 
 durable and still comes back after the store is closed and opened again over the same files
 (the top tier's copy is gone then, as a restart or a crash leaves it). A delete after the
 promotion takes the durable copy too (nothing comes back), a demotion back switches to the copy
-without writing the frame again, and placement counts the copy's bytes where they lie.
+without writing the frame again, placement counts the copy's bytes where they lie, and a promoted
+frame found gone or damaged falls back to its durable copy.
 """
 
 from __future__ import annotations
@@ -87,3 +88,24 @@ def test_a_demotion_back_switches_to_the_kept_copy_without_writing(tmp_path):
         assert store.placement.usage() == {"hot": 0, "nvme": usage["nvme"]}  # charged once, as the entry's
         got, n = store.get_kv(SPEC, TOKENS)
         assert n == len(TOKENS) and torch.equal(got, kv)
+
+
+def test_a_promoted_block_whose_frame_is_lost_or_damaged_falls_back_to_its_durable_copy(tmp_path):
+    kv = make_kv(SPEC, len(TOKENS), seed=4)
+    with open_store(tmp_path) as store:
+        put_durable_then_promote(store, kv)
+        keys, hot = block_hashes(SPEC, TOKENS), store.tiers[0]
+        hot.delete(keys[1])  # gone from the top tier under the index
+        damaged = bytearray(hot.get(keys[2]))
+        damaged[-1] ^= 0xFF  # a payload byte: the body checksum fails
+        hot.put(keys[2], bytes(damaged))
+        first, n = store.get_kv(SPEC, TOKENS)
+        assert torch.equal(first, kv[:, :, :, :n])  # a bit-exact prefix while it finds the damage
+        got, n = store.get_kv(SPEC, TOKENS)
+        assert n == len(TOKENS) and torch.equal(got, kv)  # served from the durable copies
+        assert [store.entry(k).tier for k in keys] == ["hot", "nvme", "nvme", "hot"]
+        assert store.durable_tokens(SPEC, TOKENS) == len(TOKENS)
+        counters = store.stats().counters
+        assert (counters.stale_blocks, counters.corrupt_blocks) == (1, 1)
+        sizes = {k: store.entry(k).size for k in keys}
+        assert store.placement.usage() == {"hot": sizes[keys[0]] + sizes[keys[3]], "nvme": sum(sizes.values())}
