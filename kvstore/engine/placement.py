@@ -185,23 +185,18 @@ class PlacementManager:
         """``tier`` keeps a ``size``-byte durable copy of ``key``, promoted out of it: counted there
         as used (``IndexEntry.kept``), though no entry lives there, until ``unkeep``."""
         with self._lock:
-            self._unkeep(key)
+            _unkeep(self._kept, self._used, key)
             self._kept[key] = (pos := self._pos[tier], size)
             self._used[pos] += size
 
     def unkeep(self, key: bytes) -> None:
-        """``key``'s durable copy is gone, or is its entry's frame again."""
-        with self._lock:
-            self._unkeep(key)
-
-    def _unkeep(self, key: bytes) -> None:
-        pos, size = self._kept.pop(key, (0, 0))
-        self._used[pos] -= size
+        with self._lock:  # the copy is gone, or is its entry's frame again
+            _unkeep(self._kept, self._used, key)
 
     def removed(self, key: bytes) -> None:
         """``key`` is gone (deleted, overwritten elsewhere, found missing)."""
         with self._lock:
-            self._unkeep(key)
+            _unkeep(self._kept, self._used, key)
             r = self._res.pop(key, None)
             if r is not None:
                 self._leave(key, r)
@@ -597,3 +592,9 @@ class PlacementManager:
     def counters(self) -> dict[str, int]:
         with self._lock:
             return {**self._moved, "bytes_moved": self._moved_bytes, "entries": len(self._res)}
+
+
+def _unkeep(kept: dict[bytes, tuple[int, int]], used: list[int], key: bytes) -> None:
+    """Forget ``key``'s durable copy, its bytes no longer counted (the manager's lock held)."""
+    pos, size = kept.pop(key, (0, 0))
+    used[pos] -= size
