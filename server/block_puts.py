@@ -115,8 +115,10 @@ async def _receive_into_slots(body: BodyStream, svc: Service, res: Any, spec: KV
     top, shape, nbytes = svc.store.tiers[0], spec.kv_shape(spec.block_tokens), spec.block_nbytes
     reserved = {b.depth: b for b in res.blocks}
     batch: list[tuple[memoryview, bytes]] = []
+    label = memoryview(bytearray(BLOCK_LABEL_BYTES))  # one for the put: each block's is read into it
     for depth in range(n_blocks):
-        check_block_label(await body.read(BLOCK_LABEL_BYTES), depth, res.keys[depth], nbytes)
+        await body.read_into(label)
+        check_block_label(label, depth, res.keys[depth], nbytes)
         b = reserved.get(depth)
         if b is None:  # stored already
             await body.skip(nbytes)
